@@ -1,0 +1,80 @@
+// The Python module of the extension (specdec_ext._C, or specdec_ext._sim with SPECDEC_SIM). Importing it
+// runs the TORCH_LIBRARY registrations; build_info() says what was compiled in.
+#include <Python.h>
+
+#include "specdec/library.h"
+#if defined(SPECDEC_WITH_CUDA) && !defined(SPECDEC_SIM)
+#include <cuda_runtime_api.h>
+#endif
+
+#ifndef SPECDEC_VERSION
+#define SPECDEC_VERSION "0+unknown"
+#endif
+#ifndef SPECDEC_CUDA_ARCHS
+#define SPECDEC_CUDA_ARCHS ""
+#endif
+
+namespace {
+
+PyObject* build_info(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  auto set = [d](const char* key, PyObject* value) {
+    PyDict_SetItemString(d, key, value);
+    Py_DECREF(value);
+  };
+  set("version", PyUnicode_FromString(SPECDEC_VERSION));
+  set("namespace", PyUnicode_FromString(SPECDEC_LIB_NAME));
+#if defined(SPECDEC_WITH_CUDA) && !defined(SPECDEC_SIM)
+  set("cuda", Py_NewRef(Py_True));
+  set("cuda_archs", PyUnicode_FromString(SPECDEC_CUDA_ARCHS));
+  set("cuda_runtime_compiled", PyLong_FromLong(CUDART_VERSION));
+#else
+  set("cuda", Py_NewRef(Py_False));
+  set("cuda_archs", PyUnicode_FromString(""));
+#endif
+  set("compiler", PyUnicode_FromString(__VERSION__));
+  PyObject* features = PyList_New(0);
+  [[maybe_unused]] auto feature = [features](const char* name) {
+    PyObject* s = PyUnicode_FromString(name);
+    PyList_Append(features, s);
+    Py_DECREF(s);
+  };
+#if defined(__AVX512F__)
+  feature("avx512f");
+#endif
+#if defined(__AVX2__)
+  feature("avx2");
+#endif
+#if defined(__FMA__)
+  feature("fma");
+#endif
+#if defined(__ARM_NEON)
+  feature("neon");
+#endif
+  set("cpu_features_compiled", features);
+#if defined(__SANITIZE_ADDRESS__)
+  set("address_sanitizer", Py_NewRef(Py_True));
+#else
+  set("address_sanitizer", Py_NewRef(Py_False));
+#endif
+  return d;
+}
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS, "What this build of the extension contains."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+#if defined(SPECDEC_SIM)
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_sim", "specdec emulated CUDA kernels", -1, methods};
+#else
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "specdec kernels", -1, methods};
+#endif
+
+}  // namespace
+
+#if defined(SPECDEC_SIM)
+PyMODINIT_FUNC PyInit__sim() { return PyModule_Create(&module_def); }
+#else
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module_def); }
+#endif

@@ -1,0 +1,40 @@
+// What every CUDA launcher needs, for both of its builds: nvcc (torch.ops.specdec, CUDA tensors) and
+// host C++ under the emulator (torch.ops.specdec_sim, CPU tensors). Launchers are written once against
+// these names.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "specdec/launch.h"
+#include "specdec/library.h"
+
+#if defined(SPECDEC_SIM)
+#define SPECDEC_LAUNCHER_KEY CPU
+namespace specdec {
+inline constexpr c10::DeviceType kLauncherDevice = c10::DeviceType::CPU;
+struct LauncherGuard {
+  explicit LauncherGuard(const at::Tensor&) {}
+};
+inline Stream current_stream(const at::Tensor&) { return {}; }
+}  // namespace specdec
+#else
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#define SPECDEC_LAUNCHER_KEY CUDA
+namespace specdec {
+inline constexpr c10::DeviceType kLauncherDevice = c10::DeviceType::CUDA;
+struct LauncherGuard {
+  c10::cuda::CUDAGuard guard;
+  explicit LauncherGuard(const at::Tensor& t) : guard(t.device()) {}
+};
+inline Stream current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+}  // namespace specdec
+#endif
+
+namespace specdec {
+// Grid size for grid-stride kernels: enough blocks to fill any current GPU, never more than the work.
+inline unsigned grid_stride_blocks(int64_t work_items, int threads_per_block) {
+  const int64_t needed = (work_items + threads_per_block - 1) / threads_per_block;
+  return static_cast<unsigned>(needed < 132 * 16 ? (needed > 0 ? needed : 1) : 132 * 16);
+}
+}  // namespace specdec

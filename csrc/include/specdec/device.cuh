@@ -1,0 +1,372 @@
+// The one place where kernels meet CUDA. Every CUDA feature a kernel in csrc/kernels uses goes through
+// this header, and each primitive here has an emulated twin (csrc/sim) selected by SPECDEC_SIM, so the
+// same kernel source runs on a GPU and under the emulator.
+//
+// Primitives (twinned): built-in variables, sync_threads/sync_warp, shuffles, votes, atomics, shared
+// memory declarations, 16-byte vector loads/stores, half/bfloat16 conversions.
+// Compound helpers (warp/block reductions and scans) are written once, on top of the primitives.
+#pragma once
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "philox.h"
+
+#if defined(SPECDEC_SIM)
+// ---------------------------------------------------------------------------------------------------
+// Emulated CUDA: host C++ with fibers.
+#include <cstring>
+#include <source_location>
+
+#include "../../sim/sim.h"
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define threadIdx (::specdec::sim::thread_idx())
+#define blockIdx (::specdec::sim::block_idx())
+#define blockDim (::specdec::sim::block_dim())
+#define gridDim (::specdec::sim::grid_dim())
+#define SPECDEC_DEVICE inline
+
+// __shared__ T name[count]: one array per block, shared by its threads.
+#define SPECDEC_SHARED(T, name, count)                                                           \
+  static const char name##_specdec_site = 0;                                                     \
+  T* name = static_cast<T*>(::specdec::sim::static_shared(&name##_specdec_site, sizeof(T) * (count), alignof(T)))
+// extern __shared__: the dynamic shared memory given at launch, 16-byte aligned.
+#define SPECDEC_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::specdec::sim::dynamic_shared())
+
+#else
+// ---------------------------------------------------------------------------------------------------
+// CUDA.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#define SPECDEC_DEVICE __device__ __forceinline__
+#define SPECDEC_SHARED(T, name, count)  \
+  __shared__ T name##_specdec_storage[count]; \
+  T* name = name##_specdec_storage
+#define SPECDEC_DYNAMIC_SHARED(T, name)                          \
+  extern __shared__ __align__(16) unsigned char specdec_dynamic_smem[]; \
+  T* name = reinterpret_cast<T*>(specdec_dynamic_smem)
+#endif
+
+namespace specdec {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ----- barriers ------------------------------------------------------------------------------------
+#if defined(SPECDEC_SIM)
+inline void sync_threads(std::source_location loc = std::source_location::current()) {
+  sim::sync_block(loc.file_name(), loc.line());
+}
+inline void sync_warp(unsigned mask = kFullMask, std::source_location loc = std::source_location::current()) {
+  sim::warp_collective(sim::WarpOp::kSync, mask, 0, 0, kWarpSize, loc.file_name(), loc.line());
+}
+#else
+SPECDEC_DEVICE void sync_threads() { __syncthreads(); }
+SPECDEC_DEVICE void sync_warp(unsigned mask = kFullMask) { __syncwarp(mask); }
+#endif
+
+// Kernels using the helpers below run 1-D blocks, so the lane is threadIdx.x % 32.
+SPECDEC_DEVICE unsigned lane_id() { return threadIdx.x % kWarpSize; }
+
+// ----- shuffles and votes (32- and 64-bit trivially copyable values) -------------------------------
+#if defined(SPECDEC_SIM)
+namespace detail {
+template <typename T>
+uint64_t to_payload(T v) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffled values are at most 64 bits");
+  uint64_t p = 0;
+  std::memcpy(&p, &v, sizeof(T));
+  return p;
+}
+template <typename T>
+T from_payload(uint64_t p) {
+  T v;
+  std::memcpy(&v, &p, sizeof(T));
+  return v;
+}
+}  // namespace detail
+template <typename T>
+T shfl(unsigned mask, T v, int src_lane, int width = kWarpSize, std::source_location loc = std::source_location::current()) {
+  return detail::from_payload<T>(sim::warp_collective(sim::WarpOp::kShflIdx, mask, detail::to_payload(v), src_lane, width, loc.file_name(), loc.line()));
+}
+template <typename T>
+T shfl_up(unsigned mask, T v, unsigned delta, int width = kWarpSize, std::source_location loc = std::source_location::current()) {
+  return detail::from_payload<T>(sim::warp_collective(sim::WarpOp::kShflUp, mask, detail::to_payload(v), static_cast<int>(delta), width, loc.file_name(), loc.line()));
+}
+template <typename T>
+T shfl_down(unsigned mask, T v, unsigned delta, int width = kWarpSize, std::source_location loc = std::source_location::current()) {
+  return detail::from_payload<T>(sim::warp_collective(sim::WarpOp::kShflDown, mask, detail::to_payload(v), static_cast<int>(delta), width, loc.file_name(), loc.line()));
+}
+template <typename T>
+T shfl_xor(unsigned mask, T v, int lane_mask, int width = kWarpSize, std::source_location loc = std::source_location::current()) {
+  return detail::from_payload<T>(sim::warp_collective(sim::WarpOp::kShflXor, mask, detail::to_payload(v), lane_mask, width, loc.file_name(), loc.line()));
+}
+inline unsigned ballot(unsigned mask, bool pred, std::source_location loc = std::source_location::current()) {
+  return static_cast<unsigned>(sim::warp_collective(sim::WarpOp::kBallot, mask, pred, 0, kWarpSize, loc.file_name(), loc.line()));
+}
+inline bool any(unsigned mask, bool pred, std::source_location loc = std::source_location::current()) {
+  return sim::warp_collective(sim::WarpOp::kAny, mask, pred, 0, kWarpSize, loc.file_name(), loc.line()) != 0;
+}
+inline bool all(unsigned mask, bool pred, std::source_location loc = std::source_location::current()) {
+  return sim::warp_collective(sim::WarpOp::kAll, mask, pred, 0, kWarpSize, loc.file_name(), loc.line()) != 0;
+}
+#else
+template <typename T>
+SPECDEC_DEVICE T shfl(unsigned mask, T v, int src_lane, int width = kWarpSize) { return __shfl_sync(mask, v, src_lane, width); }
+template <typename T>
+SPECDEC_DEVICE T shfl_up(unsigned mask, T v, unsigned delta, int width = kWarpSize) { return __shfl_up_sync(mask, v, delta, width); }
+template <typename T>
+SPECDEC_DEVICE T shfl_down(unsigned mask, T v, unsigned delta, int width = kWarpSize) { return __shfl_down_sync(mask, v, delta, width); }
+template <typename T>
+SPECDEC_DEVICE T shfl_xor(unsigned mask, T v, int lane_mask, int width = kWarpSize) { return __shfl_xor_sync(mask, v, lane_mask, width); }
+SPECDEC_DEVICE unsigned ballot(unsigned mask, bool pred) { return __ballot_sync(mask, pred); }
+SPECDEC_DEVICE bool any(unsigned mask, bool pred) { return __any_sync(mask, pred) != 0; }
+SPECDEC_DEVICE bool all(unsigned mask, bool pred) { return __all_sync(mask, pred) != 0; }
+#endif
+
+// ----- atomics (int, unsigned, float); return the old value ----------------------------------------
+// Under the emulator, fibers switch only at barriers and collectives, so a plain read-modify-write is
+// atomic.
+#if defined(SPECDEC_SIM)
+template <typename T> T atomic_add(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <typename T> T atomic_min(T* p, T v) { T old = *p; *p = v < old ? v : old; return old; }
+template <typename T> T atomic_max(T* p, T v) { T old = *p; *p = v > old ? v : old; return old; }
+template <typename T> T atomic_exch(T* p, T v) { T old = *p; *p = v; return old; }
+template <typename T> T atomic_cas(T* p, T compare, T v) { T old = *p; if (old == compare) *p = v; return old; }
+#else
+template <typename T> SPECDEC_DEVICE T atomic_add(T* p, T v) { return atomicAdd(p, v); }
+template <typename T> SPECDEC_DEVICE T atomic_min(T* p, T v) { return atomicMin(p, v); }
+template <typename T> SPECDEC_DEVICE T atomic_max(T* p, T v) { return atomicMax(p, v); }
+template <typename T> SPECDEC_DEVICE T atomic_exch(T* p, T v) { return atomicExch(p, v); }
+template <typename T> SPECDEC_DEVICE T atomic_cas(T* p, T compare, T v) { return atomicCAS(p, compare, v); }
+// CUDA has no float atomicMin/Max: a CAS loop on the bit pattern.
+template <> SPECDEC_DEVICE float atomic_min<float>(float* p, float v) {
+  int* ip = reinterpret_cast<int*>(p);
+  int old = *ip;
+  while (v < __int_as_float(old)) {
+    const int seen = atomicCAS(ip, old, __float_as_int(v));
+    if (seen == old) break;
+    old = seen;
+  }
+  return __int_as_float(old);
+}
+template <> SPECDEC_DEVICE float atomic_max<float>(float* p, float v) {
+  int* ip = reinterpret_cast<int*>(p);
+  int old = *ip;
+  while (v > __int_as_float(old)) {
+    const int seen = atomicCAS(ip, old, __float_as_int(v));
+    if (seen == old) break;
+    old = seen;
+  }
+  return __int_as_float(old);
+}
+template <> SPECDEC_DEVICE float atomic_cas<float>(float* p, float compare, float v) {
+  return __int_as_float(atomicCAS(reinterpret_cast<int*>(p), __float_as_int(compare), __float_as_int(v)));
+}
+#endif
+
+// ----- 16-bit floating point -----------------------------------------------------------------------
+#if defined(SPECDEC_SIM)
+struct half_t { uint16_t bits; };
+struct bf16_t { uint16_t bits; };
+
+inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16_t v) { return bits_float(uint32_t{v.bits} << 16); }
+inline float to_float(half_t v) {
+  const uint32_t sign = uint32_t{v.bits & 0x8000u} << 16;
+  uint32_t exp = (v.bits >> 10) & 0x1f, mant = v.bits & 0x3ff;
+  if (exp == 0) {
+    if (mant == 0) return bits_float(sign);
+    exp = 1;  // subnormal: normalise
+    while (!(mant & 0x400)) { mant <<= 1; --exp; }
+    mant &= 0x3ff;
+    return bits_float(sign | ((exp + 112) << 23) | (mant << 13));
+  }
+  if (exp == 31) return bits_float(sign | 0x7f800000u | (mant << 13));
+  return bits_float(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+// Round to nearest even, as __float2half_rn / __float2bfloat16_rn.
+template <typename T> T from_float(float f);
+template <> inline float from_float<float>(float f) { return f; }
+template <> inline bf16_t from_float<bf16_t>(float f) {
+  const uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<uint16_t>((x >> 16) | 0x40)};  // quiet NaN
+  return bf16_t{static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
+}
+template <> inline half_t from_float<half_t>(float f) {
+  uint32_t x = float_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return half_t{static_cast<uint16_t>(sign | 0x7e00u)};
+  if (x >= 0x477ff000u) return half_t{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520 rounds to inf
+  if (x < 0x38800000u) {                                                       // below 2^-14: subnormal
+    if (x <= 0x33000000u) return half_t{sign};                                  // <= 2^-25 rounds to 0
+    const uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (r & 1u))) ++r;
+    return half_t{static_cast<uint16_t>(sign | r)};
+  }
+  uint32_t r = (x - 0x38000000u) >> 13;
+  const uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;
+  return half_t{static_cast<uint16_t>(sign | r)};
+}
+#else
+using half_t = __half;
+using bf16_t = __nv_bfloat16;
+SPECDEC_DEVICE float to_float(float v) { return v; }
+SPECDEC_DEVICE float to_float(half_t v) { return __half2float(v); }
+SPECDEC_DEVICE float to_float(bf16_t v) { return __bfloat162float(v); }
+template <typename T> SPECDEC_DEVICE T from_float(float f);
+template <> SPECDEC_DEVICE float from_float<float>(float f) { return f; }
+template <> SPECDEC_DEVICE half_t from_float<half_t>(float f) { return __float2half_rn(f); }
+template <> SPECDEC_DEVICE bf16_t from_float<bf16_t>(float f) { return __float2bfloat16_rn(f); }
+#endif
+
+// ----- 16-byte vector memory access ----------------------------------------------------------------
+template <typename T>
+struct alignas(16) Vec16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// `p` must be 16-byte aligned (a misaligned vector access faults on the GPU; the emulator reports it).
+#if defined(SPECDEC_SIM)
+template <typename T>
+Vec16<T> load_vec16(const T* p, std::source_location loc = std::source_location::current()) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    sim::fail("misaligned 16-byte load", loc.file_name(), loc.line());
+  }
+  Vec16<T> r;
+  std::memcpy(&r, p, 16);
+  return r;
+}
+template <typename T>
+void store_vec16(T* p, const Vec16<T>& v, std::source_location loc = std::source_location::current()) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+    sim::fail("misaligned 16-byte store", loc.file_name(), loc.line());
+  }
+  std::memcpy(p, &v, 16);
+}
+#else
+template <typename T>
+SPECDEC_DEVICE Vec16<T> load_vec16(const T* p) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  Vec16<T> r;
+  static_assert(sizeof(r) == sizeof(raw));
+  memcpy(&r, &raw, 16);
+  return r;
+}
+template <typename T>
+SPECDEC_DEVICE void store_vec16(T* p, const Vec16<T>& v) {
+  uint4 raw;
+  memcpy(&raw, &v, 16);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+#endif
+
+// ----- compound helpers: one source for both backends ----------------------------------------------
+struct Sum {
+  template <typename T> SPECDEC_DEVICE T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  template <typename T> SPECDEC_DEVICE T operator()(T a, T b) const { return a > b ? a : b; }
+};
+struct Min {
+  template <typename T> SPECDEC_DEVICE T operator()(T a, T b) const { return a < b ? a : b; }
+};
+
+// All 32 lanes of the warp must call it; every lane gets the result. The combination order is fixed
+// (butterfly), so the result is the same bit for bit on every backend.
+template <typename T, typename Op>
+SPECDEC_DEVICE T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = op(v, shfl_xor(kFullMask, v, offset));
+  return v;
+}
+
+// Inclusive scan over the warp's lanes (Hillis-Steele). All 32 lanes must call it.
+template <typename T, typename Op>
+SPECDEC_DEVICE T warp_inclusive_scan(T v, Op op) {
+  const unsigned lane = lane_id();
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const T other = shfl_up(kFullMask, v, offset);
+    if (lane >= static_cast<unsigned>(offset)) v = op(other, v);
+  }
+  return v;
+}
+
+// Block-wide reduction for a 1-D block of kBlock threads (a multiple of 32). `scratch` holds kBlock/32
+// elements of shared memory. Every thread gets the result; scratch may be reused after the call.
+template <int kBlock, typename T, typename Op>
+SPECDEC_DEVICE T block_reduce(T v, Op op, T* scratch) {
+  static_assert(kBlock % kWarpSize == 0 && kBlock <= 1024, "block size must be a multiple of 32");
+  constexpr int kWarps = kBlock / kWarpSize;
+  v = warp_reduce(v, op);
+  if constexpr (kWarps == 1) {
+    return v;
+  } else {
+    const unsigned warp = threadIdx.x / kWarpSize;
+    if (lane_id() == 0) scratch[warp] = v;
+    sync_threads();
+    T r = scratch[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) r = op(r, scratch[w]);  // same order in every thread
+    sync_threads();
+    return r;
+  }
+}
+
+// Block-wide inclusive scan for a 1-D block of kBlock threads (a multiple of 32). `scratch` holds
+// kBlock/32 elements of shared memory; `total`, if given, receives the sum over the block.
+template <int kBlock, typename T, typename Op>
+SPECDEC_DEVICE T block_inclusive_scan(T v, Op op, T* scratch, T* total = nullptr) {
+  static_assert(kBlock % kWarpSize == 0 && kBlock <= 1024, "block size must be a multiple of 32");
+  constexpr int kWarps = kBlock / kWarpSize;
+  v = warp_inclusive_scan(v, op);
+  const unsigned warp = threadIdx.x / kWarpSize;
+  if (lane_id() == kWarpSize - 1) scratch[warp] = v;
+  sync_threads();
+  T prefix{};
+  bool has_prefix = false;
+  for (unsigned w = 0; w < warp; ++w) {
+    prefix = has_prefix ? op(prefix, scratch[w]) : scratch[w];
+    has_prefix = true;
+  }
+  if (total != nullptr) {
+    T t = scratch[0];
+    for (int w = 1; w < kWarps; ++w) t = op(t, scratch[w]);
+    *total = t;
+  }
+  sync_threads();
+  return has_prefix ? op(prefix, v) : v;
+}
+
+// Exclusive scan: the first thread gets `identity`.
+template <int kBlock, typename T, typename Op>
+SPECDEC_DEVICE T block_exclusive_scan(T v, Op op, T identity, T* scratch, T* total = nullptr) {
+  const T inclusive = block_inclusive_scan<kBlock>(v, op, scratch, total);
+  const T up = shfl_up(kFullMask, inclusive, 1);
+  const unsigned warp = threadIdx.x / kWarpSize;
+  // Lane 0 of each warp needs the inclusive value of the previous warp's last lane.
+  SPECDEC_SHARED(T, warp_last, kBlock / kWarpSize);
+  if (lane_id() == kWarpSize - 1) warp_last[warp] = inclusive;
+  sync_threads();
+  T r = lane_id() != 0 ? up : (warp == 0 ? identity : warp_last[warp - 1]);
+  sync_threads();
+  return r;
+}
+
+}  // namespace specdec

@@ -1,0 +1,512 @@
+#include "sim.h"
+
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define SPECDEC_SIM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SPECDEC_SIM_ASAN 1
+#endif
+#endif
+
+#ifdef SPECDEC_SIM_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace specdec::sim {
+namespace {
+
+constexpr int kWarpSize = 32;
+#ifdef SPECDEC_SIM_ASAN
+constexpr size_t kStackBytes = 512 * 1024;  // instrumented frames are several times larger
+#else
+constexpr size_t kStackBytes = 256 * 1024;
+#endif
+
+enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtWarp, kDone, kFailed };
+
+struct FiberStack {
+  char* base = nullptr;  // guard page first, then kStackBytes of stack
+  FiberStack() {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    void* p = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw SimError("specdec sim: cannot map a fiber stack");
+    mprotect(p, page, PROT_NONE);  // a stack overflow faults instead of corrupting a neighbour
+    base = static_cast<char*>(p) + page;
+  }
+  ~FiberStack() {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    munmap(base - page, kStackBytes + page);
+  }
+  FiberStack(const FiberStack&) = delete;
+  FiberStack& operator=(const FiberStack&) = delete;
+};
+
+struct Fiber {
+  ucontext_t ctx;
+  FiberState state = FiberState::kRunnable;
+  uint3 tid{};
+  unsigned linear = 0;
+  // The pending warp collective (valid in kAtWarp).
+  WarpOp op = WarpOp::kSync;
+  unsigned mask = 0;
+  uint64_t value = 0;
+  int arg = 0;
+  int width = 0;
+  uint64_t result = 0;
+  const char* file = "";
+  unsigned line = 0;
+  void* asan_fake_stack = nullptr;
+};
+
+struct SharedAlloc {
+  void* ptr;
+  size_t bytes;
+};
+
+struct Launch {
+  const char* name = "";
+  dim3 grid, block;
+  uint3 block_id{};
+  const std::function<void()>* body = nullptr;
+  unsigned nthreads = 0;
+  std::vector<Fiber> fibers;
+  Fiber* current = nullptr;
+  ucontext_t scheduler;
+  const void* scheduler_stack_bottom = nullptr;
+  size_t scheduler_stack_size = 0;
+  std::unordered_map<const void*, SharedAlloc> static_shared;
+  size_t static_shared_bytes = 0;
+  size_t dynamic_shared_bytes = 0;
+  void* dynamic_shared = nullptr;
+  bool failed = false;
+  std::string error;
+  LaunchStats stats;
+};
+
+thread_local Launch* tls_launch = nullptr;
+thread_local LaunchStats tls_last_stats;
+thread_local std::vector<std::unique_ptr<FiberStack>> tls_stacks;  // reused across launches
+
+Launch& active(const char* what) {
+  if (tls_launch == nullptr || tls_launch->current == nullptr) {
+    throw SimError(std::string("specdec sim: ") + what + " called outside a kernel launch");
+  }
+  return *tls_launch;
+}
+
+// --- context switches, annotated for AddressSanitizer (it must know which stack is live) ----------
+
+void switch_to_fiber(Launch& L, Fiber& f) {
+  L.current = &f;
+  ++L.stats.switches;
+#ifdef SPECDEC_SIM_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, tls_stacks[f.linear]->base, kStackBytes);
+  swapcontext(&L.scheduler, &f.ctx);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  swapcontext(&L.scheduler, &f.ctx);
+#endif
+  L.current = nullptr;
+}
+
+// Called on the fiber's stack. `exiting` fibers are never resumed.
+void switch_to_scheduler(Launch& L, Fiber& f, bool exiting) {
+#ifdef SPECDEC_SIM_ASAN
+  __sanitizer_start_switch_fiber(exiting ? nullptr : &f.asan_fake_stack, L.scheduler_stack_bottom,
+                                 L.scheduler_stack_size);
+  swapcontext(&f.ctx, &L.scheduler);
+  __sanitizer_finish_switch_fiber(f.asan_fake_stack, nullptr, nullptr);
+#else
+  (void)exiting;
+  swapcontext(&f.ctx, &L.scheduler);
+#endif
+}
+
+void fiber_entry() {
+  Launch& L = *tls_launch;
+  Fiber& f = *L.current;
+#ifdef SPECDEC_SIM_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &L.scheduler_stack_bottom, &L.scheduler_stack_size);
+#endif
+  (*L.body)();
+  f.state = FiberState::kDone;
+  switch_to_scheduler(L, f, /*exiting=*/true);
+  std::abort();  // a finished fiber is never resumed
+}
+
+std::string where(const Launch& L) {
+  std::ostringstream s;
+  s << "kernel " << L.name << ", block (" << L.block_id.x << "," << L.block_id.y << "," << L.block_id.z << ")";
+  return s.str();
+}
+
+std::string thread_name(const Fiber& f) {
+  std::ostringstream s;
+  s << "thread (" << f.tid.x << "," << f.tid.y << "," << f.tid.z << ")";
+  return s.str();
+}
+
+// Records the launch's first error. Callers build messages in a scope that ends before abandon():
+// an abandoned fiber's stack is never unwound, so anything it owns would leak.
+void record_failure(Launch& L, const std::string& message) {
+  if (!L.failed) {
+    L.failed = true;
+    L.error = "specdec sim: " + where(L) + ", " + thread_name(*L.current) + ": " + message;
+  }
+}
+
+[[noreturn]] void abandon(Launch& L) {
+  Fiber& f = *L.current;
+  f.state = FiberState::kFailed;
+  switch_to_scheduler(L, f, /*exiting=*/true);
+  std::abort();
+}
+
+void yield(Launch& L, Fiber& f) { switch_to_scheduler(L, f, /*exiting=*/false); }
+
+const char* op_name(WarpOp op) {
+  switch (op) {
+    case WarpOp::kSync: return "__syncwarp";
+    case WarpOp::kShflIdx: return "__shfl_sync";
+    case WarpOp::kShflUp: return "__shfl_up_sync";
+    case WarpOp::kShflDown: return "__shfl_down_sync";
+    case WarpOp::kShflXor: return "__shfl_xor_sync";
+    case WarpOp::kBallot: return "__ballot_sync";
+    case WarpOp::kAny: return "__any_sync";
+    case WarpOp::kAll: return "__all_sync";
+  }
+  return "?";
+}
+
+// Lane that lane `lane` reads in a shuffle, or `lane` itself where CUDA returns the caller's own value.
+int shuffle_source(const Fiber& f, int lane) {
+  const int w = f.width;
+  const int segment = lane / w * w;
+  switch (f.op) {
+    case WarpOp::kShflIdx: return segment + (((f.arg % w) + w) % w);
+    case WarpOp::kShflUp: return (lane - segment) >= f.arg ? lane - f.arg : lane;
+    case WarpOp::kShflDown: return (lane - segment) + f.arg < w ? lane + f.arg : lane;
+    case WarpOp::kShflXor: {
+      const int src = lane ^ f.arg;
+      return src >= segment + w || src >= kWarpSize ? lane : src;  // later groups: own value
+    }
+    default: return lane;
+  }
+}
+
+// Completes every warp collective whose lanes have all arrived. Returns whether any completed.
+bool release_warp_collectives(Launch& L) {
+  bool released = false;
+  const unsigned nwarps = (L.nthreads + kWarpSize - 1) / kWarpSize;
+  for (unsigned w = 0; w < nwarps; ++w) {
+    const unsigned first = w * kWarpSize;
+    const unsigned lanes = std::min<unsigned>(kWarpSize, L.nthreads - first);
+    for (unsigned l = 0; l < lanes; ++l) {
+      Fiber& leader = L.fibers[first + l];
+      if (leader.state != FiberState::kAtWarp) continue;
+      const unsigned mask = leader.mask;
+      bool ready = true;
+      for (unsigned j = 0; j < kWarpSize && ready; ++j) {
+        if (!(mask >> j & 1u)) continue;
+        if (j >= lanes) {
+          L.failed = true;
+          L.error = "specdec sim: " + where(L) + ": " + op_name(leader.op) + " at " + leader.file + ":" +
+                    std::to_string(leader.line) + " has mask 0x" + [&] {
+                      std::ostringstream s;
+                      s << std::hex << mask;
+                      return s.str();
+                    }() + " naming lane " + std::to_string(j) + " of warp " + std::to_string(w) +
+                    ", which does not exist in a block of " + std::to_string(L.nthreads) + " threads";
+          return false;
+        }
+        const Fiber& g = L.fibers[first + j];
+        if (g.state == FiberState::kDone) {
+          L.failed = true;
+          L.error = "specdec sim: " + where(L) + ": " + op_name(leader.op) + " at " + leader.file + ":" +
+                    std::to_string(leader.line) + " waits for lane " + std::to_string(j) + " of warp " +
+                    std::to_string(w) + ", which has exited";
+          return false;
+        }
+        if (g.state != FiberState::kAtWarp) {
+          ready = false;
+        } else if (g.op != leader.op || g.mask != mask || g.width != leader.width) {
+          std::ostringstream s;
+          s << "specdec sim: " << where(L) << ": warp collective mismatch in warp " << w << ": lane " << l
+            << " calls " << op_name(leader.op) << "(mask 0x" << std::hex << mask << std::dec << ") at "
+            << leader.file << ":" << leader.line << ", lane " << j << " calls " << op_name(g.op)
+            << "(mask 0x" << std::hex << g.mask << std::dec << ") at " << g.file << ":" << g.line;
+          L.failed = true;
+          L.error = s.str();
+          return false;
+        }
+      }
+      if (!ready) continue;
+      // Every lane of `mask` has arrived with the same op: compute each lane's result.
+      uint32_t votes = 0;
+      for (unsigned j = 0; j < kWarpSize; ++j) {
+        if ((mask >> j & 1u) && L.fibers[first + j].value != 0) votes |= 1u << j;
+      }
+      for (unsigned j = 0; j < kWarpSize; ++j) {
+        if (!(mask >> j & 1u)) continue;
+        Fiber& g = L.fibers[first + j];
+        switch (g.op) {
+          case WarpOp::kSync: g.result = 0; break;
+          case WarpOp::kBallot: g.result = votes; break;
+          case WarpOp::kAny: g.result = votes != 0; break;
+          case WarpOp::kAll: g.result = votes == mask; break;
+          default: {
+            const int src = shuffle_source(g, static_cast<int>(j));
+            if (!(mask >> src & 1u)) {
+              L.failed = true;
+              L.error = "specdec sim: " + where(L) + ": " + op_name(g.op) + " at " + g.file + ":" +
+                        std::to_string(g.line) + ": lane " + std::to_string(j) + " reads lane " +
+                        std::to_string(src) + ", which is not in the mask";
+              return false;
+            }
+            g.result = L.fibers[first + src].value;
+          }
+        }
+        g.state = FiberState::kRunnable;
+      }
+      released = true;
+    }
+  }
+  return released;
+}
+
+std::string describe_states(const Launch& L) {
+  std::ostringstream s;
+  unsigned at_barrier = 0, at_warp = 0, done = 0;
+  const Fiber* barrier_example = nullptr;
+  const Fiber* warp_example = nullptr;
+  const Fiber* done_example = nullptr;
+  for (const Fiber& f : L.fibers) {
+    if (f.state == FiberState::kAtBarrier) {
+      ++at_barrier;
+      if (!barrier_example) barrier_example = &f;
+    } else if (f.state == FiberState::kAtWarp) {
+      ++at_warp;
+      if (!warp_example) warp_example = &f;
+    } else if (f.state == FiberState::kDone) {
+      ++done;
+      if (!done_example) done_example = &f;
+    }
+  }
+  s << at_barrier << " of " << L.nthreads << " threads wait at __syncthreads";
+  if (barrier_example) s << " (e.g. " << thread_name(*barrier_example) << " at " << barrier_example->file << ":" << barrier_example->line << ")";
+  s << ", " << at_warp << " at a warp collective";
+  if (warp_example) s << " (e.g. " << thread_name(*warp_example) << " in " << op_name(warp_example->op) << " at " << warp_example->file << ":" << warp_example->line << ")";
+  s << ", " << done << " have exited";
+  if (done_example) s << " (e.g. " << thread_name(*done_example) << ")";
+  return s.str();
+}
+
+void free_shared(Launch& L) {
+  for (auto& [site, alloc] : L.static_shared) std::free(alloc.ptr);
+  L.static_shared.clear();
+  L.static_shared_bytes = 0;
+  std::free(L.dynamic_shared);
+  L.dynamic_shared = nullptr;
+}
+
+void run_block(Launch& L) {
+  free_shared(L);
+  if (L.dynamic_shared_bytes > 0) {
+    L.dynamic_shared = std::malloc(L.dynamic_shared_bytes);
+    std::memset(L.dynamic_shared, 0xFF, L.dynamic_shared_bytes);
+  }
+  for (unsigned i = 0; i < L.nthreads; ++i) {
+    Fiber& f = L.fibers[i];
+    f = Fiber{};
+    f.linear = i;
+    f.tid = uint3{i % L.block.x, i / L.block.x % L.block.y, i / (L.block.x * L.block.y)};
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = tls_stacks[i]->base;
+    f.ctx.uc_stack.ss_size = kStackBytes;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_entry, 0);
+  }
+  for (;;) {
+    for (Fiber& f : L.fibers) {
+      if (f.state != FiberState::kRunnable) continue;
+      switch_to_fiber(L, f);
+      if (L.failed) return;
+    }
+    unsigned done = 0, at_barrier = 0;
+    for (const Fiber& f : L.fibers) {
+      done += f.state == FiberState::kDone;
+      at_barrier += f.state == FiberState::kAtBarrier;
+    }
+    if (done == L.nthreads) return;
+    if (release_warp_collectives(L)) continue;
+    if (L.failed) return;
+    if (at_barrier + done == L.nthreads) {
+      if (done > 0) {
+        L.failed = true;
+        L.error = "specdec sim: " + where(L) + ": barrier divergence: " + describe_states(L);
+        return;
+      }
+      for (Fiber& f : L.fibers) f.state = FiberState::kRunnable;
+      continue;
+    }
+    L.failed = true;
+    L.error = "specdec sim: " + where(L) + ": deadlock: " + describe_states(L);
+    return;
+  }
+}
+
+}  // namespace
+
+const DeviceLimits& device_limits() {
+  static const DeviceLimits limits;
+  return limits;
+}
+
+void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_shared_bytes,
+            const std::function<void()>& body) {
+  const DeviceLimits& lim = device_limits();
+  auto reject = [&](const std::string& why) {
+    throw SimError(std::string("specdec sim: launch of ") + kernel_name + " rejected (invalid configuration): " + why);
+  };
+  const unsigned bd[3] = {block.x, block.y, block.z};
+  const unsigned gd[3] = {grid.x, grid.y, grid.z};
+  for (int i = 0; i < 3; ++i) {
+    if (bd[i] == 0 || bd[i] > lim.max_block_dim[i]) reject("blockDim." + std::string(1, "xyz"[i]) + " = " + std::to_string(bd[i]));
+    if (gd[i] == 0 || gd[i] > lim.max_grid_dim[i]) reject("gridDim." + std::string(1, "xyz"[i]) + " = " + std::to_string(gd[i]));
+  }
+  const uint64_t nthreads = uint64_t{block.x} * block.y * block.z;
+  if (nthreads > lim.max_threads_per_block) {
+    reject(std::to_string(nthreads) + " threads per block, the device allows " + std::to_string(lim.max_threads_per_block));
+  }
+  if (dynamic_shared_bytes > lim.max_shared_optin) {
+    reject(std::to_string(dynamic_shared_bytes) + " bytes of dynamic shared memory, the device allows " +
+           std::to_string(lim.max_shared_optin));
+  }
+  if (tls_launch != nullptr) throw SimError("specdec sim: a kernel launched another kernel (dynamic parallelism is not emulated)");
+
+  Launch L;
+  L.name = kernel_name;
+  L.grid = grid;
+  L.block = block;
+  L.body = &body;
+  L.nthreads = static_cast<unsigned>(nthreads);
+  L.dynamic_shared_bytes = dynamic_shared_bytes;
+  L.fibers.resize(L.nthreads);
+  while (tls_stacks.size() < L.nthreads) tls_stacks.push_back(std::make_unique<FiberStack>());
+
+  tls_launch = &L;
+  struct Reset {
+    Launch& L;
+    ~Reset() {
+      free_shared(L);
+      tls_last_stats = L.stats;
+      tls_launch = nullptr;
+    }
+  } reset{L};
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        L.block_id = uint3{x, y, z};
+        ++L.stats.blocks;
+        run_block(L);
+        if (L.failed) throw SimError(L.error);
+      }
+    }
+  }
+}
+
+const uint3& thread_idx() { return active("threadIdx").current->tid; }
+const uint3& block_idx() { return active("blockIdx").block_id; }
+const dim3& block_dim() { return active("blockDim").block; }
+const dim3& grid_dim() { return active("gridDim").grid; }
+
+void sync_block(const char* file, unsigned line) {
+  Launch& L = active("__syncthreads");
+  Fiber& f = *L.current;
+  f.state = FiberState::kAtBarrier;
+  f.file = file;
+  f.line = line;
+  yield(L, f);
+}
+
+uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width, const char* file,
+                         unsigned line) {
+  Launch& L = active(op_name(op));
+  Fiber& f = *L.current;
+  const unsigned lane = f.linear % kWarpSize;
+  if (!(mask >> lane & 1u)) {
+    record_failure(L, std::string(op_name(op)) + " at " + file + ":" + std::to_string(line) + " called by lane " +
+                          std::to_string(lane) + ", which is not in its mask");
+    abandon(L);
+  }
+  if (width < 1 || width > kWarpSize || (width & (width - 1)) != 0) {
+    record_failure(L, std::string(op_name(op)) + " at " + file + ":" + std::to_string(line) + ": width " +
+                          std::to_string(width) + " is not a power of two in [1, 32]");
+    abandon(L);
+  }
+  f.state = FiberState::kAtWarp;
+  f.op = op;
+  f.mask = mask;
+  f.value = value;
+  f.arg = arg;
+  f.width = width;
+  f.file = file;
+  f.line = line;
+  yield(L, f);
+  return f.result;
+}
+
+void* static_shared(const void* site, size_t bytes, size_t align) {
+  Launch& L = active("__shared__");
+  auto it = L.static_shared.find(site);
+  if (it != L.static_shared.end()) return it->second.ptr;
+  const DeviceLimits& lim = device_limits();
+  if (L.static_shared_bytes + bytes > lim.max_static_shared) {
+    record_failure(L, "static __shared__ memory of " + std::to_string(L.static_shared_bytes + bytes) +
+                          " bytes exceeds the device's " + std::to_string(lim.max_static_shared));
+    abandon(L);
+  }
+  if (L.static_shared_bytes + bytes + L.dynamic_shared_bytes > lim.max_shared_optin) {
+    record_failure(L, "static plus dynamic shared memory exceeds the device's " + std::to_string(lim.max_shared_optin) +
+                          " bytes");
+    abandon(L);
+  }
+  // A separate heap block per variable, so AddressSanitizer sees overruns between them.
+  void* p = nullptr;
+  if (posix_memalign(&p, std::max<size_t>(align, 16), std::max<size_t>(bytes, 1)) != 0) {
+    record_failure(L, "cannot allocate " + std::to_string(bytes) + " bytes of emulated shared memory");
+    abandon(L);
+  }
+  std::memset(p, 0xFF, bytes);
+  L.static_shared.emplace(site, SharedAlloc{p, bytes});
+  L.static_shared_bytes += bytes;
+  return p;
+}
+
+void* dynamic_shared() {
+  Launch& L = active("extern __shared__");
+  return L.dynamic_shared;
+}
+
+void fail(const char* message, const char* file, unsigned line) {
+  Launch& L = active("a device-side check");
+  record_failure(L, std::string(message) + " at " + file + ":" + std::to_string(line));
+  abandon(L);
+}
+
+LaunchStats last_launch_stats() { return tls_last_stats; }
+
+}  // namespace specdec::sim

@@ -1,0 +1,89 @@
+// The SIMT emulator: runs the CUDA kernels of csrc/kernels on the CPU (DESIGN.md §6).
+//
+// Execution model: each CUDA thread of a block is a fiber; a fiber runs until it reaches a block
+// barrier or a warp collective, or returns. Blocks run one after another on the calling OS thread, so
+// atomics are plain read-modify-writes. A barrier that not every live thread of the block reaches,
+// a warp collective whose mask names a lane that does not take part, and a launch the device would
+// reject all end the launch with SimError instead of hanging or silently continuing.
+//
+// Kernels never include this header directly: they use csrc/include/specdec/device.cuh, which maps
+// each helper to CUDA or to the functions below.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+// CUDA's vector types, for host builds that do not see the CUDA headers.
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+
+namespace specdec::sim {
+
+class SimError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The limits a launch is checked against: those of sm_80..sm_90 devices.
+struct DeviceLimits {
+  unsigned max_threads_per_block = 1024;
+  unsigned max_block_dim[3] = {1024, 1024, 64};
+  unsigned max_grid_dim[3] = {2147483647u, 65535u, 65535u};
+  size_t max_static_shared = 48 * 1024;
+  size_t max_shared_optin = 227 * 1024;  // sm_90; the launch helper opts in above 48 KiB
+};
+const DeviceLimits& device_limits();
+
+struct Stream {};  // launches are synchronous
+
+// Runs `body` once per thread of every block of `grid`; returns when all blocks are done.
+// Throws SimError on an invalid configuration or on an error raised inside the kernel.
+void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_shared_bytes,
+            const std::function<void()>& body);
+
+// Built-in variables of the calling fiber.
+const uint3& thread_idx();
+const uint3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+
+// __syncthreads: `file`/`line` name the call site in error messages.
+void sync_block(const char* file, unsigned line);
+
+enum class WarpOp : uint8_t { kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
+// One warp collective: every lane named in `mask` must call it with the same op, mask and width.
+// Returns the 64-bit payload the lane receives (the shuffled value, or the vote result).
+uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width, const char* file,
+                         unsigned line);
+
+// Static __shared__ storage: one allocation per call site (`site`) per block, the same pointer for
+// every thread of the block; filled with 0xFF bytes (a NaN pattern) so reads before writes show up.
+void* static_shared(const void* site, size_t bytes, size_t align);
+// extern __shared__ storage of the size given at launch.
+void* dynamic_shared();
+
+// Ends the launch with `message` at file:line (a device-side check or a misuse the emulator detected).
+// Takes no owning arguments: the calling fiber is abandoned without unwinding its stack.
+[[noreturn]] void fail(const char* message, const char* file, unsigned line);
+
+// Counters for tests: how many fiber switches and blocks the last launch on this thread ran.
+struct LaunchStats {
+  uint64_t blocks = 0;
+  uint64_t switches = 0;
+};
+LaunchStats last_launch_stats();
+
+}  // namespace specdec::sim

@@ -1,0 +1,113 @@
+"""Builds specdec_ext: the CPU kernels always, the CUDA kernels when torch has CUDA and nvcc is found, and
+the SIMT emulator's twin of the CUDA kernels (specdec_ext._sim).
+
+Environment:
+  TORCH_CUDA_ARCH_LIST   CUDA architectures (default "8.0;8.6;8.9;9.0a", the release wheel set);
+                         developers iterate with one, e.g. TORCH_CUDA_ARCH_LIST=9.0a
+  SPECDEC_CPU_ONLY=1     build without CUDA even where it is available
+  SPECDEC_SIM_ASAN=1     build the emulator extension with AddressSanitizer (run it with libasan preloaded)
+  SPECDEC_NO_SIM=1       skip the emulator extension (release wheels)
+  CUDA_HOME              the CUDA toolkit (default /usr/local/cuda when it exists)
+"""
+import os
+import re
+import shutil
+import site
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0a"
+
+# torch.utils.cpp_extension reads CUDA_HOME when imported; a wrapper nvcc on PATH must not win.
+if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "specdec_ext" / "_version.py").read_text()).group(1)
+
+
+def flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def with_cuda() -> bool:
+    if flag("SPECDEC_CPU_ONLY"):
+        return False
+    if torch.version.cuda is None:
+        print("specdec setup: torch has no CUDA; building the CPU kernels only", file=sys.stderr)
+        return False
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        print("specdec setup: nvcc not found (set CUDA_HOME); building the CPU kernels only", file=sys.stderr)
+        return False
+    return True
+
+
+def nvidia_wheel_includes() -> list[str]:
+    """Headers of the nvidia-* wheels torch depends on (cusparse.h etc. are not in every toolkit)."""
+    dirs = []
+    for sp in site.getsitepackages() + [site.getusersitepackages()]:
+        for inc in sorted(Path(sp).glob("nvidia/*/include")):
+            dirs.append(str(inc))
+    return dirs
+
+
+def rel(paths):
+    return sorted(str(p.relative_to(ROOT)) for p in paths)
+
+
+INCLUDES = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
+CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unused-function", f'-DSPECDEC_VERSION="{VERSION}"']
+
+extensions = []
+sources = ["csrc/ops.cpp", "csrc/bindings.cpp"] + rel((ROOT / "csrc" / "cpu").glob("*.cpp"))
+if with_cuda():
+    archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    defines = ["-DSPECDEC_WITH_CUDA", f'-DSPECDEC_CUDA_ARCHS="{archs}"']
+    extensions.append(
+        CUDAExtension(
+            "specdec_ext._C",
+            sources + rel((ROOT / "csrc" / "cuda").glob("*.cu")),
+            include_dirs=INCLUDES + nvidia_wheel_includes(),
+            extra_compile_args={
+                "cxx": CXX_FLAGS + defines,
+                "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr", f'-DSPECDEC_VERSION="{VERSION}"']
+                + defines,
+            },
+        )
+    )
+else:
+    extensions.append(CppExtension("specdec_ext._C", sources, include_dirs=INCLUDES, extra_compile_args={"cxx": CXX_FLAGS}))
+
+if not flag("SPECDEC_NO_SIM"):
+    sim_flags = ["-std=c++20", "-O1", "-g", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
+    sim_link = []
+    if flag("SPECDEC_SIM_ASAN"):
+        sim_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+        sim_link += ["-fsanitize=address"]
+    extensions.append(
+        CppExtension(
+            "specdec_ext._sim",
+            ["csrc/sim/sim.cpp", "csrc/sim/sim_ops.cpp"],
+            include_dirs=INCLUDES,
+            extra_compile_args={"cxx": sim_flags},
+            extra_link_args=sim_link,
+        )
+    )
+
+setup(
+    name="specdec_ext",
+    version=VERSION,
+    description="CUDA kernels for lossless speculative decoding: verify attention, rejection sampling, KV-cache truncation",
+    packages=find_packages(include=["specdec_ext", "specdec_ext.*"]),
+    ext_modules=extensions,
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "numpy"],
+    entry_points={"console_scripts": ["specdec = specdec_ext.cli:main"]},
+    zip_safe=False,
+)

@@ -1,0 +1,17 @@
+"""specdec_ext: the kernels of lossless speculative decoding as a PyTorch extension.
+
+Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` holds their pure-PyTorch
+references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
+"""
+from ._version import __version__
+from .ops import philox_uniform
+
+
+def build_info() -> dict:
+    """What the compiled extension contains: version, CUDA architectures, compiler, CPU features."""
+    from . import _C
+
+    return _C.build_info()
+
+
+__all__ = ["__version__", "build_info", "philox_uniform"]

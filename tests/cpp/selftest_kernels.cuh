@@ -1,0 +1,120 @@
+// Small kernels that exercise every emulated primitive of device.cuh. Each is a real CUDA kernel: it
+// compiles with nvcc too, so the emulator's semantics can be compared with a GPU's.
+#pragma once
+#include "specdec/device.cuh"
+
+namespace selftest {
+using namespace specdec;
+
+template <int kBlock>
+__global__ void block_sum_max_kernel(const int* in, int n, int* sums, float* maxes) {
+  SPECDEC_SHARED(int, scratch_i, kBlock / kWarpSize);
+  SPECDEC_SHARED(float, scratch_f, kBlock / kWarpSize);
+  const int i = blockIdx.x * kBlock + threadIdx.x;
+  const int v = i < n ? in[i] : 0;
+  const int s = block_reduce<kBlock>(v, Sum{}, scratch_i);
+  const float m = block_reduce<kBlock>(i < n ? static_cast<float>(v) : -1e30f, Max{}, scratch_f);
+  if (threadIdx.x == 0) {
+    sums[blockIdx.x] = s;
+    maxes[blockIdx.x] = m;
+  }
+}
+
+template <int kBlock>
+__global__ void block_scan_kernel(const int* in, int* inclusive, int* exclusive, int* totals) {
+  SPECDEC_SHARED(int, scratch, kBlock / kWarpSize);
+  const int i = blockIdx.x * kBlock + threadIdx.x;
+  int total = 0;
+  inclusive[i] = block_inclusive_scan<kBlock>(in[i], Sum{}, scratch, &total);
+  exclusive[i] = block_exclusive_scan<kBlock>(in[i], Sum{}, 0, scratch);
+  if (threadIdx.x == 0) totals[blockIdx.x] = total;
+}
+
+// out[k][t] for pattern k: 0 shfl(idx), 1 shfl width 8, 2 up 3, 3 down 5 width 16, 4 xor 6 width 8,
+// 5 ballot, 6 any, 7 all, 8 shfl of a double, 9 half-warp masked shuffle (lanes 0..15 only, -1 elsewhere).
+constexpr int kShufflePatterns = 10;
+__global__ void shuffle_kernel(const int* in, long long* out, int threads) {
+  const int t = threadIdx.x;
+  const int v = in[t];
+  long long* o = out;
+  o[0 * threads + t] = shfl(kFullMask, v, (t * 7 + 3) % 32);
+  o[1 * threads + t] = shfl(kFullMask, v, t + 5, 8);
+  o[2 * threads + t] = shfl_up(kFullMask, v, 3);
+  o[3 * threads + t] = shfl_down(kFullMask, v, 5, 16);
+  o[4 * threads + t] = shfl_xor(kFullMask, v, 6, 8);
+  o[5 * threads + t] = ballot(kFullMask, v % 3 == 0);
+  o[6 * threads + t] = any(kFullMask, v == 1000 + 31);
+  o[7 * threads + t] = all(kFullMask, v >= 1000);
+  o[8 * threads + t] = static_cast<long long>(shfl(kFullMask, v * 0.5, 31 - lane_id()) * 2.0);
+  long long half = -1;
+  if (lane_id() < 16) {
+    half = shfl_down(0x0000ffffu, v, 1, 16);
+    sync_warp(0x0000ffffu);
+  }
+  o[9 * threads + t] = half;
+}
+
+__global__ void histogram_kernel(const int* in, int n, int* bins, int nbins, unsigned* ucount, float* fsum,
+                                 int* imin, int* imax, float* fmin, float* fmax, int* exch_last, int* cas_winners) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const int v = in[i];
+    atomic_add(&bins[v % nbins], 1);
+    atomic_add(ucount, 1u);
+    atomic_add(fsum, 0.5f);
+    atomic_min(imin, v);
+    atomic_max(imax, v);
+    atomic_min(fmin, static_cast<float>(v) * 0.25f);
+    atomic_max(fmax, static_cast<float>(v) * 0.25f);
+    atomic_exch(exch_last, 7);
+    // Exactly one thread per bin wins the CAS from -1.
+    if (atomic_cas(&cas_winners[v % nbins], -1, i) == -1) atomic_add(&bins[nbins], 1);
+  }
+}
+
+// Transposes a rows x cols matrix through a dynamic shared tile of 32 x 33 floats.
+__global__ void transpose_kernel(const float* in, float* out, int rows, int cols) {
+  SPECDEC_DYNAMIC_SHARED(float, tile);
+  const int bx = blockIdx.x * 32, by = blockIdx.y * 32;
+  for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+    const int r = by + j, c = bx + threadIdx.x;
+    if (r < rows && c < cols) tile[j * 33 + threadIdx.x] = in[r * cols + c];
+  }
+  sync_threads();
+  for (int j = threadIdx.y; j < 32; j += blockDim.y) {
+    const int r = bx + j, c = by + threadIdx.x;
+    if (r < cols && c < rows) out[r * rows + c] = tile[threadIdx.x * 33 + j];
+  }
+}
+
+// Threads of the first warp wait at a barrier the others never reach.
+__global__ void divergent_barrier_kernel(int* out) {
+  if (threadIdx.x < 32) sync_threads();
+  out[threadIdx.x] = 1;
+}
+
+// Lane 0 shuffles while lanes 1..31 vote: mismatched collectives.
+__global__ void mismatched_collective_kernel(int* out) {
+  if (lane_id() == 0) {
+    out[threadIdx.x] = shfl(kFullMask, 1, 0);
+  } else {
+    out[threadIdx.x] = ballot(kFullMask, true);
+  }
+}
+
+__global__ void big_static_shared_kernel(float* out) {
+  SPECDEC_SHARED(float, big, 13 * 1024);  // 52 KiB: over the 48 KiB static limit
+  big[threadIdx.x] = 1.0f;
+  out[threadIdx.x] = big[threadIdx.x];
+}
+
+__global__ void vector_copy_kernel(const float* in, float* out) {
+  store_vec16(out + 4 * threadIdx.x, load_vec16(in + 4 * threadIdx.x));
+}
+
+// Writes one element past the end of `out` (n elements): AddressSanitizer must report it.
+__global__ void out_of_bounds_kernel(float* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i <= n) out[i] = 1.0f;
+}
+
+}  // namespace selftest

@@ -1,0 +1,231 @@
+// Self-tests of the SIMT emulator: each primitive of device.cuh against a host computation of CUDA's
+// documented semantics, and the misuses the emulator must report instead of hanging.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "selftest_kernels.cuh"
+#include "specdec/launch.h"
+
+using namespace specdec;
+
+namespace {
+std::vector<int> random_ints(size_t n, int lo, int hi, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<int> v(n);
+  for (int& x : v) x = d(rng);
+  return v;
+}
+}  // namespace
+
+TEST_CASE("block reduction: sum and max, partial last block") {
+  constexpr int kBlock = 256;
+  const int n = 3 * kBlock + 77, blocks = 4;
+  const std::vector<int> in = random_ints(n, -1000, 1000, 1);
+  std::vector<int> sums(blocks, -7);
+  std::vector<float> maxes(blocks, -7.0f);
+  launch_kernel("block_sum_max", selftest::block_sum_max_kernel<kBlock>, dim3(blocks), dim3(kBlock), 0, Stream{},
+                in.data(), n, sums.data(), maxes.data());
+  for (int b = 0; b < blocks; ++b) {
+    const int lo = b * kBlock, hi = std::min(n, lo + kBlock);
+    CHECK_EQ(sums[b], std::accumulate(in.begin() + lo, in.begin() + hi, 0));
+    CHECK_EQ(maxes[b], static_cast<float>(*std::max_element(in.begin() + lo, in.begin() + hi)));
+  }
+}
+
+TEST_CASE("block reduction: single warp block") {
+  const std::vector<int> in = random_ints(32, 0, 100, 2);
+  int sum = -1;
+  float mx = -1;
+  launch_kernel("block_sum_max", selftest::block_sum_max_kernel<32>, dim3(1), dim3(32), 0, Stream{}, in.data(), 32, &sum, &mx);
+  CHECK_EQ(sum, std::accumulate(in.begin(), in.end(), 0));
+}
+
+TEST_CASE("block scans: inclusive, exclusive, total; 96 and 1024 threads") {
+  for (const int block : {96, 1024}) {
+    const int blocks = 3, n = block * blocks;
+    const std::vector<int> in = random_ints(n, -50, 50, 3 + block);
+    std::vector<int> inc(n, -999), exc(n, -999), tot(blocks, -999);
+    if (block == 96) {
+      launch_kernel("block_scan", selftest::block_scan_kernel<96>, dim3(blocks), dim3(96), 0, Stream{}, in.data(), inc.data(),
+                    exc.data(), tot.data());
+    } else {
+      launch_kernel("block_scan", selftest::block_scan_kernel<1024>, dim3(blocks), dim3(1024), 0, Stream{}, in.data(),
+                    inc.data(), exc.data(), tot.data());
+    }
+    for (int b = 0; b < blocks; ++b) {
+      int run = 0;
+      for (int t = 0; t < block; ++t) {
+        const int i = b * block + t;
+        CHECK_EQ(exc[i], run);
+        run += in[i];
+        CHECK_EQ(inc[i], run);
+      }
+      CHECK_EQ(tot[b], run);
+    }
+  }
+}
+
+TEST_CASE("shuffles and votes follow CUDA's lane rules") {
+  const int threads = 64;
+  std::vector<int> in(threads);
+  for (int t = 0; t < threads; ++t) in[t] = 1000 + t;
+  in[37] = 5;  // warp 1: not all >= 1000
+  std::vector<long long> out(selftest::kShufflePatterns * threads, -12345);
+  launch_kernel("shuffle", selftest::shuffle_kernel, dim3(1), dim3(threads), 0, Stream{}, in.data(), out.data(), threads);
+  for (int t = 0; t < threads; ++t) {
+    const int w = t / 32 * 32, lane = t % 32;
+    auto at = [&](int l) { return static_cast<long long>(in[w + l]); };
+    CHECK_EQ(out[0 * threads + t], at((lane * 7 + 3) % 32));
+    CHECK_EQ(out[1 * threads + t], at(lane / 8 * 8 + (lane + 5) % 8));
+    CHECK_EQ(out[2 * threads + t], lane >= 3 ? at(lane - 3) : at(lane));
+    CHECK_EQ(out[3 * threads + t], lane % 16 + 5 < 16 ? at(lane + 5) : at(lane));
+    CHECK_EQ(out[4 * threads + t], at(lane ^ 6));
+    long long ballot = 0;
+    bool any = false, all = true;
+    for (int l = 0; l < 32; ++l) {
+      if (at(l) % 3 == 0) ballot |= 1ll << l;
+      any = any || at(l) == 1031;
+      all = all && at(l) >= 1000;
+    }
+    CHECK_EQ(out[5 * threads + t], ballot);
+    CHECK_EQ(out[6 * threads + t], static_cast<long long>(any));
+    CHECK_EQ(out[7 * threads + t], static_cast<long long>(all));
+    CHECK_EQ(out[8 * threads + t], at(31 - lane));
+    CHECK_EQ(out[9 * threads + t], lane < 16 ? (lane < 15 ? at(lane + 1) : at(lane)) : -1);
+  }
+}
+
+TEST_CASE("atomics: histogram and int/unsigned/float min, max, exch, cas across blocks") {
+  const int n = 5000, nbins = 17;
+  const std::vector<int> in = random_ints(n, 3, 100000, 4);
+  std::vector<int> bins(nbins + 1, 0), winners(nbins, -1);
+  unsigned ucount = 0;
+  float fsum = 0, fmin = 1e30f, fmax = -1e30f;
+  int imin = 1 << 30, imax = -(1 << 30), last = 0;
+  launch_kernel("histogram", selftest::histogram_kernel, dim3(7), dim3(128), 0, Stream{}, in.data(), n, bins.data(), nbins,
+                &ucount, &fsum, &imin, &imax, &fmin, &fmax, &last, winners.data());
+  std::vector<int> want(nbins, 0);
+  for (int v : in) ++want[v % nbins];
+  for (int b = 0; b < nbins; ++b) {
+    CHECK_EQ(bins[b], want[b]);
+    CHECK(winners[b] >= 0 && in[winners[b]] % nbins == b);
+  }
+  CHECK_EQ(bins[nbins], nbins);  // one CAS winner per bin
+  CHECK_EQ(ucount, static_cast<unsigned>(n));
+  CHECK_EQ(fsum, 0.5f * n);
+  CHECK_EQ(imin, *std::min_element(in.begin(), in.end()));
+  CHECK_EQ(imax, *std::max_element(in.begin(), in.end()));
+  CHECK_EQ(fmin, 0.25f * imin);
+  CHECK_EQ(fmax, 0.25f * imax);
+  CHECK_EQ(last, 7);
+}
+
+TEST_CASE("dynamic shared memory: tiled transpose with a 2-D block and 2-D grid") {
+  const int rows = 70, cols = 45;
+  std::vector<float> in(rows * cols), out(rows * cols, NAN);
+  for (int i = 0; i < rows * cols; ++i) in[i] = static_cast<float>(i) * 0.5f + 1.0f;
+  launch_kernel("transpose", selftest::transpose_kernel, dim3((cols + 31) / 32, (rows + 31) / 32), dim3(32, 8),
+                32 * 33 * sizeof(float), Stream{}, in.data(), out.data(), rows, cols);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) CHECK_EQ(out[c * rows + r], in[r * cols + c]);
+}
+
+TEST_CASE("16-byte vector loads and stores; misalignment is reported") {
+  alignas(16) float in[64 + 4], out[64 + 4];
+  for (int i = 0; i < 68; ++i) {
+    in[i] = static_cast<float>(i) + 0.25f;
+    out[i] = NAN;
+  }
+  launch_kernel("vector_copy", selftest::vector_copy_kernel, dim3(1), dim3(16), 0, Stream{}, in, out);
+  for (int i = 0; i < 64; ++i) CHECK_EQ(out[i], in[i]);
+  CHECK_THROWS_WITH(launch_kernel("vector_copy", selftest::vector_copy_kernel, dim3(1), dim3(16), 0, Stream{}, in + 1, out),
+                    "misaligned 16-byte load");
+}
+
+TEST_CASE("half and bfloat16 conversions round to nearest even") {
+  // Every half converts to float and back to itself (NaNs stay NaN).
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = to_float(half_t{static_cast<uint16_t>(h)});
+    const uint16_t back = from_float<half_t>(f).bits;
+    if (std::isnan(f)) {
+      CHECK((back & 0x7c00) == 0x7c00 && (back & 0x3ff) != 0);
+    } else {
+      CHECK_EQ(back, static_cast<uint16_t>(h));
+    }
+  }
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> mag(-30.0f, 17.0f);
+  for (int i = 0; i < 200000; ++i) {
+    const float f = std::ldexp(1.0f + (rng() % 8388608) / 8388608.0f, static_cast<int>(mag(rng))) * (rng() % 2 ? 1 : -1);
+#if defined(__FLT16_MAX__)
+    const _Float16 ref = static_cast<_Float16>(f);
+    uint16_t ref_bits;
+    std::memcpy(&ref_bits, &ref, 2);
+    CHECK_EQ(from_float<half_t>(f).bits, ref_bits);
+#endif
+    // bfloat16: the nearest of the two neighbours, ties to even.
+    const uint16_t b = from_float<bf16_t>(f).bits;
+    const double err = std::fabs(static_cast<double>(to_float(bf16_t{b})) - f);
+    const double other = std::fabs(static_cast<double>(to_float(bf16_t{static_cast<uint16_t>(b ^ 1)})) - f);
+    CHECK(err <= other);
+  }
+  CHECK_EQ(from_float<half_t>(65520.0f).bits, 0x7c00);
+  CHECK_EQ(from_float<half_t>(65519.0f).bits, 0x7bff);
+  CHECK_EQ(from_float<half_t>(std::ldexp(1.0f, -25)).bits, 0);
+  CHECK_EQ(from_float<half_t>(std::ldexp(1.5f, -25)).bits, 1);
+  CHECK_EQ(from_float<bf16_t>(1.00390625f).bits, 0x3f80);  // tie: 1 + 2^-8 rounds to even (1.0)
+}
+
+TEST_CASE("a barrier that only some threads reach is reported, not a hang") {
+  std::vector<int> out(128, 0);
+  CHECK_THROWS_WITH(launch_kernel("divergent", selftest::divergent_barrier_kernel, dim3(1), dim3(128), 0, Stream{}, out.data()),
+                    "barrier divergence");
+}
+
+TEST_CASE("mismatched warp collectives are reported") {
+  std::vector<int> out(32, 0);
+  CHECK_THROWS_WITH(launch_kernel("mismatch", selftest::mismatched_collective_kernel, dim3(1), dim3(32), 0, Stream{}, out.data()),
+                    "warp collective mismatch");
+}
+
+TEST_CASE("a full-mask shuffle in a partial warp is reported") {
+  std::vector<int> in(48, 1);
+  std::vector<long long> out(selftest::kShufflePatterns * 48);
+  CHECK_THROWS_WITH(launch_kernel("shuffle", selftest::shuffle_kernel, dim3(1), dim3(48), 0, Stream{}, in.data(), out.data(), 48),
+                    "does not exist");
+}
+
+TEST_CASE("launches the device would reject are reported") {
+  std::vector<float> out(2048);
+  CHECK_THROWS_WITH(launch_kernel("oob", selftest::out_of_bounds_kernel, dim3(1), dim3(1024, 2), 0, Stream{}, out.data(), 10),
+                    "threads per block");
+  CHECK_THROWS_WITH(launch_kernel("oob", selftest::out_of_bounds_kernel, dim3(1), dim3(2048), 0, Stream{}, out.data(), 10),
+                    "blockDim.x");
+  CHECK_THROWS_WITH(launch_kernel("oob", selftest::out_of_bounds_kernel, dim3(1), dim3(1, 1, 65), 0, Stream{}, out.data(), 10),
+                    "blockDim.z");
+  CHECK_THROWS_WITH(launch_kernel("oob", selftest::out_of_bounds_kernel, dim3(0), dim3(32), 0, Stream{}, out.data(), 10),
+                    "gridDim.x");
+  CHECK_THROWS_WITH(launch_kernel("oob", selftest::out_of_bounds_kernel, dim3(1), dim3(32), 300 * 1024, Stream{}, out.data(), 10),
+                    "dynamic shared memory");
+  CHECK_THROWS_WITH(launch_kernel("big", selftest::big_static_shared_kernel, dim3(1), dim3(32), 0, Stream{}, out.data()),
+                    "static __shared__ memory");
+}
+
+TEST_CASE("a kernel after a failed launch runs normally") {
+  std::vector<int> out(128, 0);
+  CHECK_THROWS_WITH(launch_kernel("divergent", selftest::divergent_barrier_kernel, dim3(1), dim3(128), 0, Stream{}, out.data()),
+                    "barrier divergence");
+  const std::vector<int> in = random_ints(256, 0, 9, 6);
+  int sum = -1;
+  float mx = -1;
+  launch_kernel("block_sum_max", selftest::block_sum_max_kernel<256>, dim3(1), dim3(256), 0, Stream{}, in.data(), 256, &sum, &mx);
+  CHECK_EQ(sum, std::accumulate(in.begin(), in.end(), 0));
+}
+
+int main(int argc, char** argv) { return specdec_test::run_all(argc, argv); }
