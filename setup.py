@@ -7,6 +7,8 @@ Environment:
   SPECDEC_CPU_ONLY=1     build without CUDA even where it is available
   SPECDEC_SIM_ASAN=1     build the emulator extension with AddressSanitizer (run it with libasan preloaded)
   SPECDEC_NO_SIM=1       skip the emulator extension (release wheels)
+  SPECDEC_NO_EXTENSIONS=1  compile nothing: scripts/setup_env.sh registers an editable install this way
+                         once, then compiles in place with `setup.py build_ext --inplace` (incremental)
   CUDA_HOME              the CUDA toolkit (default /usr/local/cuda when it exists)
 """
 import os
@@ -61,50 +63,52 @@ def rel(paths):
 
 
 INCLUDES = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
-CXX_FLAGS = ["-O3", "-std=c++20", "-Wall", "-Wno-unused-function", f'-DSPECDEC_VERSION="{VERSION}"']
+CXX_FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-Wall", "-Wno-unused-function", f'-DSPECDEC_VERSION="{VERSION}"']
 
-extensions = []
-sources = ["csrc/ops.cpp", "csrc/bindings.cpp"] + rel((ROOT / "csrc" / "cpu").glob("*.cpp"))
-if with_cuda():
-    archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
-    defines = ["-DSPECDEC_WITH_CUDA", f'-DSPECDEC_CUDA_ARCHS="{archs}"']
-    extensions.append(
-        CUDAExtension(
-            "specdec_ext._C",
-            sources + rel((ROOT / "csrc" / "cuda").glob("*.cu")),
-            include_dirs=INCLUDES + nvidia_wheel_includes(),
-            extra_compile_args={
-                "cxx": CXX_FLAGS + defines,
-                "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr", f'-DSPECDEC_VERSION="{VERSION}"']
-                + defines,
-            },
+def extensions() -> list:
+    if flag("SPECDEC_NO_EXTENSIONS"):
+        return []
+    result = []
+    sources = ["csrc/ops.cpp", "csrc/bindings.cpp"] + rel((ROOT / "csrc" / "cpu").glob("*.cpp"))
+    if with_cuda():
+        archs = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+        defines = ["-DSPECDEC_WITH_CUDA", f'-DSPECDEC_CUDA_ARCHS="{archs}"']
+        nvcc_flags = ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr", f'-DSPECDEC_VERSION="{VERSION}"']
+        result.append(
+            CUDAExtension(
+                "specdec_ext._C",
+                sources + rel((ROOT / "csrc" / "cuda").glob("*.cu")),
+                include_dirs=INCLUDES + nvidia_wheel_includes(),
+                extra_compile_args={"cxx": CXX_FLAGS + defines, "nvcc": nvcc_flags + defines},
+            )
         )
-    )
-else:
-    extensions.append(CppExtension("specdec_ext._C", sources, include_dirs=INCLUDES, extra_compile_args={"cxx": CXX_FLAGS}))
+    else:
+        result.append(CppExtension("specdec_ext._C", sources, include_dirs=INCLUDES, extra_compile_args={"cxx": CXX_FLAGS}))
 
-if not flag("SPECDEC_NO_SIM"):
-    sim_flags = ["-std=c++20", "-O1", "-g", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
-    sim_link = []
-    if flag("SPECDEC_SIM_ASAN"):
-        sim_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
-        sim_link += ["-fsanitize=address"]
-    extensions.append(
-        CppExtension(
-            "specdec_ext._sim",
-            ["csrc/sim/sim.cpp", "csrc/sim/sim_ops.cpp"],
-            include_dirs=INCLUDES,
-            extra_compile_args={"cxx": sim_flags},
-            extra_link_args=sim_link,
+    if not flag("SPECDEC_NO_SIM"):
+        sim_flags = ["-std=c++20", "-O1", "-g", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
+        sim_link = []
+        if flag("SPECDEC_SIM_ASAN"):
+            sim_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+            sim_link += ["-fsanitize=address"]
+        result.append(
+            CppExtension(
+                "specdec_ext._sim",
+                ["csrc/sim/sim.cpp", "csrc/sim/sim_ops.cpp"],
+                include_dirs=INCLUDES,
+                extra_compile_args={"cxx": sim_flags},
+                extra_link_args=sim_link,
+            )
         )
-    )
+    return result
+
 
 setup(
     name="specdec_ext",
     version=VERSION,
     description="CUDA kernels for lossless speculative decoding: verify attention, rejection sampling, KV-cache truncation",
     packages=find_packages(include=["specdec_ext", "specdec_ext.*"]),
-    ext_modules=extensions,
+    ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],

@@ -8,4 +8,17 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // Uniforms in (0, 1) from Philox4x32-10: row b is the stream `stream` of request (seed[b], offset[b]),
   // element i its i-th uniform (counter layout in specdec/philox.h). -> [B, n] float32.
   m.def("philox_uniform(Tensor seed, Tensor offset, int n, int stream=0) -> Tensor");
+
+  // Chain speculative sampling (DESIGN.md §3.1). Writes output_token_ids [B, K+1] int32 (accepted drafts, then
+  // the resampled or bonus token, then -1) and num_accepted [B] int32; ORs the invalid-input bits into
+  // error_flags when given (the CPU kernel raises on them instead).
+  m.def(
+      "chain_speculative_sampling(Tensor draft_token_ids, Tensor target_probs, Tensor? draft_probs, "
+      "Tensor num_draft_tokens, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
+      "Tensor(b!) num_accepted, Tensor(c!)? error_flags) -> ()");
+  // The same from logits: softmax(logits / temperature[b]) in float32 inside the kernel; temperature 0 = greedy.
+  m.def(
+      "chain_speculative_sampling_from_logits(Tensor draft_token_ids, Tensor target_logits, Tensor? draft_logits, "
+      "Tensor num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
+      "Tensor(b!) num_accepted, Tensor(c!)? error_flags) -> ()");
 }

@@ -45,7 +45,7 @@ def _philox_uniform(ops, seed, offset, n: int, stream: int = 0) -> torch.Tensor:
     device = tensors[0].device if tensors else torch.device("cpu")
     if any(t.device != device for t in tensors):
         raise ValueError(f"{op}: seed and offset must be on the same device, got {[str(t.device) for t in tensors]}")
-    batch = max((t.numel() for t in tensors if t.dim() == 1), default=None)
+    batch = next((t.numel() for t in tensors if t.dim() == 1), None)  # seed's length, else offset's
     seed = _request_vector(seed, "seed", op, batch, device)
     offset = _request_vector(offset, "offset", op, seed.numel(), device)
     return ops.philox_uniform(seed, offset, n, stream)

@@ -7,4 +7,5 @@
 #endif
 #include "../bindings.cpp"
 #include "../ops.cpp"
+#include "../cuda/chain_sampling.cu"
 #include "../cuda/philox_uniform.cu"

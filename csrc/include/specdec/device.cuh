@@ -130,6 +130,18 @@ SPECDEC_DEVICE bool any(unsigned mask, bool pred) { return __any_sync(mask, pred
 SPECDEC_DEVICE bool all(unsigned mask, bool pred) { return __all_sync(mask, pred) != 0; }
 #endif
 
+// Butterfly exchange of a trivially copyable struct made of 32-bit words, one shuffle per word.
+template <typename T>
+SPECDEC_DEVICE T shfl_xor_words(unsigned mask, T v, int lane_mask) {
+  static_assert(sizeof(T) % 4 == 0 && std::is_trivially_copyable_v<T>, "a struct of 32-bit words");
+  uint32_t w[sizeof(T) / 4];
+  memcpy(w, &v, sizeof(T));
+#pragma unroll
+  for (unsigned i = 0; i < sizeof(T) / 4; ++i) w[i] = shfl_xor(mask, w[i], lane_mask);
+  memcpy(&v, w, sizeof(T));
+  return v;
+}
+
 // ----- atomics (int, unsigned, float); return the old value ----------------------------------------
 // Under the emulator, fibers switch only at barriers and collectives, so a plain read-modify-write is
 // atomic.
@@ -139,12 +151,14 @@ template <typename T> T atomic_min(T* p, T v) { T old = *p; *p = v < old ? v : o
 template <typename T> T atomic_max(T* p, T v) { T old = *p; *p = v > old ? v : old; return old; }
 template <typename T> T atomic_exch(T* p, T v) { T old = *p; *p = v; return old; }
 template <typename T> T atomic_cas(T* p, T compare, T v) { T old = *p; if (old == compare) *p = v; return old; }
+template <typename T> T atomic_or(T* p, T v) { T old = *p; *p = old | v; return old; }
 #else
 template <typename T> SPECDEC_DEVICE T atomic_add(T* p, T v) { return atomicAdd(p, v); }
 template <typename T> SPECDEC_DEVICE T atomic_min(T* p, T v) { return atomicMin(p, v); }
 template <typename T> SPECDEC_DEVICE T atomic_max(T* p, T v) { return atomicMax(p, v); }
 template <typename T> SPECDEC_DEVICE T atomic_exch(T* p, T v) { return atomicExch(p, v); }
 template <typename T> SPECDEC_DEVICE T atomic_cas(T* p, T compare, T v) { return atomicCAS(p, compare, v); }
+template <typename T> SPECDEC_DEVICE T atomic_or(T* p, T v) { return atomicOr(p, v); }
 // CUDA has no float atomicMin/Max: a CAS loop on the bit pattern.
 template <> SPECDEC_DEVICE float atomic_min<float>(float* p, float v) {
   int* ip = reinterpret_cast<int*>(p);
@@ -287,13 +301,28 @@ struct Min {
   template <typename T> SPECDEC_DEVICE T operator()(T a, T b) const { return a < b ? a : b; }
 };
 
-// All 32 lanes of the warp must call it; every lane gets the result. The combination order is fixed
-// (butterfly), so the result is the same bit for bit on every backend.
+// Butterfly reduction over aligned groups of kWidth lanes (a power of two <= 32), offsets ascending. For
+// a commutative op every lane of a group gets the same value, and it is bit for bit the balanced pairwise
+// tree over the group's lanes in order (((l0 op l1) op (l2 op l3)) op ...): the order a CPU can reproduce.
+// Every lane of the warp must call it.
+template <int kWidth, typename T, typename Op>
+SPECDEC_DEVICE T group_reduce(T v, Op op) {
+  static_assert(kWidth >= 1 && kWidth <= kWarpSize && (kWidth & (kWidth - 1)) == 0, "group width");
+#pragma unroll
+  for (int offset = 1; offset < kWidth; offset *= 2) {
+    if constexpr (std::is_arithmetic_v<T>) {
+      v = op(v, shfl_xor(kFullMask, v, offset));
+    } else {
+      v = op(v, shfl_xor_words(kFullMask, v, offset));
+    }
+  }
+  return v;
+}
+
+// All 32 lanes of the warp must call it; every lane gets the result (the pairwise tree over the lanes).
 template <typename T, typename Op>
 SPECDEC_DEVICE T warp_reduce(T v, Op op) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = op(v, shfl_xor(kFullMask, v, offset));
-  return v;
+  return group_reduce<kWarpSize>(v, op);
 }
 
 // Inclusive scan over the warp's lanes (Hillis-Steele). All 32 lanes must call it.

@@ -1,0 +1,137 @@
+// Chain speculative sampling (Leviathan et al. 2023; Chen et al. 2023): the per-request decision flow,
+// shared by the CPU kernel and the CUDA kernel. Each backend supplies an Engine with the row operations
+// (argmax, softmax statistics, sampling by inverse CDF), computed in the canonical order of
+// sampling_math.h, so that every backend takes the same decisions and emits the same tokens.
+//
+// Row i of request b is read only while the round is still going at position i: the flow stops at the
+// first rejection, and the rows after it are never touched.
+#pragma once
+#include "sampling_math.h"
+
+#if defined(__CUDACC__)
+#define SPECDEC_FLOW __host__ __device__ __forceinline__
+#else
+#define SPECDEC_FLOW inline
+#endif
+
+namespace specdec {
+
+struct ChainSamplingParams {
+  const void* draft_ids;        // [B, K] int32 or int64
+  bool draft_ids_int64;
+  const void* target;           // [B, K+1, V] probabilities or logits (T)
+  const void* draft;            // [B, K, V] or nullptr: point proposals
+  int64_t target_stride_b, target_stride_k;  // in elements; the vocabulary dimension is contiguous
+  int64_t draft_stride_b, draft_stride_k;
+  const int32_t* num_draft_tokens;  // [B]
+  const bool* greedy;           // [B] (probabilities); nullptr with logits
+  const float* temperature;     // [B] (logits); nullptr with probabilities
+  const int64_t* seed;          // [B]
+  const int64_t* offset;        // [B]
+  int32_t* output_token_ids;    // [B, K+1]
+  int32_t* num_accepted;        // [B]
+  int32_t* error_flags;         // [1] or nullptr
+  int64_t batch, num_draft, vocab;  // B, K, V
+  bool logits;
+};
+
+// The flow for one request. Engine supplies:
+//   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
+//   argmax(row) -> int32; softmax_stats(row_p, row_q, inv_temp, MaxSum*, MaxSum*);
+//   sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is zero or not finite;
+//   flag(bits); write(b, accepted, token).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine>
+SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P, int64_t b) {
+  const int64_t K = P.num_draft, V = P.vocab;
+  int32_t k = P.num_draft_tokens[b];
+  if (k < 0 || k > K) {
+    e.flag(kErrNumDraftTokens);
+    k = k < 0 ? 0 : static_cast<int32_t>(K);
+  }
+  bool greedy;
+  float inv_temp = 1.0f;
+  if (P.logits) {
+    const float t = P.temperature[b];
+    if (!(t >= 0.0f) || !is_finite(t)) e.flag(kErrTemperature);
+    greedy = !(t > 0.0f) || !is_finite(t);
+    if (!greedy) inv_temp = fdiv(1.0f, t);
+  } else {
+    greedy = P.greedy[b];
+  }
+  const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
+  const bool has_q = P.draft != nullptr;
+
+  int32_t accepted = 0, token = -1;
+  for (int32_t i = 0; i < k; ++i) {
+    int64_t x = P.draft_ids_int64 ? static_cast<const int64_t*>(P.draft_ids)[b * K + i]
+                                  : static_cast<const int32_t*>(P.draft_ids)[b * K + i];
+    if (x < 0 || x >= V) {
+      e.flag(kErrDraftTokenId);
+      x = -1;  // rejected: an id that is not in the vocabulary has no probability
+    }
+    const auto* row_p = e.row_target(b, i);
+    const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
+    if (greedy) {
+      const int32_t best = e.argmax(row_p);
+      if (x == best) {
+        ++accepted;
+        continue;
+      }
+      token = best;
+      break;
+    }
+    MassSpec spec{P.logits, false, has_q ? -1 : x, inv_temp, 0.0f, 1.0f, 0.0f, 1.0f};
+    float p = 0.0f, q = has_q ? 0.0f : 1.0f;
+    if (P.logits) {
+      MaxSum sp, sq;
+      e.softmax_stats(row_p, row_q, inv_temp, &sp, &sq);
+      spec.m_p = sp.m;
+      spec.inv_z_p = fdiv(1.0f, sp.s);
+      spec.m_q = sq.m;
+      spec.inv_z_q = fdiv(1.0f, sq.s);
+      if (x >= 0) {
+        p = softmax_prob(e.load(row_p, x, true), inv_temp, spec.m_p, spec.inv_z_p);
+        if (has_q) q = softmax_prob(e.load(row_q, x, false), inv_temp, spec.m_q, spec.inv_z_q);
+      }
+    } else if (x >= 0) {
+      p = e.load(row_p, x, true);
+      if (has_q) q = e.load(row_q, x, false);
+    }
+    // Accept with probability min(1, p/q): u < p/q, as u * q < p so that q == 0 always rejects.
+    const float u = philox_uniform_at(seed, offset, kStreamAccept, static_cast<uint64_t>(i));
+    if (x >= 0 && q > 0.0f && fmul(u, q) < p) {
+      ++accepted;
+      continue;
+    }
+    const float u_resample = philox_uniform_at(seed, offset, kStreamResample, 0);
+    token = e.sample(row_p, row_q, spec, u_resample);
+    if (token < 0) {  // max(0, p - q) sums to 0 (p == q): sample p itself
+      spec.p_only = true;
+      token = e.sample(row_p, nullptr, spec, u_resample);
+    }
+    if (token < 0) token = e.argmax(row_p);  // no positive mass at all (invalid input): still a defined token
+    break;
+  }
+  if (token < 0) {  // every draft accepted: the bonus token from p_k
+    const auto* row_p = e.row_target(b, k);
+    if (greedy) {
+      token = e.argmax(row_p);
+    } else {
+      MassSpec spec{P.logits, true, -1, inv_temp, 0.0f, 1.0f, 0.0f, 1.0f};
+      if (P.logits) {
+        MaxSum sp, sq;
+        e.softmax_stats(row_p, nullptr, inv_temp, &sp, &sq);
+        spec.m_p = sp.m;
+        spec.inv_z_p = fdiv(1.0f, sp.s);
+      }
+      token = e.sample(row_p, nullptr, spec, philox_uniform_at(seed, offset, kStreamResample, 0));
+      if (token < 0) token = e.argmax(row_p);
+    }
+  }
+  e.write(b, accepted, token);
+}
+
+}  // namespace specdec

@@ -1,0 +1,191 @@
+// Chain speculative sampling on the GPU: one block of 256 threads per request. Thread t owns canonical
+// lanes 4t..4t+3 of every chunk (sampling_math.h), so a group of 32 lanes is 8 threads: the pairwise tree
+// over a group is levels 1-2 in registers and levels 3-5 as butterfly shuffles among the 8 threads.
+//
+// Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
+// draft rows of each position up to the first rejection; the resampled token costs one more pass over the
+// rejected rows and one chunk. Rows after the first rejection are never read.
+#pragma once
+#include "specdec/chain_sampling.h"
+#include "specdec/device.cuh"
+
+namespace specdec {
+
+constexpr int kSamplingThreads = 256;
+constexpr int kLanesPerThread = kChunk / kSamplingThreads;  // 4
+constexpr int kThreadsPerGroup = kGroup / kLanesPerThread;  // 8
+static_assert(kLanesPerThread == 4, "the in-register tree below is written for 4 lanes per thread");
+
+template <typename T>
+struct BlockSamplingEngine {
+  const ChainSamplingParams& P;
+  float* group_totals;  // [kMaxChunks * kGroups]
+  float* carry;         // [kMaxChunks + 1]
+  MaxSum* ms_scratch;   // [2 * kGroups]
+  ArgMax* am_scratch;   // [kGroups]
+  int32_t* int_scratch; // [2]
+  int32_t errors;       // this thread's error bits, published once at the end
+
+  SPECDEC_DEVICE const T* row_target(int64_t b, int64_t i) const {
+    return static_cast<const T*>(P.target) + b * P.target_stride_b + i * P.target_stride_k;
+  }
+  SPECDEC_DEVICE const T* row_draft(int64_t b, int64_t i) const {
+    return static_cast<const T*>(P.draft) + b * P.draft_stride_b + i * P.draft_stride_k;
+  }
+  SPECDEC_DEVICE void flag(int32_t bits) { errors |= bits; }
+  // Probabilities must be finite; logits may be -inf (masked), never NaN or +inf.
+  SPECDEC_DEVICE void check(float x, bool target) {
+    const bool bad = P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x);
+    if (bad) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
+  }
+  SPECDEC_DEVICE float load(const T* row, int64_t v, bool target) {
+    const float x = to_float(row[v]);
+    check(x, target);
+    return x;
+  }
+  SPECDEC_DEVICE int64_t lane_entry(int64_t chunk, int e) const {
+    return chunk * kChunk + threadIdx.x * kLanesPerThread + e;
+  }
+
+  // Combines the 4 lane values of each thread over its group (pairwise tree), then the 32 group values in
+  // order. Every thread returns the result.
+  template <typename V, typename Op>
+  SPECDEC_DEVICE V reduce_lanes(const V (&lane)[kLanesPerThread], Op op, V* scratch) {
+    V v = op(op(lane[0], lane[1]), op(lane[2], lane[3]));
+    v = group_reduce<kThreadsPerGroup>(v, op);
+    if (threadIdx.x % kThreadsPerGroup == 0) scratch[threadIdx.x / kThreadsPerGroup] = v;
+    sync_threads();
+    V r = scratch[0];
+    for (int g = 1; g < kGroups; ++g) r = op(r, scratch[g]);
+    sync_threads();
+    return r;
+  }
+
+  SPECDEC_DEVICE int32_t argmax(const T* row) {
+    ArgMax lane[kLanesPerThread];
+    for (int e = 0; e < kLanesPerThread; ++e) lane[e] = argmax_identity();
+    const int64_t chunks = (P.vocab + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+#pragma unroll
+      for (int e = 0; e < kLanesPerThread; ++e) {
+        const int64_t v = lane_entry(c, e);
+        if (v < P.vocab) lane[e] = argmax_combine(lane[e], ArgMax{load(row, v, true), static_cast<int32_t>(v)});
+      }
+    }
+    const ArgMax best = reduce_lanes(lane, ArgMaxCombine{}, am_scratch);
+    return best.index < P.vocab ? best.index : 0;
+  }
+
+  SPECDEC_DEVICE void softmax_stats(const T* row_p, const T* row_q, float inv_temp, MaxSum* sp, MaxSum* sq) {
+    MaxSum lp[kLanesPerThread], lq[kLanesPerThread];
+    for (int e = 0; e < kLanesPerThread; ++e) lp[e] = lq[e] = maxsum_identity();
+    const int64_t chunks = (P.vocab + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+#pragma unroll
+      for (int e = 0; e < kLanesPerThread; ++e) {
+        const int64_t v = lane_entry(c, e);
+        if (v < P.vocab) {
+          lp[e] = maxsum_push(lp[e], fmul(load(row_p, v, true), inv_temp));
+          if (row_q != nullptr) lq[e] = maxsum_push(lq[e], fmul(load(row_q, v, false), inv_temp));
+        }
+      }
+    }
+    *sp = reduce_lanes(lp, MaxSumCombine{}, ms_scratch);
+    *sq = row_q != nullptr ? reduce_lanes(lq, MaxSumCombine{}, ms_scratch + kGroups) : maxsum_identity();
+  }
+
+  SPECDEC_DEVICE float mass(const T* row_p, const T* row_q, const MassSpec& spec, int64_t v) {
+    if (v >= P.vocab) return 0.0f;
+    const float pv = load(row_p, v, true);
+    const float qv = row_q != nullptr ? load(row_q, v, false) : 0.0f;
+    return entry_mass(spec, v, pv, qv, row_q != nullptr);
+  }
+
+  SPECDEC_DEVICE int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
+    const int64_t chunks = (P.vocab + kChunk - 1) / kChunk;
+    const unsigned group = threadIdx.x / kThreadsPerGroup;
+    // Pass 1: every group's total mass, per chunk.
+    for (int64_t c = 0; c < chunks; ++c) {
+      float m[kLanesPerThread];
+#pragma unroll
+      for (int e = 0; e < kLanesPerThread; ++e) m[e] = mass(row_p, row_q, spec, lane_entry(c, e));
+      const float total = group_reduce<kThreadsPerGroup>(fadd(fadd(m[0], m[1]), fadd(m[2], m[3])), FloatSum{});
+      if (threadIdx.x % kThreadsPerGroup == 0) group_totals[c * kGroups + group] = total;
+    }
+    sync_threads();
+    // Chunk totals (groups in order), then the carries (chunks in order).
+    for (int64_t c = threadIdx.x; c < chunks; c += kSamplingThreads) {
+      float t = 0.0f;
+      for (int g = 0; g < kGroups; ++g) t = fadd(t, group_totals[c * kGroups + g]);
+      carry[c + 1] = t;
+    }
+    sync_threads();
+    if (threadIdx.x == 0) {
+      carry[0] = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) carry[c + 1] = fadd(carry[c], carry[c + 1]);
+    }
+    sync_threads();
+    const float total = carry[chunks];
+    if (!(total > 0.0f) || !is_finite(total)) {
+      sync_threads();
+      return -1;
+    }
+    const float threshold = fmul(u, total);
+    // The first chunk whose carry passes the threshold; then, by one thread, the group and the lane.
+    int64_t first = chunks;
+    for (int64_t c = threadIdx.x; c < chunks; c += kSamplingThreads) {
+      if (carry[c + 1] > threshold && c < first) first = c;
+    }
+    SPECDEC_SHARED(int32_t, chunk_min, kSamplingThreads / kWarpSize);
+    const int64_t c = block_reduce<kSamplingThreads>(static_cast<int32_t>(first), Min{}, chunk_min);
+    if (threadIdx.x == 0) {
+      const float base = carry[c];
+      float prefix = 0.0f;
+      int g = 0;
+      for (; g < kGroups - 1; ++g) {
+        if (fadd(base, fadd(prefix, group_totals[c * kGroups + g])) > threshold) break;
+        prefix = fadd(prefix, group_totals[c * kGroups + g]);
+      }
+      float x[kGroup];
+      for (int l = 0; l < kGroup; ++l) x[l] = mass(row_p, row_q, spec, c * kChunk + g * kGroup + l);
+      group_inclusive_scan(x);
+      int l = 0;
+      while (l < kGroup - 1 && !(fadd(base, fadd(prefix, x[l])) > threshold)) ++l;
+      int_scratch[0] = static_cast<int32_t>(c * kChunk + g * kGroup + l);
+    }
+    sync_threads();
+    const int32_t token = int_scratch[0];
+    sync_threads();
+    return token;
+  }
+
+  SPECDEC_DEVICE void write(int64_t b, int32_t accepted, int32_t token) {
+    const int64_t K = P.num_draft;
+    int32_t* out = P.output_token_ids + b * (K + 1);
+    for (int64_t j = threadIdx.x; j <= K; j += kSamplingThreads) {
+      int32_t id = -1;
+      if (j < accepted) {
+        id = P.draft_ids_int64 ? static_cast<int32_t>(static_cast<const int64_t*>(P.draft_ids)[b * K + j])
+                               : static_cast<const int32_t*>(P.draft_ids)[b * K + j];
+      } else if (j == accepted) {
+        id = token;
+      }
+      out[j] = id;
+    }
+    if (threadIdx.x == 0) P.num_accepted[b] = accepted;
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kSamplingThreads) chain_sampling_kernel(ChainSamplingParams P) {
+  SPECDEC_SHARED(float, group_totals, kMaxChunks * kGroups);
+  SPECDEC_SHARED(float, carry, kMaxChunks + 1);
+  SPECDEC_SHARED(MaxSum, ms_scratch, 2 * kGroups);
+  SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
+  SPECDEC_SHARED(int32_t, int_scratch, 2);
+  BlockSamplingEngine<T> engine{P, group_totals, carry, ms_scratch, am_scratch, int_scratch, 0};
+  for (int64_t b = blockIdx.x; b < P.batch; b += gridDim.x) chain_sampling_request(engine, P, b);
+  if (engine.errors != 0 && P.error_flags != nullptr) atomic_or(P.error_flags, engine.errors);
+}
+
+}  // namespace specdec

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# From nothing to a built checkout: creates .venv, installs requirements-dev.txt (torch 2.14.1, CUDA build),
+# registers an editable install (the `specdec` command) and compiles the extensions in place, incrementally.
+#
+#   TORCH_CUDA_ARCH_LIST  architectures to compile (default here: 9.0a; release wheels use setup.py's list)
+#   SPECDEC_SIM_ASAN=1    build the emulator extension with AddressSanitizer (what the tests do)
+#   PYTHON                interpreter that creates the venv (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
+
+if [ ! -x .venv/bin/specdec ]; then
+  SPECDEC_NO_EXTENSIONS=1 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+fi
+start=$(date +%s)
+.venv/bin/python setup.py -q build_ext --inplace > build/setup_build.log 2>&1 || { cat build/setup_build.log; exit 1; }
+echo "extensions built in $(( $(date +%s) - start )) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, SPECDEC_SIM_ASAN=${SPECDEC_SIM_ASAN:-0})"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The test command: builds everything from nothing (scripts/setup_env.sh), then runs
+#   1. the C++ unit tests (Philox known answers, emulator self-tests) under AddressSanitizer, with ctest;
+#   2. the whole pytest suite, with the emulated CUDA kernels under AddressSanitizer.
+# tests/gpu runs only where a GPU is visible. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p build
+export SPECDEC_SIM_ASAN=1
+bash scripts/setup_env.sh
+
+start=$(date +%s)
+.venv/bin/cmake -S . -B build/cmake-tests -G Ninja -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" \
+  -DSPECDEC_WITH_TORCH=OFF -DSPECDEC_ASAN=ON -DCMAKE_BUILD_TYPE=Debug > build/cmake_tests.log
+.venv/bin/cmake --build build/cmake-tests -j2 >> build/cmake_tests.log
+.venv/bin/ctest --test-dir build/cmake-tests --output-on-failure
+echo "C++ tests built and run in $(( $(date +%s) - start )) s"
+
+# libstdc++ is preloaded with the ASan runtime so that ASan's C++-exception interceptor resolves at start-up
+# (python itself does not link libstdc++). Leak checking is off: CPython and torch keep allocations alive at exit.
+LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
+ASAN_OPTIONS=detect_leaks=0 \
+  .venv/bin/python -m pytest tests "$@"

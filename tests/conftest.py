@@ -1,0 +1,29 @@
+import os
+import random
+import zlib
+
+import pytest
+import torch
+
+# Random inputs are drawn fresh on every run; the run's seed is printed in the header and can be replayed
+# with SPECDEC_TEST_SEED=<seed>.
+RUN_SEED = int(os.environ.get("SPECDEC_TEST_SEED", random.SystemRandom().randrange(2**31)))
+
+
+def pytest_report_header(config):
+    return f"specdec test seed: SPECDEC_TEST_SEED={RUN_SEED}"
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the run seed and the test's id (fresh inputs per run, replayable)."""
+    return torch.Generator().manual_seed(RUN_SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(skip)

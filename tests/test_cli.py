@@ -1,0 +1,28 @@
+import subprocess
+import sys
+
+import specdec_ext
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specdec_ext.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_info_reports_the_build():
+    r = run_cli("info")
+    assert r.returncode == 0, r.stderr
+    info = specdec_ext.build_info()
+    assert f"specdec_ext {specdec_ext.__version__}" in r.stdout
+    if info["cuda"]:
+        assert f"compiled for architectures {info['cuda_archs']}" in r.stdout
+        assert info["cuda_archs"]
+    else:
+        assert "CPU-only build" in r.stdout
+    assert "emulator: present" in r.stdout
+
+
+def test_demo_runs_and_checks_itself():
+    r = run_cli("demo", "--device", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bit-exact with the PyTorch reference: True" in r.stdout
+    assert "demo OK" in r.stdout
