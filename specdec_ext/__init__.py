@@ -4,7 +4,14 @@ Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` hol
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__
-from .ops import philox_uniform
+from .ops import (
+    SamplingOutput,
+    chain_speculative_sampling,
+    chain_speculative_sampling_from_logits,
+    is_strict,
+    philox_uniform,
+    set_strict,
+)
 
 
 def build_info() -> dict:
@@ -14,4 +21,13 @@ def build_info() -> dict:
     return _C.build_info()
 
 
-__all__ = ["__version__", "build_info", "philox_uniform"]
+__all__ = [
+    "__version__",
+    "build_info",
+    "SamplingOutput",
+    "chain_speculative_sampling",
+    "chain_speculative_sampling_from_logits",
+    "is_strict",
+    "philox_uniform",
+    "set_strict",
+]

@@ -4,6 +4,8 @@ ops trace under torch.compile and CUDA-graph capture.
 Each op's checks live in a `_<op>(ops, ...)` function that takes the op namespace, so that
 specdec_ext.sim runs exactly the same checks in front of the emulated kernels (torch.ops.specdec_sim).
 """
+from typing import NamedTuple
+
 import torch
 
 from . import _extension
@@ -62,10 +64,133 @@ def philox_uniform(seed, offset, n: int, stream: int = 0) -> torch.Tensor:
     return _philox_uniform(torch.ops.specdec, seed, offset, n, stream)
 
 
+class SamplingOutput(NamedTuple):
+    output_token_ids: torch.Tensor  # [B, K+1] int32: accepted drafts, the resampled or bonus token, then -1
+    num_accepted: torch.Tensor  # [B] int32; tokens emitted = num_accepted + 1
+
+
+_strict = False
+
+# Error bits of the sampling kernels (SamplingError in csrc/include/specdec/sampling_math.h) -> what they mean.
+_SAMPLING_ERRORS = {
+    1: "{target} holds NaN or inf",
+    2: "{draft} holds NaN or inf",
+    4: "draft_token_ids holds ids outside [0, V)",
+    8: "num_draft_tokens holds values outside [0, K]",
+    16: "temperature must be finite and >= 0",
+}
+
+
+def set_strict(enabled: bool) -> None:
+    """Strict mode: on CUDA (and under the emulator) the sampling ops check their inputs on the device and
+    raise on NaN/Inf, out-of-range ids or counts. The check synchronises with the host, so it is for
+    debugging; without it, invalid rows still get defined, in-range outputs. The CPU kernels always raise."""
+    global _strict
+    _strict = bool(enabled)
+
+
+def is_strict() -> bool:
+    return _strict
+
+
+def _per_request(value, name: str, op: str, batch: int, device, dtype) -> torch.Tensor:
+    """A [B] tensor of `dtype` on `device` from a Python scalar (broadcast) or a 0-/1-D tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 1 or value.numel() not in (1, batch):
+            raise ValueError(f"{op}: {name} must be a scalar or have B = {batch} entries, got shape {tuple(value.shape)}")
+        if value.device != device:
+            raise ValueError(f"{op}: {name} is on {value.device} but the inputs are on {device}")
+        return value.reshape(-1).to(dtype).expand(batch).contiguous()
+    return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
+                    offset, generator, out, records_errors) -> SamplingOutput:
+    op = "chain_speculative_sampling_from_logits" if logits else "chain_speculative_sampling"
+    tname = "target_logits" if logits else "target_probs"
+    if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 2:
+        raise ValueError(f"{op}: draft_token_ids must be a [B, K] tensor")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
+    batch, k = draft_token_ids.shape
+    device = target.device
+    if num_draft_tokens is None:
+        num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device)
+    else:
+        num_draft_tokens = _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
+    if logits:
+        t = greedy_or_temperature
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t >= 0 and t != float("inf")):
+            raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
+        control = _per_request(t, "temperature", op, batch, device, torch.float32)
+    else:
+        greedy = False if greedy_or_temperature is None else greedy_or_temperature
+        control = _per_request(greedy, "greedy", op, batch, device, torch.bool)
+    if seed is None:
+        gen_device = generator.device if generator is not None else device
+        seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
+    else:
+        seed = _request_vector(seed, "seed", op, batch, device)
+    offset = _request_vector(0 if offset is None else offset, "offset", op, batch, device)
+    if seed.device != device or offset.device != device:
+        raise ValueError(f"{op}: seed and offset must be on {device}")
+    if out is None:
+        out = SamplingOutput(torch.empty((batch, k + 1), dtype=torch.int32, device=device),
+                             torch.empty((batch,), dtype=torch.int32, device=device))
+    elif not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError(f"{op}: out must be a tuple (output_token_ids [B, K+1] int32, num_accepted [B] int32)")
+    out = SamplingOutput(*out)
+    flags = torch.zeros(1, dtype=torch.int32, device=device) if records_errors and _strict else None
+    fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
+    fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
+       flags)
+    if flags is not None:
+        bits = int(flags.item())  # the host sync that strict mode is for
+        if bits:
+            names = {"target": tname, "draft": "draft_logits" if logits else "draft_probs"}
+            raise ValueError(f"{op}: invalid input detected on {device}: " + "; ".join(
+                msg.format(**names) for bit, msg in _SAMPLING_ERRORS.items() if bits & bit))
+    return out
+
+
+def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
+                               seed=None, offset=None, generator=None, out=None) -> SamplingOutput:
+    """Chain speculative sampling (DESIGN.md §3.1) from probabilities: accept draft token x at position i with
+    probability min(1, p_i(x) / q_i(x)); at the first rejection draw from norm(max(0, p_i - q_i)); if all
+    num_draft_tokens[b] drafts are accepted, draw a bonus token from p_k. The emitted tokens are distributed
+    exactly as sampling the target alone.
+
+    draft_token_ids [B, K] int32/int64; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (point
+    proposals: q is one-hot at the draft token), float32/bfloat16/float16.
+    num_draft_tokens [B] (ragged batches), greedy [B] bool or a bool, seed/offset [B] or ints (Philox key
+    and counter base; seed None draws from `generator`), out: preallocated (output_token_ids, num_accepted).
+    Returns SamplingOutput(output_token_ids [B, K+1] int32, num_accepted [B] int32).
+    """
+    return _chain_sampling(torch.ops.specdec, draft_token_ids, target_probs, draft_probs, logits=False,
+                           num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed, offset=offset,
+                           generator=generator, out=out, records_errors=target_probs.device.type != "cpu")
+
+
+def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
+                                           num_draft_tokens=None, seed=None, offset=None, generator=None,
+                                           out=None) -> SamplingOutput:
+    """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
+    computed inside the kernel in float32 and never written to memory; temperature 0 makes a row greedy.
+    temperature: a float or [B] float32."""
+    return _chain_sampling(torch.ops.specdec, draft_token_ids, target_logits, draft_logits, logits=True,
+                           num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
+                           offset=offset, generator=generator, out=out,
+                           records_errors=target_logits.device.type != "cpu")
+
+
 def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::philox_uniform")
     def _(seed, offset, n, stream=0):
         return seed.new_empty((seed.shape[0], n), dtype=torch.float32)
+
+    for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits"):
+        # Both write only their output arguments.
+        torch.library.register_fake(f"{namespace}::{name}")(lambda *args: None)
 
 
 _register_fakes("specdec")

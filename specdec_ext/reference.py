@@ -48,3 +48,94 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int, stream: int
     words = torch.stack(philox4x32_10(counter, (seed & _MASK32, (seed >> 32) & _MASK32)), dim=-1)
     words = words.reshape(seed.shape[0], blocks * 4)[:, :n]
     return (((words >> 9) << 1) | 1).to(torch.float32) * 2.0**-24
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chain speculative sampling. Same uniforms as the kernels (RNG contract): acceptance at position i uses
+# uniform i of stream 0, the resampled or bonus token uniform 0 of stream 1. Acceptance is decided in
+# float32 exactly as the kernels do (u * q < p); the resampled token is drawn by inverse CDF in float64 over
+# the vocabulary in index order, so it can differ from the kernels' (float32, canonical order) only where
+# u * R falls within rounding of a CDF boundary.
+def _inverse_cdf(mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row-wise first index whose cumulative mass exceeds u * total (mass: [N, V] float64 >= 0)."""
+    cdf = mass.cumsum(-1)
+    threshold = (u.double() * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, threshold, right=True).clamp_max(mass.shape[-1] - 1).squeeze(-1)
+
+
+def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset):
+    """Shared by both reference ops. p_rows [B, K+1, V] and q_rows [B, K, V] (or None) are float64 masses;
+    p_accept/q_accept [B, K] the float32 p(x), q(x) the acceptance test uses."""
+    batch, k = draft_token_ids.shape
+    device = draft_token_ids.device
+    ids = draft_token_ids.long()
+    u = philox_uniform(seed, offset, k, stream=0)
+    u_resample = philox_uniform(seed, offset, 1, stream=1)[:, 0]
+    positions = torch.arange(k, device=device)
+    active = positions < num_draft_tokens.long().unsqueeze(-1)
+    argmax = p_rows.argmax(-1)  # [B, K+1]
+    accept = torch.where(greedy.unsqueeze(-1), ids == argmax[:, :k], (q_accept > 0) & (u * q_accept < p_accept))
+    accepted = (accept & active).long().cumprod(-1).sum(-1)  # leading accepted drafts
+    j = accepted  # the row the last token comes from
+    rows = torch.arange(batch, device=device)
+    p_j = p_rows[rows, j]
+    rejected = j < num_draft_tokens.long()
+    if q_rows is not None:
+        q_j = torch.where(rejected.unsqueeze(-1), q_rows[rows, j.clamp_max(k - 1)], torch.zeros_like(p_j))
+    else:  # point proposals: q is one-hot at the rejected draft token
+        q_j = torch.zeros_like(p_j)
+        x = ids[rows, j.clamp_max(k - 1)]
+        q_j[rows[rejected], x[rejected]] = 1.0
+    residual = (p_j - q_j).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_j)  # p == q: sample p itself
+    token = torch.where(greedy, argmax[rows, j], _inverse_cdf(residual, u_resample))
+    out = torch.full((batch, k + 1), -1, dtype=torch.int32, device=device)
+    keep = positions.unsqueeze(0) < accepted.unsqueeze(-1)
+    out[:, :k] = torch.where(keep, ids, -1).int()
+    out[rows, j] = token.int()
+    return out, accepted.int()
+
+
+def _defaults(draft_token_ids, num_draft_tokens, seed, offset):
+    batch, k = draft_token_ids.shape
+    device = draft_token_ids.device
+    full = lambda v, dtype: v.to(device=device, dtype=dtype).expand(batch) if isinstance(v, torch.Tensor) else \
+        torch.full((batch,), v, dtype=dtype, device=device)
+    return (full(k if num_draft_tokens is None else num_draft_tokens, torch.int32), full(seed, torch.int64),
+            full(0 if offset is None else offset, torch.int64))
+
+
+def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
+                               seed, offset=None):
+    """Reference of specdec_ext.chain_speculative_sampling (seed required). Returns (output_token_ids, num_accepted)."""
+    batch, k = draft_token_ids.shape
+    v = target_probs.shape[-1]
+    num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
+    greedy = torch.as_tensor(False if greedy is None else greedy, device=draft_token_ids.device).expand(batch)
+    ids = draft_token_ids.long()
+    if ((ids < 0) | (ids >= v)).any():
+        raise ValueError("chain_speculative_sampling: draft_token_ids holds ids outside [0, V)")
+    p32 = target_probs.float()
+    p_accept = p32[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    q_accept = torch.ones_like(p_accept) if draft_probs is None else \
+        draft_probs.float().gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    q_rows = None if draft_probs is None else draft_probs.double()
+    return _chain_reference(draft_token_ids, p32.double(), q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed,
+                            offset)
+
+
+def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
+                                           num_draft_tokens=None, seed, offset=None):
+    """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
+    (so acceptance can differ from the kernels' float32 where u * q is within rounding of p)."""
+    batch, k = draft_token_ids.shape
+    num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
+    t = torch.as_tensor(temperature, dtype=torch.float64, device=draft_token_ids.device).expand(batch)
+    greedy = t == 0
+    scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
+    p_rows = torch.softmax(target_logits.double() * scale, -1)
+    q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
+    ids = draft_token_ids.long().unsqueeze(-1)
+    p_accept = p_rows[:, :k].gather(-1, ids).squeeze(-1).float()
+    q_accept = torch.ones_like(p_accept) if q_rows is None else q_rows.gather(-1, ids).squeeze(-1).float()
+    return _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset)

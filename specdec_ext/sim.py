@@ -19,3 +19,20 @@ def build_info() -> dict:
 def philox_uniform(seed, offset, n: int, stream: int = 0) -> torch.Tensor:
     """specdec_ext.philox_uniform under the emulator."""
     return ops._philox_uniform(torch.ops.specdec_sim, seed, offset, n, stream)
+
+
+def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
+                               seed=None, offset=None, generator=None, out=None) -> ops.SamplingOutput:
+    """specdec_ext.chain_speculative_sampling under the emulator (device-side error recording, as on CUDA)."""
+    return ops._chain_sampling(torch.ops.specdec_sim, draft_token_ids, target_probs, draft_probs, logits=False,
+                               num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed,
+                               offset=offset, generator=generator, out=out, records_errors=True)
+
+
+def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
+                                           num_draft_tokens=None, seed=None, offset=None, generator=None,
+                                           out=None) -> ops.SamplingOutput:
+    """specdec_ext.chain_speculative_sampling_from_logits under the emulator."""
+    return ops._chain_sampling(torch.ops.specdec_sim, draft_token_ids, target_logits, draft_logits, logits=True,
+                               num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
+                               offset=offset, generator=generator, out=out, records_errors=True)
