@@ -14,6 +14,85 @@
 namespace specdec {
 namespace {
 
+// The loops over a chunk, compiled for AVX-512, AVX2+FMA and baseline x86-64 and picked at load time.
+// Every variant computes the same bits: the arithmetic is the correctly rounded operations of
+// sampling_math.h, never contracted (-ffp-contract=off), and std::fma is exact with or without FMA units.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SPECDEC_CPU_CLONES
+#endif
+
+// Converts n values to float; returns whether any is invalid (probabilities: not finite; logits: NaN, +inf).
+template <typename T>
+SPECDEC_CPU_CLONES bool convert_chunk(const T* src, int n, float* out, bool logits) {
+  const float lowest_valid = logits ? kNegInf : -__FLT_MAX__;  // logits may be -inf, probabilities not
+  int bad = 0;
+  for (int l = 0; l < n; ++l) {
+    const float x = static_cast<float>(src[l]);
+    out[l] = x;
+    bad |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));  // also true for NaN
+  }
+  return bad != 0;
+}
+
+// Folds one chunk of logits, scaled by inv_temp, into the lanes' (max, sum) state: maxsum_push written
+// without branches.
+SPECDEC_CPU_CLONES void push_chunk(const float* logit, int n, float inv_temp, float* m, float* s) {
+  for (int l = 0; l < n; ++l) {
+    const float x = fmul(logit[l], inv_temp);
+    const bool up = x > m[l];
+    const float e = det_exp(up ? fadd(m[l], -x) : fadd(x, -m[l]));
+    const float s_up = fadd(fmul(s[l], e), 1.0f);
+    const float s_same = fadd(s[l], e);
+    s[l] = up ? s_up : (x > kNegInf ? s_same : s[l]);
+    m[l] = up ? x : m[l];
+  }
+}
+
+// Masses of entries base .. base + n (entry_mass), zero up to kChunk. The mode flags are made constants
+// so that each mode's loop vectorises.
+template <bool kLogits, bool kPOnly, bool kHasQ>
+inline __attribute__((always_inline)) void chunk_masses_for(MassSpec spec, int64_t base, int n, const float* pv,
+                                                            const float* qv, float* out) {
+  spec.logits = kLogits;
+  spec.p_only = kPOnly;
+  for (int l = 0; l < n; ++l) out[l] = entry_mass(spec, base + l, pv[l], kHasQ ? qv[l] : 0.0f, kHasQ);
+}
+
+SPECDEC_CPU_CLONES void chunk_masses(const MassSpec spec, int64_t base, int n, const float* pv, const float* qv, bool has_q,
+                                     float* out) {
+  if (spec.p_only) {
+    spec.logits ? chunk_masses_for<true, true, false>(spec, base, n, pv, qv, out)
+                : chunk_masses_for<false, true, false>(spec, base, n, pv, qv, out);
+  } else if (has_q) {
+    spec.logits ? chunk_masses_for<true, false, true>(spec, base, n, pv, qv, out)
+                : chunk_masses_for<false, false, true>(spec, base, n, pv, qv, out);
+  } else {
+    spec.logits ? chunk_masses_for<true, false, false>(spec, base, n, pv, qv, out)
+                : chunk_masses_for<false, false, false>(spec, base, n, pv, qv, out);
+  }
+  for (int l = n; l < kChunk; ++l) out[l] = 0.0f;
+}
+
+// The 32 group totals of a chunk's masses: the pairwise tree, one level at a time (adjacent pairs).
+SPECDEC_CPU_CLONES void group_totals_of_chunk(const float* mass, float* totals) {
+  float a[kChunk / 2], b[kChunk / 4];
+  for (int i = 0; i < kChunk / 2; ++i) a[i] = fadd(mass[2 * i], mass[2 * i + 1]);
+  for (int i = 0; i < kChunk / 4; ++i) b[i] = fadd(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < kChunk / 8; ++i) a[i] = fadd(b[2 * i], b[2 * i + 1]);
+  for (int i = 0; i < kChunk / 16; ++i) b[i] = fadd(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < kChunk / 32; ++i) totals[i] = fadd(b[2 * i], b[2 * i + 1]);
+}
+
+SPECDEC_CPU_CLONES void argmax_chunk(const float* x, int n, int32_t base, float* best, int32_t* index) {
+  for (int l = 0; l < n; ++l) {
+    const bool take = x[l] > best[l] || (x[l] == best[l] && index[l] == INT32_MAX);
+    best[l] = take ? x[l] : best[l];
+    index[l] = take ? base + l : index[l];
+  }
+}
+
 template <typename T>
 struct CpuSamplingEngine {
   const ChainSamplingParams& P;
@@ -34,10 +113,9 @@ struct CpuSamplingEngine {
     return static_cast<const T*>(P.draft) + b * P.draft_stride_b + i * P.draft_stride_k;
   }
   void flag(int32_t bits) { errors |= bits; }
-  bool bad_value(float x) const { return P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x); }
   float load(const T* row, int64_t v, bool target) {
-    const float x = static_cast<float>(row[v]);
-    if (bad_value(x)) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
+    float x;
+    if (convert_chunk(row + v, 1, &x, P.logits)) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
     return x;
   }
   int64_t chunks() const { return (P.vocab + kChunk - 1) / kChunk; }
@@ -45,14 +123,7 @@ struct CpuSamplingEngine {
 
   // Converts one chunk of a row to float and checks it.
   void load_chunk(const T* row, int64_t c, float* out, bool target) {
-    const int n = valid(c);
-    const T* src = row + c * kChunk;
-    bool bad = false;
-    for (int l = 0; l < n; ++l) {
-      out[l] = static_cast<float>(src[l]);
-      bad |= bad_value(out[l]);
-    }
-    if (bad) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
+    if (convert_chunk(row + c * kChunk, valid(c), out, P.logits)) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
   }
 
   int32_t argmax(const T* row) {
@@ -65,29 +136,11 @@ struct CpuSamplingEngine {
     }
     for (int64_t c = 0; c < chunks(); ++c) {
       load_chunk(row, c, x, true);
-      const int n = valid(c);
-      for (int l = 0; l < n; ++l) {
-        const bool take = x[l] > best[l] || (x[l] == best[l] && index[l] == INT32_MAX);
-        best[l] = take ? x[l] : best[l];
-        index[l] = take ? static_cast<int32_t>(c * kChunk + l) : index[l];
-      }
+      argmax_chunk(x, valid(c), static_cast<int32_t>(c * kChunk), best, index);
     }
     ArgMax r = argmax_identity();
     for (int l = 0; l < kChunk; ++l) r = argmax_combine(r, ArgMax{best[l], index[l]});
     return r.index < P.vocab ? r.index : 0;
-  }
-
-  // Folds one chunk of scaled logits into the lanes' (max, sum) state; the same arithmetic as maxsum_push,
-  // written without branches so that it vectorises.
-  static void push_chunk(const float* x, int n, float* m, float* s) {
-    for (int l = 0; l < n; ++l) {
-      const bool up = x[l] > m[l];
-      const float e = det_exp(up ? fadd(m[l], -x[l]) : fadd(x[l], -m[l]));
-      const float s_up = fadd(fmul(s[l], e), 1.0f);
-      const float s_same = fadd(s[l], e);
-      s[l] = up ? s_up : (x[l] > kNegInf ? s_same : s[l]);
-      m[l] = up ? x[l] : m[l];
-    }
   }
 
   // The canonical combination of lane states: pairwise tree within each group, then groups in order.
@@ -115,12 +168,10 @@ struct CpuSamplingEngine {
     for (int64_t c = 0; c < chunks(); ++c) {
       const int n = valid(c);
       load_chunk(row_p, c, x, true);
-      for (int l = 0; l < n; ++l) x[l] = fmul(x[l], inv_temp);
-      push_chunk(x, n, mp, spp);
+      push_chunk(x, n, inv_temp, mp, spp);
       if (row_q != nullptr) {
         load_chunk(row_q, c, x, false);
-        for (int l = 0; l < n; ++l) x[l] = fmul(x[l], inv_temp);
-        push_chunk(x, n, mq, sqq);
+        push_chunk(x, n, inv_temp, mq, sqq);
       }
     }
     *sp = reduce_lanes(mp, spp);
@@ -133,9 +184,7 @@ struct CpuSamplingEngine {
     float *pv = lane_a.data(), *qv = lane_b.data(), *m = mass.data();
     load_chunk(row_p, c, pv, true);
     if (row_q != nullptr) load_chunk(row_q, c, qv, false);
-    const int64_t base = c * kChunk;
-    for (int l = 0; l < n; ++l) m[l] = entry_mass(spec, base + l, pv[l], row_q != nullptr ? qv[l] : 0.0f, row_q != nullptr);
-    for (int l = n; l < kChunk; ++l) m[l] = 0.0f;
+    chunk_masses(spec, c * kChunk, n, pv, qv, row_q != nullptr, m);
   }
 
   int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
@@ -143,14 +192,7 @@ struct CpuSamplingEngine {
     float* m = mass.data();
     for (int64_t c = 0; c < C; ++c) {
       chunk_mass(row_p, row_q, spec, c);
-      for (int g = 0; g < kGroups; ++g) {
-        float t[kGroup];
-        for (int l = 0; l < kGroup; ++l) t[l] = m[g * kGroup + l];
-        for (int width = 1; width < kGroup; width *= 2) {
-          for (int l = 0; l < kGroup; l += 2 * width) t[l] = fadd(t[l], t[l + width]);
-        }
-        group_totals[c * kGroups + g] = t[0];
-      }
+      group_totals_of_chunk(m, &group_totals[c * kGroups]);
     }
     carry[0] = 0.0f;
     for (int64_t c = 0; c < C; ++c) {
@@ -196,12 +238,18 @@ struct CpuSamplingEngine {
   }
 };
 
+// Requests are taken from a shared counter: their cost varies by an order of magnitude with the number of
+// accepted drafts (logits rows are read up to the first rejection), so a static split would leave threads idle.
 template <typename T>
 int32_t run(const ChainSamplingParams& P) {
   std::atomic<int32_t> errors{0};
-  at::parallel_for(0, P.batch, 1, [&](int64_t begin, int64_t end) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(P.batch, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     CpuSamplingEngine<T> engine(P);
-    for (int64_t b = begin; b < end; ++b) chain_sampling_request(engine, P, b);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t b = next.fetch_add(1); b < P.batch; b = next.fetch_add(1)) chain_sampling_request(engine, P, b);
+    }
     errors.fetch_or(engine.errors);
   });
   return errors.load();

@@ -27,7 +27,9 @@
 #else
 #include <cmath>
 #include <cstring>
-#define SPECDEC_MATH inline
+// Always inlined: the CPU kernel's loops are compiled for several instruction sets (target_clones), and an
+// out-of-line call would run the baseline build of these functions inside the AVX-512 loop.
+#define SPECDEC_MATH inline __attribute__((always_inline))
 #endif
 
 namespace specdec {
@@ -78,9 +80,9 @@ SPECDEC_MATH bool is_finite(float x) { return x - x == 0.0f; }
 constexpr float kNegInf = -__builtin_huge_valf();
 
 // exp(x), the same bits on every backend; relative error ~2 ulp. Returns 0 below -87.3 (where exp(x) is
-// subnormal) and for NaN, which callers detect separately.
-SPECDEC_MATH float det_exp(float x) {
-  if (!(x > -87.3f)) return 0.0f;
+// subnormal) and for NaN, which callers detect separately. Branch-free, so that CPU loops vectorise.
+SPECDEC_MATH float det_exp(float x0) {
+  float x = x0 > -87.3f ? x0 : -87.3f;  // NaN -> -87.3; the result is replaced by 0 below
   x = x < 88.0f ? x : 88.0f;
   const float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float k = fadd(fadd(fmul(x, 1.44269504f), kMagic), -kMagic);
@@ -95,7 +97,8 @@ SPECDEC_MATH float det_exp(float x) {
   p = ffma(p, r, 1.0f);
   p = ffma(p, r, 1.0f);
   const int ki = static_cast<int>(k);  // in [-126, 127]
-  return fmul(p, bits_as_float(static_cast<uint32_t>(ki + 127) << 23));
+  const float e = fmul(p, bits_as_float(static_cast<uint32_t>(ki + 127) << 23));
+  return x0 > -87.3f ? e : 0.0f;
 }
 
 // Running softmax statistics of a set of scaled logits: max m and sum of exp(x - m).

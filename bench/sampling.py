@@ -1,0 +1,111 @@
+"""`specdec bench sampling`: chain speculative sampling, ours against PyTorch.
+
+Two baselines run in the same process: `torch`, an efficient vectorised implementation (float32 softmax
+over the whole [B, K+1, V] tensors, acceptance by gather, the residual row gathered per request and sampled
+by an exponential race), and `reference`, the readable float64 oracle of specdec_ext.reference.
+GB/s counts the bytes the op must read: the rows up to the first rejection (all of them for logits, whose
+normalisers need every entry) and the row the last token is drawn from; with probabilities, acceptance
+itself needs only p(x) and q(x).
+"""
+import torch
+
+import specdec_ext
+from specdec_ext import reference
+
+from .common import copy_bandwidth_gbs, median_us, pick_device, report, save
+
+
+def make_case(batch, k, vocab, dtype, device, gen):
+    logits = torch.randn(batch, k + 1, vocab, generator=gen) * 2.5
+    draft = logits[:, :k] + 0.8 * torch.randn(batch, k, vocab, generator=gen)
+    q = torch.softmax(draft, -1)
+    ids = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k).int()
+    to = lambda t: t.to(device=device, dtype=dtype)
+    return {"ids": ids.to(device), "target_logits": to(logits), "draft_logits": to(draft),
+            "target_probs": to(torch.softmax(logits, -1)), "draft_probs": to(q),
+            "seed": torch.randint(0, 2**62, (batch,), generator=gen).to(device)}
+
+
+def torch_sampling(ids, target_probs, draft_probs):
+    """An efficient PyTorch implementation of the same algorithm (its own RNG)."""
+    batch, k = ids.shape
+    ids = ids.long()
+    p_x = target_probs[:, :k].gather(-1, ids[..., None]).squeeze(-1).float()
+    q_x = draft_probs.gather(-1, ids[..., None]).squeeze(-1).float()
+    u = torch.rand(batch, k, device=ids.device)
+    accepted = ((u * q_x < p_x).long().cumprod(-1)).sum(-1)
+    rows = torch.arange(batch, device=ids.device)
+    p_j = target_probs[rows, accepted].float()
+    q_j = torch.where((accepted < k)[:, None], draft_probs[rows, accepted.clamp_max(k - 1)].float(), 0.0)
+    residual = (p_j - q_j).clamp_min_(0)
+    token = (residual / torch.empty_like(residual).exponential_()).argmax(-1)
+    out = torch.where(torch.arange(k + 1, device=ids.device) < accepted[:, None], torch.cat([ids, ids[:, :1]], 1), -1)
+    out[rows, accepted] = token
+    return out, accepted
+
+
+def torch_sampling_from_logits(ids, target_logits, draft_logits, temperature):
+    return torch_sampling(ids, torch.softmax(target_logits.float() / temperature, -1),
+                          torch.softmax(draft_logits.float() / temperature, -1))
+
+
+def bytes_read(out, k, vocab, elem, logits):
+    accepted = out.num_accepted.long()
+    rejected = accepted < k
+    if logits:  # both rows at every position reached, plus the bonus row
+        rows = torch.where(rejected, 2 * (accepted + 1), 2 * k + 1)
+    else:  # the row the last token is drawn from (target and draft when rejected)
+        rows = torch.where(rejected, 2, 1)
+    return int(rows.sum()) * vocab * elem
+
+
+def main(args) -> int:
+    device = pick_device(args.device)
+    peak = copy_bandwidth_gbs(device)
+    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
+    ks = [int(x) for x in args.k.split(",")] if args.k else [1, 4, 8]
+    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 128256]
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in vocabs:
+            for batch in batches:
+                for k in ks:
+                    # The same draws for every dtype, so that dtypes are compared on the same acceptance pattern.
+                    gen = torch.Generator().manual_seed(batch * 1000 + k * 10 + vocab)
+                    case = make_case(batch, k, vocab, dtype, device, gen)
+                    for path in ("probs", "logits"):
+                        rows.append(measure(case, path, batch, k, vocab, dtype, device, args.repeats, peak))
+                        print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
+                                       for key, val in rows[-1].items()), flush=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    report(f"chain speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
+           ["path", "dtype", "B", "K", "V", "accepted", "ours_us", "torch_us", "speedup", "reference_us", "vs_reference",
+            "GB/s", "of_copy_bw"])
+    save(args, {"title": f"chain speculative sampling, {name}", "device": name, "copy_bw_gbs": peak}, rows,
+         ["path", "dtype", "B", "K", "V"])
+    return 0
+
+
+def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):
+    ids, seed = case["ids"], case["seed"]
+    if path == "probs":
+        tp, dp = case["target_probs"], case["draft_probs"]
+        ours = lambda: specdec_ext.chain_speculative_sampling(ids, tp, dp, seed=seed)
+        base = lambda: torch_sampling(ids, tp, dp)
+        ref = lambda: reference.chain_speculative_sampling(ids, tp, dp, seed=seed)
+    else:
+        tl, dl = case["target_logits"], case["draft_logits"]
+        ours = lambda: specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=1.0, seed=seed)
+        base = lambda: torch_sampling_from_logits(ids, tl, dl, 1.0)
+        ref = lambda: reference.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=1.0, seed=seed)
+    big = batch * k * vocab >= 8 * 4 * 128256
+    slow_repeats = max(3, repeats // (10 if big else 4))
+    ours_us = median_us(ours, device, repeats)
+    torch_us = median_us(base, device, max(5, repeats // 2))
+    ref_us = median_us(ref, device, slow_repeats, warmup=1)
+    out = ours()
+    nbytes = bytes_read(out, k, vocab, torch.finfo(dtype).bits // 8, path == "logits")
+    gbs = nbytes / (ours_us * 1e-6) / 1e9
+    return {"path": path, "dtype": str(dtype).replace("torch.", ""), "B": batch, "K": k, "V": vocab,
+            "accepted": float(out.num_accepted.float().mean()), "ours_us": ours_us, "torch_us": torch_us, "speedup": torch_us / ours_us, "reference_us": ref_us,
+            "vs_reference": ref_us / ours_us, "GB/s": gbs, "of_copy_bw": gbs / peak}
