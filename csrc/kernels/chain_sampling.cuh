@@ -1,6 +1,7 @@
-// Chain speculative sampling on the GPU: one block of 256 threads per request. Thread t owns canonical
-// lanes 4t..4t+3 of every chunk (sampling_math.h), so a group of 32 lanes is 8 threads: the pairwise tree
-// over a group is levels 1-2 in registers and levels 3-5 as butterfly shuffles among the 8 threads.
+// Chain speculative sampling on the GPU: one block of 1024 threads per request. Thread t owns canonical
+// lane t of every chunk (sampling_math.h), so a group of 32 lanes is a warp and the pairwise tree over a
+// group is the warp's butterfly; the within-group scan of the sampling step is the warp's Hillis-Steele
+// scan. 1024 threads (not fewer threads with several lanes each) keep 32 warps per SM in flight.
 //
 // Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
@@ -11,10 +12,8 @@
 
 namespace specdec {
 
-constexpr int kSamplingThreads = 256;
-constexpr int kLanesPerThread = kChunk / kSamplingThreads;  // 4
-constexpr int kThreadsPerGroup = kGroup / kLanesPerThread;  // 8
-static_assert(kLanesPerThread == 4, "the in-register tree below is written for 4 lanes per thread");
+constexpr int kSamplingThreads = kChunk;
+static_assert(kGroup == kWarpSize, "a canonical group is one warp");
 
 template <typename T>
 struct BlockSamplingEngine {
@@ -24,6 +23,7 @@ struct BlockSamplingEngine {
   MaxSum* ms_scratch;   // [2 * kGroups]
   ArgMax* am_scratch;   // [kGroups]
   int32_t* int_scratch; // [2]
+  float* scan_scratch;   // [1]
   int32_t errors;       // this thread's error bits, published once at the end
 
   SPECDEC_DEVICE const T* row_target(int64_t b, int64_t i) const {
@@ -43,17 +43,21 @@ struct BlockSamplingEngine {
     check(x, target);
     return x;
   }
-  SPECDEC_DEVICE int64_t lane_entry(int64_t chunk, int e) const {
-    return chunk * kChunk + threadIdx.x * kLanesPerThread + e;
+  SPECDEC_DEVICE int64_t lane_entry(int64_t chunk) const { return chunk * kChunk + threadIdx.x; }
+  SPECDEC_DEVICE int64_t chunks() const { return (P.vocab + kChunk - 1) / kChunk; }
+  // This thread's entry of chunk c (0 past the vocabulary, neither read nor checked).
+  SPECDEC_DEVICE float load_lane(const T* row, int64_t c, bool target) {
+    const int64_t v = lane_entry(c);
+    if (v >= P.vocab) return 0.0f;
+    return load(row, v, target);
   }
 
-  // Combines the 4 lane values of each thread over its group (pairwise tree), then the 32 group values in
-  // order. Every thread returns the result.
+  // Combines the lanes: the pairwise tree over each group (warp butterfly), then the 32 groups in order.
+  // Every thread returns the result.
   template <typename V, typename Op>
-  SPECDEC_DEVICE V reduce_lanes(const V (&lane)[kLanesPerThread], Op op, V* scratch) {
-    V v = op(op(lane[0], lane[1]), op(lane[2], lane[3]));
-    v = group_reduce<kThreadsPerGroup>(v, op);
-    if (threadIdx.x % kThreadsPerGroup == 0) scratch[threadIdx.x / kThreadsPerGroup] = v;
+  SPECDEC_DEVICE V reduce_lanes(V lane, Op op, V* scratch) {
+    const V v = group_reduce<kGroup>(lane, op);
+    if (lane_id() == 0) scratch[threadIdx.x / kGroup] = v;
     sync_threads();
     V r = scratch[0];
     for (int g = 1; g < kGroups; ++g) r = op(r, scratch[g]);
@@ -61,15 +65,20 @@ struct BlockSamplingEngine {
     return r;
   }
 
+  // Rows are streamed kUnroll chunks at a time: all loads of a batch are issued before any is used, which
+  // keeps enough bytes in flight per block. Each lane still folds its entries in increasing order.
+  static constexpr int kUnroll = 8;
+
   SPECDEC_DEVICE int32_t argmax(const T* row) {
-    ArgMax lane[kLanesPerThread];
-    for (int e = 0; e < kLanesPerThread; ++e) lane[e] = argmax_identity();
-    const int64_t chunks = (P.vocab + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
+    ArgMax lane = argmax_identity();
+    for (int64_t c0 = 0; c0 < chunks(); c0 += kUnroll) {
+      float x[kUnroll];
 #pragma unroll
-      for (int e = 0; e < kLanesPerThread; ++e) {
-        const int64_t v = lane_entry(c, e);
-        if (v < P.vocab) lane[e] = argmax_combine(lane[e], ArgMax{load(row, v, true), static_cast<int32_t>(v)});
+      for (int u = 0; u < kUnroll; ++u) x[u] = c0 + u < chunks() ? load_lane(row, c0 + u, true) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = lane_entry(c0 + u);
+        if (c0 + u < chunks() && v < P.vocab) lane = argmax_combine(lane, ArgMax{x[u], static_cast<int32_t>(v)});
       }
     }
     const ArgMax best = reduce_lanes(lane, ArgMaxCombine{}, am_scratch);
@@ -77,16 +86,19 @@ struct BlockSamplingEngine {
   }
 
   SPECDEC_DEVICE void softmax_stats(const T* row_p, const T* row_q, float inv_temp, MaxSum* sp, MaxSum* sq) {
-    MaxSum lp[kLanesPerThread], lq[kLanesPerThread];
-    for (int e = 0; e < kLanesPerThread; ++e) lp[e] = lq[e] = maxsum_identity();
-    const int64_t chunks = (P.vocab + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
+    MaxSum lp = maxsum_identity(), lq = maxsum_identity();
+    for (int64_t c0 = 0; c0 < chunks(); c0 += kUnroll) {
+      float xp[kUnroll], xq[kUnroll];
 #pragma unroll
-      for (int e = 0; e < kLanesPerThread; ++e) {
-        const int64_t v = lane_entry(c, e);
-        if (v < P.vocab) {
-          lp[e] = maxsum_push(lp[e], fmul(load(row_p, v, true), inv_temp));
-          if (row_q != nullptr) lq[e] = maxsum_push(lq[e], fmul(load(row_q, v, false), inv_temp));
+      for (int u = 0; u < kUnroll; ++u) {
+        xp[u] = c0 + u < chunks() ? load_lane(row_p, c0 + u, true) : 0.0f;
+        xq[u] = c0 + u < chunks() && row_q != nullptr ? load_lane(row_q, c0 + u, false) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u < chunks() && lane_entry(c0 + u) < P.vocab) {
+          lp = maxsum_push(lp, fmul(xp[u], inv_temp));
+          if (row_q != nullptr) lq = maxsum_push(lq, fmul(xq[u], inv_temp));
         }
       }
     }
@@ -102,15 +114,24 @@ struct BlockSamplingEngine {
   }
 
   SPECDEC_DEVICE int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
-    const int64_t chunks = (P.vocab + kChunk - 1) / kChunk;
-    const unsigned group = threadIdx.x / kThreadsPerGroup;
+    const int64_t chunks = this->chunks();
+    const unsigned group = threadIdx.x / kGroup;
     // Pass 1: every group's total mass, per chunk.
-    for (int64_t c = 0; c < chunks; ++c) {
-      float m[kLanesPerThread];
+    for (int64_t c0 = 0; c0 < chunks; c0 += kUnroll) {
+      float xp[kUnroll], xq[kUnroll];
 #pragma unroll
-      for (int e = 0; e < kLanesPerThread; ++e) m[e] = mass(row_p, row_q, spec, lane_entry(c, e));
-      const float total = group_reduce<kThreadsPerGroup>(fadd(fadd(m[0], m[1]), fadd(m[2], m[3])), FloatSum{});
-      if (threadIdx.x % kThreadsPerGroup == 0) group_totals[c * kGroups + group] = total;
+      for (int u = 0; u < kUnroll; ++u) {
+        xp[u] = c0 + u < chunks ? load_lane(row_p, c0 + u, true) : 0.0f;
+        xq[u] = c0 + u < chunks && row_q != nullptr ? load_lane(row_q, c0 + u, false) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u >= chunks) break;  // uniform across the block
+        const int64_t v = lane_entry(c0 + u);
+        const float m = v < P.vocab ? entry_mass(spec, v, xp[u], xq[u], row_q != nullptr) : 0.0f;
+        const float total = group_reduce<kGroup>(m, FloatSum{});
+        if (lane_id() == 0) group_totals[(c0 + u) * kGroups + group] = total;
+      }
     }
     sync_threads();
     // Chunk totals (groups in order), then the carries (chunks in order).
@@ -138,6 +159,8 @@ struct BlockSamplingEngine {
     }
     SPECDEC_SHARED(int32_t, chunk_min, kSamplingThreads / kWarpSize);
     const int64_t c = block_reduce<kSamplingThreads>(static_cast<int32_t>(first), Min{}, chunk_min);
+    // The group, by one thread (groups in order), then the lane, by one warp: its Hillis-Steele scan is the
+    // canonical within-group scan.
     if (threadIdx.x == 0) {
       const float base = carry[c];
       float prefix = 0.0f;
@@ -146,12 +169,18 @@ struct BlockSamplingEngine {
         if (fadd(base, fadd(prefix, group_totals[c * kGroups + g])) > threshold) break;
         prefix = fadd(prefix, group_totals[c * kGroups + g]);
       }
-      float x[kGroup];
-      for (int l = 0; l < kGroup; ++l) x[l] = mass(row_p, row_q, spec, c * kChunk + g * kGroup + l);
-      group_inclusive_scan(x);
-      int l = 0;
-      while (l < kGroup - 1 && !(fadd(base, fadd(prefix, x[l])) > threshold)) ++l;
-      int_scratch[0] = static_cast<int32_t>(c * kChunk + g * kGroup + l);
+      int_scratch[1] = g;
+      scan_scratch[0] = prefix;
+    }
+    sync_threads();
+    if (threadIdx.x < kWarpSize) {
+      const int g = int_scratch[1];
+      const float base = carry[c], prefix = scan_scratch[0];
+      const int64_t v = c * kChunk + g * kGroup + threadIdx.x;
+      const float inclusive = warp_inclusive_scan(mass(row_p, row_q, spec, v), FloatSum{});
+      const unsigned above = ballot(kFullMask, fadd(base, fadd(prefix, inclusive)) > threshold);
+      const int l = above != 0 ? lowest_set_bit(above) : kGroup - 1;
+      if (threadIdx.x == 0) int_scratch[0] = static_cast<int32_t>(c * kChunk + g * kGroup + l);
     }
     sync_threads();
     const int32_t token = int_scratch[0];
@@ -183,7 +212,8 @@ __global__ void __launch_bounds__(kSamplingThreads) chain_sampling_kernel(ChainS
   SPECDEC_SHARED(MaxSum, ms_scratch, 2 * kGroups);
   SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
   SPECDEC_SHARED(int32_t, int_scratch, 2);
-  BlockSamplingEngine<T> engine{P, group_totals, carry, ms_scratch, am_scratch, int_scratch, 0};
+  SPECDEC_SHARED(float, scan_scratch, 1);
+  BlockSamplingEngine<T> engine{P, group_totals, carry, ms_scratch, am_scratch, int_scratch, scan_scratch, 0};
   for (int64_t b = blockIdx.x; b < P.batch; b += gridDim.x) chain_sampling_request(engine, P, b);
   if (engine.errors != 0 && P.error_flags != nullptr) atomic_or(P.error_flags, engine.errors);
 }

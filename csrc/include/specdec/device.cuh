@@ -142,6 +142,13 @@ SPECDEC_DEVICE T shfl_xor_words(unsigned mask, T v, int lane_mask) {
   return v;
 }
 
+// Index of the lowest set bit of a non-zero mask (the first lane of a ballot).
+#if defined(SPECDEC_SIM)
+inline int lowest_set_bit(unsigned mask) { return __builtin_ctz(mask); }
+#else
+SPECDEC_DEVICE int lowest_set_bit(unsigned mask) { return __ffs(mask) - 1; }
+#endif
+
 // ----- atomics (int, unsigned, float); return the old value ----------------------------------------
 // Under the emulator, fibers switch only at barriers and collectives, so a plain read-modify-write is
 // atomic.
@@ -287,6 +294,39 @@ SPECDEC_DEVICE void store_vec16(T* p, const Vec16<T>& v) {
   uint4 raw;
   memcpy(&raw, &v, 16);
   *reinterpret_cast<uint4*>(p) = raw;
+}
+#endif
+
+// N consecutive elements in one load of N * sizeof(T) bytes (4, 8 or 16); `p` must be aligned to that.
+template <typename T, int N>
+struct alignas(N * sizeof(T)) VecN {
+  T v[N];
+};
+#if defined(SPECDEC_SIM)
+template <int N, typename T>
+VecN<T, N> load_vecn(const T* p, std::source_location loc = std::source_location::current()) {
+  if (reinterpret_cast<uintptr_t>(p) % (N * sizeof(T)) != 0) sim::fail("misaligned vector load", loc.file_name(), loc.line());
+  VecN<T, N> r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+#else
+template <int N, typename T>
+SPECDEC_DEVICE VecN<T, N> load_vecn(const T* p) {
+  constexpr int kBytes = N * sizeof(T);
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "4, 8 or 16 bytes");
+  VecN<T, N> r;
+  if constexpr (kBytes == 16) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+    memcpy(&r, &raw, 16);
+  } else if constexpr (kBytes == 8) {
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
+    memcpy(&r, &raw, 8);
+  } else {
+    const unsigned raw = __ldg(reinterpret_cast<const unsigned*>(p));
+    memcpy(&r, &raw, 4);
+  }
+  return r;
 }
 #endif
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One run on a machine with a GPU: build for sm_90a, the CUDA tests, the kernel benchmarks. Results go to
+# $OUT (or bench/out). Uses the machine's python3 and torch; wheels under .whl/ are installed first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+start=$(date +%s)
+python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+python3 -m specdec_ext.cli info | tee -a "$OUT/gpu.txt"
+python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.txt" | tail -15
+python3 -m specdec_ext.cli bench philox --device cuda --json "$OUT/philox.json" 2>&1 | tail -9 | tee "$OUT/bench_philox.txt"
+python3 -m specdec_ext.cli bench sampling --device cuda --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png" \
+  > "$OUT/bench_sampling.txt" 2>&1
+tail -26 "$OUT/bench_sampling.txt"

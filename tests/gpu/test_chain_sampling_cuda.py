@@ -1,0 +1,114 @@
+"""Chain speculative sampling on CUDA: the same tokens as the CPU kernel (bit-exact, by the canonical
+order), no host synchronisation, capturable in a CUDA graph, defined output on invalid input."""
+import pytest
+import torch
+
+import specdec_ext
+
+
+def case(batch, k, vocab, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, k + 1, vocab, generator=g) * 2
+    draft = logits[:, :k] + 0.7 * torch.randn(batch, k, vocab, generator=g)
+    q = torch.softmax(draft, -1)
+    ids = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).reshape(batch, k).int()
+    return {
+        "ids": ids, "tl": logits.to(dtype), "dl": draft.to(dtype),
+        "tp": torch.softmax(logits, -1).to(dtype), "dp": q.to(dtype),
+        "nd": torch.randint(0, k + 1, (batch,), generator=g, dtype=torch.int32),
+        "greedy": torch.rand(batch, generator=g) < 0.2,
+        "temp": torch.where(torch.rand(batch, generator=g) < 0.2, 0.0, torch.rand(batch, generator=g) + 0.3),
+        "seed": torch.randint(-(2**63), 2**63 - 1, (batch,), generator=g),
+        "offset": torch.randint(0, 2**40, (batch,), generator=g),
+    }
+
+
+def run(c, device, logits, with_draft):
+    d = {k: v.to(device) for k, v in c.items()}
+    if logits:
+        return specdec_ext.chain_speculative_sampling_from_logits(
+            d["ids"], d["tl"], d["dl"] if with_draft else None, temperature=d["temp"], num_draft_tokens=d["nd"],
+            seed=d["seed"], offset=d["offset"])
+    return specdec_ext.chain_speculative_sampling(d["ids"], d["tp"], d["dp"] if with_draft else None,
+                                                  num_draft_tokens=d["nd"], greedy=d["greedy"], seed=d["seed"],
+                                                  offset=d["offset"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
+@pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "point"])
+@pytest.mark.parametrize("batch,k,vocab", [(1, 1, 1), (3, 4, 1000), (300, 4, 3001), (17, 8, 32000), (4, 16, 128256),
+                                           (2, 3, 262144)])
+def test_cuda_matches_cpu_exactly(dtype, logits, with_draft, batch, k, vocab):
+    c = case(batch, k, vocab, dtype, batch * 7 + k + vocab)
+    cpu = run(c, "cpu", logits, with_draft)
+    gpu = run(c, "cuda", logits, with_draft)
+    assert torch.equal(gpu.num_accepted.cpu(), cpu.num_accepted)
+    assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
+
+
+def test_unaligned_rows_take_the_scalar_path():
+    c = case(5, 3, 1001, torch.float32, 5)
+    tp = torch.zeros(5, 4, 1002)
+    tp[..., 1:] = c["tp"]
+    dp = torch.zeros(5, 3, 1002)
+    dp[..., 1:] = c["dp"]
+    view_t, view_d = tp.cuda()[..., 1:], dp.cuda()[..., 1:]  # row starts 4 bytes past 16-byte alignment
+    gpu = specdec_ext.chain_speculative_sampling(c["ids"].cuda(), view_t, view_d, seed=c["seed"].cuda())
+    cpu = specdec_ext.chain_speculative_sampling(c["ids"], c["tp"], c["dp"], seed=c["seed"])
+    assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
+
+
+def test_no_host_sync_and_cuda_graph_capture():
+    c = {k: v.cuda() for k, v in case(64, 4, 32000, torch.bfloat16, 11).items()}
+    out = (torch.empty(64, 5, dtype=torch.int32, device="cuda"), torch.empty(64, dtype=torch.int32, device="cuda"))
+    step = torch.zeros(64, dtype=torch.int64, device="cuda")
+
+    def call():
+        specdec_ext.chain_speculative_sampling_from_logits(c["ids"], c["tl"], c["dl"], temperature=c["temp"],
+                                                           seed=c["seed"], offset=step, out=out)
+
+    call()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for s in range(3):
+        step.fill_(s)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = specdec_ext.chain_speculative_sampling_from_logits(
+            c["ids"].cpu(), c["tl"].cpu(), c["dl"].cpu(), temperature=c["temp"].cpu(), seed=c["seed"].cpu(), offset=s)
+        assert torch.equal(out[0].cpu(), want.output_token_ids)
+
+
+def test_invalid_input_defined_output_and_strict_mode():
+    c = {k: v.cuda() for k, v in case(6, 3, 500, torch.float32, 3).items()}
+    tp = c["tp"].clone()
+    tp[2] = float("nan")
+    ids = c["ids"].clone()
+    ids[4, 0] = 10**6
+    out = specdec_ext.chain_speculative_sampling(ids, tp, c["dp"], seed=c["seed"])
+    toks, acc = out.output_token_ids.cpu(), out.num_accepted.cpu()
+    for b in range(6):
+        a = int(acc[b])
+        assert 0 <= a <= 3 and all(0 <= t < 500 for t in toks[b, : a + 1].tolist())
+    specdec_ext.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="target_probs holds NaN or inf; draft_token_ids holds ids outside"):
+            specdec_ext.chain_speculative_sampling(ids, tp, c["dp"], seed=c["seed"])
+    finally:
+        specdec_ext.set_strict(False)
+
+
+@pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
+def test_opcheck_cuda(logits):
+    c = {k: v.cuda() for k, v in case(3, 2, 77, torch.bfloat16, 1).items()}
+    fn = torch.ops.specdec.chain_speculative_sampling_from_logits if logits else torch.ops.specdec.chain_speculative_sampling
+    out = (torch.empty(3, 3, dtype=torch.int32, device="cuda"), torch.empty(3, dtype=torch.int32, device="cuda"))
+    torch.library.opcheck(fn.default, (c["ids"], c["tl"] if logits else c["tp"], c["dl"] if logits else c["dp"], c["nd"],
+                                       c["temp"].float() if logits else c["greedy"], c["seed"], c["offset"], *out, None))
