@@ -36,17 +36,12 @@ SPECDEC_CPU_CLONES bool convert_chunk(const T* src, int n, float* out, bool logi
   return bad != 0;
 }
 
-// Folds one chunk of logits, scaled by inv_temp, into the lanes' (max, sum) state: maxsum_push written
-// without branches.
+// Folds one chunk of logits, scaled by inv_temp, into the lanes' (max, sum) state.
 SPECDEC_CPU_CLONES void push_chunk(const float* logit, int n, float inv_temp, float* m, float* s) {
   for (int l = 0; l < n; ++l) {
-    const float x = fmul(logit[l], inv_temp);
-    const bool up = x > m[l];
-    const float e = det_exp(up ? fadd(m[l], -x) : fadd(x, -m[l]));
-    const float s_up = fadd(fmul(s[l], e), 1.0f);
-    const float s_same = fadd(s[l], e);
-    s[l] = up ? s_up : (x > kNegInf ? s_same : s[l]);
-    m[l] = up ? x : m[l];
+    const MaxSum r = maxsum_push(MaxSum{m[l], s[l]}, fmul(logit[l], inv_temp));
+    m[l] = r.m;
+    s[l] = r.s;
   }
 }
 

@@ -107,11 +107,14 @@ struct MaxSum {
   float s;
 };
 SPECDEC_MATH MaxSum maxsum_identity() { return MaxSum{kNegInf, 0.0f}; }
-// Folds one scaled logit in. -inf (a masked token) and NaN leave the state unchanged.
+// Folds one scaled logit in. -inf (a masked token) and NaN leave the state unchanged. Written with selects
+// and one exp, so that neither a warp nor a SIMD loop evaluates both cases.
 SPECDEC_MATH MaxSum maxsum_push(MaxSum a, float x) {
-  if (x > a.m) return MaxSum{x, fadd(fmul(a.s, det_exp(fadd(a.m, -x))), 1.0f)};
-  if (x > kNegInf) return MaxSum{a.m, fadd(a.s, det_exp(fadd(x, -a.m)))};
-  return a;
+  const bool up = x > a.m;
+  const float e = det_exp(up ? fadd(a.m, -x) : fadd(x, -a.m));
+  const float s_up = fadd(fmul(a.s, e), 1.0f);
+  const float s_same = fadd(a.s, e);
+  return MaxSum{up ? x : a.m, up ? s_up : (x > kNegInf ? s_same : a.s)};
 }
 // Commutative bit for bit: combine(a, b) == combine(b, a).
 SPECDEC_MATH MaxSum maxsum_combine(MaxSum a, MaxSum b) {
