@@ -17,7 +17,7 @@ static_assert(kGroup == kWarpSize, "a canonical group is one warp");
 
 template <typename T>
 struct BlockSamplingEngine {
-  const ChainSamplingParams& P;
+  const ChainSamplingParams P;  // a copy: a reference to the kernel parameter would put it in local memory
   float* group_totals;  // [kMaxChunks * kGroups]
   float* carry;         // [kMaxChunks + 1]
   MaxSum* ms_scratch;   // [2 * kGroups]
@@ -206,7 +206,8 @@ struct BlockSamplingEngine {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kSamplingThreads) chain_sampling_kernel(ChainSamplingParams P) {
+__global__ void __launch_bounds__(kSamplingThreads) chain_sampling_kernel(const ChainSamplingParams params) {
+  const ChainSamplingParams P = params;
   SPECDEC_SHARED(float, group_totals, kMaxChunks * kGroups);
   SPECDEC_SHARED(float, carry, kMaxChunks + 1);
   SPECDEC_SHARED(MaxSum, ms_scratch, 2 * kGroups);
