@@ -201,12 +201,8 @@ struct CpuSamplingEngine {
     int64_t c = 0;
     while (c < C - 1 && !(carry[c + 1] > threshold)) ++c;
     const float base = carry[c];
-    float prefix = 0.0f;
-    int g = 0;
-    for (; g < kGroups - 1; ++g) {
-      if (fadd(base, fadd(prefix, group_totals[c * kGroups + g])) > threshold) break;
-      prefix = fadd(prefix, group_totals[c * kGroups + g]);
-    }
+    float prefix;
+    const int g = find_group(&group_totals[c * kGroups], base, threshold, &prefix);
     chunk_mass(row_p, row_q, spec, c);
     float x[kGroup];
     for (int l = 0; l < kGroup; ++l) x[l] = m[g * kGroup + l];
@@ -217,18 +213,7 @@ struct CpuSamplingEngine {
   }
 
   void write(int64_t b, int32_t accepted, int32_t token) {
-    const int64_t K = P.num_draft;
-    int32_t* out = P.output_token_ids + b * (K + 1);
-    for (int64_t j = 0; j <= K; ++j) {
-      int32_t id = -1;
-      if (j < accepted) {
-        id = P.draft_ids_int64 ? static_cast<int32_t>(static_cast<const int64_t*>(P.draft_ids)[b * K + j])
-                               : static_cast<const int32_t*>(P.draft_ids)[b * K + j];
-      } else if (j == accepted) {
-        id = token;
-      }
-      out[j] = id;
-    }
+    for (int64_t j = 0; j <= P.num_draft; ++j) P.output_token_ids[b * (P.num_draft + 1) + j] = output_id(P, b, j, accepted, token);
     P.num_accepted[b] = accepted;
   }
 };

@@ -161,17 +161,7 @@ struct BlockSamplingEngine {
     const int64_t c = block_reduce<kSamplingThreads>(static_cast<int32_t>(first), Min{}, chunk_min);
     // The group, by one thread (groups in order), then the lane, by one warp: its Hillis-Steele scan is the
     // canonical within-group scan.
-    if (threadIdx.x == 0) {
-      const float base = carry[c];
-      float prefix = 0.0f;
-      int g = 0;
-      for (; g < kGroups - 1; ++g) {
-        if (fadd(base, fadd(prefix, group_totals[c * kGroups + g])) > threshold) break;
-        prefix = fadd(prefix, group_totals[c * kGroups + g]);
-      }
-      int_scratch[1] = g;
-      scan_scratch[0] = prefix;
-    }
+    if (threadIdx.x == 0) int_scratch[1] = find_group(&group_totals[c * kGroups], carry[c], threshold, &scan_scratch[0]);
     sync_threads();
     if (threadIdx.x < kWarpSize) {
       const int g = int_scratch[1];
@@ -189,17 +179,8 @@ struct BlockSamplingEngine {
   }
 
   SPECDEC_DEVICE void write(int64_t b, int32_t accepted, int32_t token) {
-    const int64_t K = P.num_draft;
-    int32_t* out = P.output_token_ids + b * (K + 1);
-    for (int64_t j = threadIdx.x; j <= K; j += kSamplingThreads) {
-      int32_t id = -1;
-      if (j < accepted) {
-        id = P.draft_ids_int64 ? static_cast<int32_t>(static_cast<const int64_t*>(P.draft_ids)[b * K + j])
-                               : static_cast<const int32_t*>(P.draft_ids)[b * K + j];
-      } else if (j == accepted) {
-        id = token;
-      }
-      out[j] = id;
+    for (int64_t j = threadIdx.x; j <= P.num_draft; j += kSamplingThreads) {
+      P.output_token_ids[b * (P.num_draft + 1) + j] = output_id(P, b, j, accepted, token);
     }
     if (threadIdx.x == 0) P.num_accepted[b] = accepted;
   }

@@ -35,6 +35,30 @@ struct ChainSamplingParams {
   bool logits;
 };
 
+SPECDEC_MATH int64_t draft_token(const ChainSamplingParams& P, int64_t b, int64_t i) {
+  return P.draft_ids_int64 ? static_cast<const int64_t*>(P.draft_ids)[b * P.num_draft + i]
+                           : static_cast<const int32_t*>(P.draft_ids)[b * P.num_draft + i];
+}
+
+// Position j of a request's output row: the accepted drafts, the last token, then -1.
+SPECDEC_MATH int32_t output_id(const ChainSamplingParams& P, int64_t b, int64_t j, int32_t accepted, int32_t token) {
+  if (j < accepted) return static_cast<int32_t>(draft_token(P, b, j));
+  return j == accepted ? token : -1;
+}
+
+// Inverse CDF within a chunk: the first group whose cumulative mass base + (prefix + total) passes the
+// threshold (the last group if rounding lets none), and the prefix of the groups before it.
+SPECDEC_MATH int find_group(const float* group_totals, float base, float threshold, float* prefix) {
+  float p = 0.0f;
+  int g = 0;
+  for (; g < kGroups - 1; ++g) {
+    if (fadd(base, fadd(p, group_totals[g])) > threshold) break;
+    p = fadd(p, group_totals[g]);
+  }
+  *prefix = p;
+  return g;
+}
+
 // The flow for one request. Engine supplies:
 //   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
 //   argmax(row) -> int32; softmax_stats(row_p, row_q, inv_temp, MaxSum*, MaxSum*);
@@ -66,8 +90,7 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
 
   int32_t accepted = 0, token = -1;
   for (int32_t i = 0; i < k; ++i) {
-    int64_t x = P.draft_ids_int64 ? static_cast<const int64_t*>(P.draft_ids)[b * K + i]
-                                  : static_cast<const int32_t*>(P.draft_ids)[b * K + i];
+    int64_t x = draft_token(P, b, i);
     if (x < 0 || x >= V) {
       e.flag(kErrDraftTokenId);
       x = -1;  // rejected: an id that is not in the vocabulary has no probability
