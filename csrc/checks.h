@@ -127,3 +127,121 @@ inline std::string sampling_error_message(int32_t bits, bool logits) {
 }
 
 }  // namespace specdec
+
+#include "specdec/kv_cache.h"
+
+namespace specdec {
+
+inline TruncateParams make_truncate_params(const at::Tensor& cache_seqlens, const at::Tensor& num_kept,
+                                           const std::optional<at::Tensor>& kept_indices, at::TensorList k_caches,
+                                           at::TensorList v_caches, const std::optional<at::Tensor>& block_table,
+                                           int64_t block_len, bool clear, const std::optional<at::Tensor>& error_flags) {
+  const char* op = "truncate_kv_cache";
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.scalar_type() == at::kInt && cache_seqlens.is_contiguous(), op,
+                    ": cache_seqlens must be a contiguous [B] int32 tensor, got ", cache_seqlens.sizes(), " ",
+                    cache_seqlens.scalar_type());
+  const int64_t B = cache_seqlens.size(0);
+  const auto device = cache_seqlens.device();
+  auto same_device = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but cache_seqlens is on ", device);
+  };
+  TORCH_CHECK_VALUE(num_kept.dim() == 1 && num_kept.size(0) == B && num_kept.scalar_type() == at::kInt &&
+                        num_kept.is_contiguous(),
+                    op, ": num_kept must be a contiguous [B] = [", B, "] int32 tensor, got ", num_kept.sizes(), " ",
+                    num_kept.scalar_type());
+  same_device(num_kept, "num_kept");
+  TORCH_CHECK_VALUE(block_len >= 1 && block_len <= kMaxBlockLen, op, ": block_len must be in [1, ", kMaxBlockLen, "], got ",
+                    block_len);
+  TruncateParams P{};
+  P.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+  P.num_kept = num_kept.data_ptr<int32_t>();
+  P.batch = B;
+  P.block_len = block_len;
+  P.clear = clear;
+  P.capacity = INT64_MAX / 2;
+  P.page_size = 1;
+  if (kept_indices.has_value()) {
+    const at::Tensor& t = *kept_indices;
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.size(1) == block_len && t.scalar_type() == at::kInt &&
+                          t.is_contiguous(),
+                      op, ": kept_indices must be a contiguous [B, block_len] = [", B, ", ", block_len,
+                      "] int32 tensor, got ", t.sizes(), " ", t.scalar_type());
+    same_device(t, "kept_indices");
+    P.kept_indices = t.data_ptr<int32_t>();
+  }
+  TORCH_CHECK_VALUE(k_caches.size() == v_caches.size(), op, ": k_caches and v_caches must list the same number of layers, got ",
+                    k_caches.size(), " and ", v_caches.size());
+  TORCH_CHECK_VALUE(!k_caches.empty() || (!kept_indices.has_value() && !clear), op,
+                    ": k_caches and v_caches are needed with kept_indices or clear");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(k_caches.size()) <= kMaxCacheLayers, op, ": at most ", kMaxCacheLayers,
+                    " layers, got ", k_caches.size());
+  P.layers = static_cast<int64_t>(k_caches.size());
+  if (block_table.has_value()) {
+    const at::Tensor& t = *block_table;
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.scalar_type() == at::kInt && t.is_contiguous(), op,
+                      ": block_table must be a contiguous [B, max_pages] int32 tensor, got ", t.sizes(), " ",
+                      t.scalar_type());
+    same_device(t, "block_table");
+    P.block_table = t.data_ptr<int32_t>();
+    P.max_pages = t.size(1);
+  }
+  for (int64_t l = 0; l < P.layers; ++l) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const at::Tensor& c = kv == 0 ? k_caches[l] : v_caches[l];
+      const char* name = kv == 0 ? "k_caches" : "v_caches";
+      const at::Tensor& first = k_caches[0];
+      TORCH_CHECK_VALUE(c.dim() == 4, op, ": ", name, "[", l, "] must be [B, S_max, Hkv, D] or [num_pages, page_size, Hkv, D], got ",
+                        c.sizes());
+      TORCH_CHECK_VALUE(c.sizes() == first.sizes() && c.strides() == first.strides() && c.scalar_type() == first.scalar_type(),
+                        op, ": every layer of k_caches and v_caches must have the shape, strides and dtype of k_caches[0]");
+      same_device(c, name);
+      const int64_t elem = c.element_size();
+      TORCH_CHECK_VALUE(c.stride(3) == 1 && c.stride(2) == c.size(3) && (c.size(2) * c.size(3) * elem) % 4 == 0, op, ": ",
+                        name, "[", l, "]: each token's [Hkv, D] values must be contiguous and a multiple of 4 bytes");
+      if (block_table.has_value()) {
+        TORCH_CHECK_VALUE(c.is_contiguous(), op, ": a paged ", name, "[", l, "] must be contiguous");
+      } else {
+        TORCH_CHECK_VALUE(c.size(0) >= B, op, ": ", name, "[", l, "] holds ", c.size(0), " requests, cache_seqlens ", B);
+        TORCH_CHECK_VALUE((c.stride(0) * elem) % 4 == 0 && (c.stride(1) * elem) % 4 == 0, op, ": ", name,
+                          " strides must be multiples of 4 bytes");
+      }
+      (kv == 0 ? P.k : P.v)[l] = c.data_ptr();
+    }
+  }
+  if (P.layers > 0) {
+    const at::Tensor& c = k_caches[0];
+    const int64_t elem = c.element_size();
+    P.row_words = c.size(2) * c.size(3) * elem / 4;
+    if (block_table.has_value()) {
+      P.page_size = c.size(1);
+      P.num_pages = c.size(0);
+      P.capacity = P.max_pages * P.page_size;
+    } else {
+      P.stride_b = c.stride(0) * elem / 4;
+      P.stride_s = c.stride(1) * elem / 4;
+      P.capacity = c.size(1);
+    }
+  } else if (block_table.has_value()) {
+    P.page_size = 1;  // lengths only: the table is not read
+    P.block_table = nullptr;
+  }
+  if (error_flags.has_value()) {
+    TORCH_CHECK_VALUE(error_flags->numel() == 1 && error_flags->scalar_type() == at::kInt, op,
+                      ": error_flags must be a one-element int32 tensor");
+    same_device(*error_flags, "error_flags");
+    P.error_flags = error_flags->data_ptr<int32_t>();
+  }
+  return P;
+}
+
+inline std::string truncate_error_message(int32_t bits, int64_t b) {
+  std::string m = "truncate_kv_cache: request " + std::to_string(b) + ":";
+  if (bits & kErrNumKept) m += " num_kept must be in [0, block_len];";
+  if (bits & kErrKeptIndices) m += " kept_indices must increase within [0, block_len) for the first num_kept entries;";
+  if (bits & kErrBlockRange) m += " the block [cache_seqlens, cache_seqlens + block_len) runs outside the cache;";
+  if (bits & kErrPageIndex) m += " block_table points outside the paged cache;";
+  m.pop_back();
+  return m;
+}
+
+}  // namespace specdec

@@ -21,4 +21,11 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "chain_speculative_sampling_from_logits(Tensor draft_token_ids, Tensor target_logits, Tensor? draft_logits, "
       "Tensor num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags) -> ()");
+
+  // KV-cache truncation after verification (DESIGN.md §3.3): cache_seqlens[b] += num_kept[b]; with kept_indices
+  // (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the discarded slots
+  // of the block are zeroed. Layers are the lists k_caches / v_caches (contiguous or paged with block_table).
+  m.def(
+      "truncate_kv_cache(Tensor(a!) cache_seqlens, Tensor num_kept, Tensor? kept_indices, Tensor(b!)[] k_caches, "
+      "Tensor(c!)[] v_caches, Tensor? block_table, int block_len, bool clear, Tensor(d!)? error_flags) -> ()");
 }

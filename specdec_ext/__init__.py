@@ -11,6 +11,7 @@ from .ops import (
     is_strict,
     philox_uniform,
     set_strict,
+    truncate_kv_cache,
 )
 
 
@@ -30,4 +31,5 @@ __all__ = [
     "is_strict",
     "philox_uniform",
     "set_strict",
+    "truncate_kv_cache",
 ]

@@ -183,12 +183,82 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
                            records_errors=target_logits.device.type != "cpu")
 
 
+_TRUNCATE_ERRORS = {
+    1: "num_kept must be in [0, block_len]",
+    2: "kept_indices must increase within [0, block_len) for the first num_kept entries",
+    4: "the block [cache_seqlens, cache_seqlens + block_len) runs outside the cache",
+    8: "block_table points outside the paged cache",
+}
+_MAX_BLOCK_LEN = 64
+
+
+def _layers(caches, name: str) -> list:
+    """A list of per-layer caches from a list/tuple or one stacked [L, ...] tensor."""
+    if isinstance(caches, torch.Tensor):
+        if caches.dim() != 5:
+            raise ValueError(f"truncate_kv_cache: a stacked {name} must be [L, ...] with 4-D layers, got {tuple(caches.shape)}")
+        return list(caches.unbind(0))
+    caches = list(caches)
+    if not all(isinstance(c, torch.Tensor) for c in caches):
+        raise TypeError(f"truncate_kv_cache: {name} must be tensors")
+    return caches
+
+
+def _truncate_kv_cache(ops, cache_seqlens, num_kept, *, block_len, kept_indices, k_caches, v_caches, block_table, clear,
+                       records_errors) -> None:
+    op = "truncate_kv_cache"
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cache_seqlens must be a [B] int32 tensor")
+    batch, device = cache_seqlens.numel(), cache_seqlens.device
+    if kept_indices is not None:
+        if not isinstance(kept_indices, torch.Tensor) or kept_indices.dim() != 2:
+            raise ValueError(f"{op}: kept_indices must be a [B, block_len] int32 tensor")
+        if block_len is not None and block_len != kept_indices.shape[1]:
+            raise ValueError(f"{op}: block_len {block_len} disagrees with kept_indices' {kept_indices.shape[1]} columns")
+        block_len = kept_indices.shape[1]
+        kept_indices = kept_indices.to(torch.int32).contiguous()
+    if block_len is None:
+        if clear:
+            raise ValueError(f"{op}: block_len is needed with clear=True")
+        block_len = _MAX_BLOCK_LEN  # lengths only: bounds num_kept
+    num_kept = _per_request(num_kept, "num_kept", op, batch, device, torch.int32)
+    k_caches, v_caches = _layers(k_caches, "k_caches"), _layers(v_caches, "v_caches")
+    if block_table is not None:
+        block_table = block_table.to(torch.int32).contiguous()
+    flags = torch.zeros(1, dtype=torch.int32, device=device) if records_errors and _strict else None
+    ops.truncate_kv_cache(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table, int(block_len),
+                          bool(clear), flags)
+    if flags is not None:
+        bits = int(flags.item())  # the host sync that strict mode is for
+        if bits:
+            raise ValueError(f"{op}: invalid input detected on {device}: " + "; ".join(
+                msg for bit, msg in _TRUNCATE_ERRORS.items() if bits & bit))
+
+
+def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
+                      block_table=None, clear=False) -> None:
+    """Cuts the KV cache back after verification (DESIGN.md §3.3), in place, without a host sync on CUDA.
+
+    cache_seqlens [B] int32: lengths before the verified block (as passed to verify); advanced by num_kept.
+    num_kept [B] (or an int): tokens of the block that stay (chain: num_accepted + 1).
+    kept_indices [B, Q] int32, -1 padded: block-relative indices of the kept tokens, increasing (tree): block
+    slot kept_indices[b, j] moves to block slot j in every layer, all layers in one launch.
+    k_caches, v_caches: every layer's cache, a list or one stacked [L, ...] tensor; contiguous
+    [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table [B, max_pages].
+    clear: zero the block's discarded slots. block_len: Q, implied by kept_indices, needed for clear.
+    Invalid requests raise on the CPU; on CUDA they are left untouched (set_strict(True) raises).
+    """
+    _truncate_kv_cache(torch.ops.specdec, cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
+                       k_caches=k_caches, v_caches=v_caches, block_table=block_table, clear=clear,
+                       records_errors=cache_seqlens.device.type != "cpu")
+
+
 def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::philox_uniform")
     def _(seed, offset, n, stream=0):
         return seed.new_empty((seed.shape[0], n), dtype=torch.float32)
 
-    for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits"):
+    for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "truncate_kv_cache"):
         # Both write only their output arguments.
         torch.library.register_fake(f"{namespace}::{name}")(lambda *args: None)
 

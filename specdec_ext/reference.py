@@ -139,3 +139,30 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     p_accept = p_rows[:, :k].gather(-1, ids).squeeze(-1).float()
     q_accept = torch.ones_like(p_accept) if q_rows is None else q_rows.gather(-1, ids).squeeze(-1).float()
     return _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset)
+
+
+# ---------------------------------------------------------------------------------------------------
+def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
+                      block_table=None, clear=False) -> None:
+    """Reference of specdec_ext.truncate_kv_cache: request by request, layer by layer, in place."""
+    num_kept = torch.as_tensor(num_kept, device=cache_seqlens.device).expand(cache_seqlens.shape).tolist()
+    if kept_indices is not None:
+        block_len = kept_indices.shape[1]
+    layers = list(zip(k_caches, v_caches))
+    for b, (base, n) in enumerate(zip(cache_seqlens.tolist(), num_kept)):
+        def slot(pos):  # (tensor index of the row) for position pos of request b
+            if block_table is None:
+                return (b, pos)
+            page_size = k_caches[0].shape[1]
+            return (int(block_table[b, pos // page_size]), pos % page_size)
+
+        for k, v in layers:
+            for cache in (k, v):
+                if kept_indices is not None:
+                    rows = [cache[slot(base + int(i))].clone() for i in kept_indices[b, :n]]
+                    for j, row in enumerate(rows):
+                        cache[slot(base + j)] = row
+                if clear:
+                    for j in range(n, block_len):
+                        cache[slot(base + j)] = 0
+        cache_seqlens[b] += n

@@ -36,3 +36,11 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     return ops._chain_sampling(torch.ops.specdec_sim, draft_token_ids, target_logits, draft_logits, logits=True,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
                                offset=offset, generator=generator, out=out, records_errors=True)
+
+
+def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
+                      block_table=None, clear=False) -> None:
+    """specdec_ext.truncate_kv_cache under the emulator (device-side error recording, as on CUDA)."""
+    ops._truncate_kv_cache(torch.ops.specdec_sim, cache_seqlens, num_kept, block_len=block_len,
+                           kept_indices=kept_indices, k_caches=k_caches, v_caches=v_caches, block_table=block_table,
+                           clear=clear, records_errors=True)

@@ -9,3 +9,4 @@
 #include "../ops.cpp"
 #include "../cuda/chain_sampling.cu"
 #include "../cuda/philox_uniform.cu"
+#include "../cuda/truncate_kv_cache.cu"

@@ -1,0 +1,52 @@
+// truncate_kv_cache: one block per (request, layer) moves the kept rows of the verified block to its front
+// (tree compaction) and zeroes the discarded slots (clear). Bytes: n kept rows read and written, plus the
+// cleared rows written, per layer, K and V; nothing else of the cache is touched.
+//
+// Kept indices increase, so row j's source kept[j] >= j is never a destination of an earlier row; rows are
+// moved in order with a barrier between them, so a row is read before any later move overwrites it.
+#pragma once
+#include "specdec/device.cuh"
+#include "specdec/kv_cache.h"
+
+namespace specdec {
+
+constexpr int kTruncateThreads = 256;
+
+__global__ void __launch_bounds__(kTruncateThreads) truncate_kv_cache_kernel(const TruncateParams params) {
+  const TruncateParams P = params;
+  const int64_t b = blockIdx.x, layer = blockIdx.y;
+  const int32_t errors = check_truncate_request(P, b);
+  if (errors != 0) {  // a defined outcome: this request's cache is left untouched
+    if (threadIdx.x == 0 && layer == 0 && P.error_flags != nullptr) atomic_or(P.error_flags, errors);
+    return;
+  }
+  const int32_t base = P.cache_seqlens[b], n = P.num_kept[b];
+  for (int kv = 0; kv < 2; ++kv) {
+    uint32_t* cache = static_cast<uint32_t*>(kv == 0 ? P.k[layer] : P.v[layer]);
+    if (P.kept_indices != nullptr) {
+      for (int32_t j = 0; j < n; ++j) {
+        const int32_t src = P.kept_indices[b * P.block_len + j];
+        if (src != j) {  // uniform across the block
+          const int64_t from = cache_row(P, b, base + src), to = cache_row(P, b, base + j);
+          for (int64_t w = threadIdx.x; w < P.row_words; w += kTruncateThreads) cache[to + w] = cache[from + w];
+        }
+        sync_threads();
+      }
+    }
+    if (P.clear) {
+      for (int64_t j = n; j < P.block_len; ++j) {
+        const int64_t to = cache_row(P, b, base + j);
+        for (int64_t w = threadIdx.x; w < P.row_words; w += kTruncateThreads) cache[to + w] = 0u;
+      }
+    }
+  }
+}
+
+// Runs after the moves (its own launch: every block of a request reads the old length first).
+__global__ void __launch_bounds__(kTruncateThreads) advance_seqlens_kernel(const TruncateParams params) {
+  const TruncateParams P = params;
+  const int64_t b = int64_t{blockIdx.x} * kTruncateThreads + threadIdx.x;
+  if (b < P.batch && check_truncate_request(P, b) == 0) P.cache_seqlens[b] += P.num_kept[b];
+}
+
+}  // namespace specdec

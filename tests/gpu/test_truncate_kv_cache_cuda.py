@@ -1,0 +1,57 @@
+"""truncate_kv_cache on CUDA: the same caches as the CPU kernel, no host sync, capturable in a CUDA graph."""
+import torch
+
+import specdec_ext
+
+
+def test_cuda_matches_cpu_paged_and_contiguous():
+    g = torch.Generator().manual_seed(0)
+    batch, layers, block_len = 6, 4, 9
+    for paged in (False, True):
+        if paged:
+            page_size, pages_per_seq = 8, 6
+            num_pages = batch * pages_per_seq + 3
+            table = torch.randperm(num_pages, generator=g)[: batch * pages_per_seq].int().reshape(batch, pages_per_seq)
+            shape, capacity = (num_pages, page_size, 8, 128), page_size * pages_per_seq
+        else:
+            table, shape, capacity = None, (batch, 64, 8, 128), 64
+        k = torch.randn(layers, *shape, generator=g).bfloat16()
+        v = torch.randn(layers, *shape, generator=g).bfloat16()
+        lengths = torch.randint(0, capacity - block_len + 1, (batch,), generator=g, dtype=torch.int32)
+        num_kept = torch.randint(0, block_len + 1, (batch,), generator=g, dtype=torch.int32)
+        kept = torch.full((batch, block_len), -1, dtype=torch.int32)
+        for b in range(batch):
+            n = int(num_kept[b])
+            kept[b, :n] = torch.randperm(block_len, generator=g)[:n].sort().values.int()
+        cpu = (lengths.clone(), k.clone(), v.clone())
+        specdec_ext.truncate_kv_cache(cpu[0], num_kept, kept_indices=kept, k_caches=cpu[1], v_caches=cpu[2],
+                                      block_table=table, clear=True)
+        gpu = (lengths.cuda(), k.cuda(), v.cuda())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            specdec_ext.truncate_kv_cache(gpu[0], num_kept.cuda(), kept_indices=kept.cuda(), k_caches=gpu[1],
+                                          v_caches=gpu[2], block_table=None if table is None else table.cuda(), clear=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for a, b in zip(gpu, cpu):
+            assert torch.equal(a.cpu(), b)
+
+
+def test_cuda_graph_capture():
+    k = torch.randn(2, 3, 32, 2, 64, device="cuda")
+    v = torch.randn(2, 3, 32, 2, 64, device="cuda")
+    lengths = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
+    num_kept = torch.tensor([1, 2, 3], dtype=torch.int32, device="cuda")
+    kept = torch.tensor([[2, -1, -1], [0, 2, -1], [0, 1, 2]], dtype=torch.int32, device="cuda")
+    want = (lengths.clone().cpu(), k.clone().cpu(), v.clone().cpu())
+    specdec_ext.truncate_kv_cache(want[0], num_kept.cpu(), kept_indices=kept.cpu(), k_caches=want[1], v_caches=want[2],
+                                  clear=True)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        specdec_ext.truncate_kv_cache(lengths, num_kept, kept_indices=kept, k_caches=k, v_caches=v, clear=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(lengths.cpu(), want[0]) and torch.equal(k.cpu(), want[1]) and torch.equal(v.cpu(), want[2])

@@ -1,0 +1,191 @@
+"""truncate_kv_cache on the CPU kernel and the CUDA kernel under the emulator, against the reference, on
+caches filled with random values (so that every moved, cleared or untouched row is checked)."""
+import pytest
+import torch
+
+import specdec_ext
+from specdec_ext import reference, sim
+
+BACKENDS = {"cpu": specdec_ext, "sim": sim}
+NAMESPACES = {"cpu": torch.ops.specdec, "sim": torch.ops.specdec_sim}
+
+
+def make_caches(gen, layers, shape, dtype):
+    return [torch.randn(shape, generator=gen).to(dtype) for _ in range(layers)], \
+        [torch.randn(shape, generator=gen).to(dtype) for _ in range(layers)]
+
+
+def random_kept(gen, batch, block_len, num_kept):
+    kept = torch.full((batch, block_len), -1, dtype=torch.int32)
+    for b in range(batch):
+        n = int(num_kept[b])
+        kept[b, :n] = torch.randperm(block_len, generator=gen)[:n].sort().values.int()
+    return kept
+
+
+def paged_layout(gen, batch, capacity_pages, page_size, extra_pages=5):
+    """A random page table: each request owns capacity_pages distinct pages of a shared pool."""
+    num_pages = batch * capacity_pages + extra_pages
+    perm = torch.randperm(num_pages, generator=gen)[: batch * capacity_pages].int()
+    return perm.reshape(batch, capacity_pages), num_pages
+
+
+def run_both(backend, lengths, num_kept, caches, **kw):
+    """The op and the reference on copies of the same inputs; returns both results."""
+    ks, vs = caches
+    got = (lengths.clone(), [k.clone() for k in ks], [v.clone() for v in vs])
+    want = (lengths.clone(), [k.clone() for k in ks], [v.clone() for v in vs])
+    BACKENDS[backend].truncate_kv_cache(got[0], num_kept, k_caches=got[1], v_caches=got[2], **kw)
+    reference.truncate_kv_cache(want[0], num_kept, k_caches=want[1], v_caches=want[2], **kw)
+    return got, want
+
+
+def assert_same(got, want):
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1] + got[2], want[1] + want[2]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("clear", [False, True], ids=["keep", "clear"])
+def test_contiguous_matches_reference(backend, dtype, tree, clear, gen):
+    batch, layers, s_max, heads, dim, block_len = 5, 3, 40, 2, 8, 7
+    caches = make_caches(gen, layers, (batch, s_max, heads, dim), dtype)
+    lengths = torch.randint(0, s_max - block_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    lengths[0] = 0  # an empty cache before the block
+    num_kept = torch.randint(0, block_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    kw = {"block_len": block_len, "clear": clear}
+    if tree:
+        kw["kept_indices"] = random_kept(gen, batch, block_len, num_kept)
+    got, want = run_both(backend, lengths, num_kept, caches, **kw)
+    assert_same(got, want)
+    assert torch.equal(got[0], lengths + num_kept)
+    if not tree and not clear:  # a chain truncation without clear touches no cache row
+        for a, b in zip(got[1] + got[2], caches[0] + caches[1]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [1, 4, 8])
+def test_paged_tree_compaction_across_page_boundaries(backend, page_size, gen):
+    batch, layers, heads, dim, block_len = 4, 3, 3, 4, 9
+    capacity_pages = (30 + page_size - 1) // page_size
+    table, num_pages = paged_layout(gen, batch, capacity_pages, page_size)
+    caches = make_caches(gen, layers, (num_pages, page_size, heads, dim), torch.float32)
+    lengths = torch.randint(0, capacity_pages * page_size - block_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    num_kept = torch.randint(0, block_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    kept = random_kept(gen, batch, block_len, num_kept)
+    got, want = run_both(backend, lengths, num_kept, caches, kept_indices=kept, block_table=table, clear=True)
+    assert_same(got, want)
+    # Pages no request owns are untouched.
+    owned = set(table.flatten().tolist())
+    for a, b in zip(got[1], caches[0]):
+        for page in range(num_pages):
+            if page not in owned:
+                assert torch.equal(a[page], b[page])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stacked_layers_and_other_requests_untouched(backend, gen):
+    layers, batch, s_max, heads, dim = 4, 3, 20, 2, 4
+    k = torch.randn(layers, batch, s_max, heads, dim, generator=gen)
+    v = torch.randn(layers, batch, s_max, heads, dim, generator=gen)
+    k0, v0 = k.clone(), v.clone()
+    lengths = torch.tensor([3, 0, 10], dtype=torch.int32)
+    kept = torch.tensor([[1, 3, -1, -1], [0, 1, 2, 3], [-1, -1, -1, -1]], dtype=torch.int32)
+    BACKENDS[backend].truncate_kv_cache(lengths, torch.tensor([2, 4, 0]), kept_indices=kept, k_caches=k, v_caches=v,
+                                        clear=True)
+    assert lengths.tolist() == [5, 4, 10]
+    assert torch.equal(k[:, 0, 3], k0[:, 0, 4]) and torch.equal(k[:, 0, 4], k0[:, 0, 6])
+    assert bool((k[:, 0, 5:7] == 0).all()) and bool((v[:, 2, 10:14] == 0).all())
+    assert torch.equal(k[:, 1], k0[:, 1]) and torch.equal(v[:, 1], v0[:, 1])  # kept everything in place
+    assert torch.equal(k[:, 0, :3], k0[:, 0, :3]) and torch.equal(k[:, 0, 7:], k0[:, 0, 7:])
+    assert torch.equal(k[:, 2, :10], k0[:, 2, :10]) and torch.equal(k[:, 2, 14:], k0[:, 2, 14:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lengths_only(backend):
+    lengths = torch.tensor([4, 9], dtype=torch.int32)
+    BACKENDS[backend].truncate_kv_cache(lengths, torch.tensor([1, 3], dtype=torch.int32))
+    assert lengths.tolist() == [5, 12]
+
+
+def bad_cases():
+    k = [torch.randn(2, 10, 1, 4)]
+    v = [torch.randn(2, 10, 1, 4)]
+    ok_kept = torch.tensor([[0, 1, -1], [0, -1, -1]], dtype=torch.int32)
+    return [
+        ({"num_kept": torch.tensor([4, 1]), "kept_indices": ok_kept}, "num_kept must be in"),
+        ({"num_kept": torch.tensor([2, 1]), "kept_indices": torch.tensor([[1, 1, -1], [0, -1, -1]], dtype=torch.int32)},
+         "kept_indices must increase"),
+        ({"num_kept": torch.tensor([2, 1]), "kept_indices": ok_kept, "lengths": [8, 0]}, "runs outside the cache"),
+    ], k, v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invalid_requests(backend):
+    cases, k, v = bad_cases()
+    for kw, message in cases:
+        lengths = torch.tensor(kw.pop("lengths", [2, 3]), dtype=torch.int32)
+        ks, vs = [t.clone() for t in k], [t.clone() for t in v]
+        call = lambda: BACKENDS[backend].truncate_kv_cache(lengths, kw["num_kept"], kept_indices=kw["kept_indices"],
+                                                            k_caches=ks, v_caches=vs, clear=True)
+        if backend == "cpu":  # raises before writing anything
+            with pytest.raises(ValueError, match=message):
+                call()
+            assert torch.equal(ks[0], k[0])
+        else:  # like CUDA: the invalid request is left untouched, strict mode raises
+            before = lengths.clone()
+            call()
+            specdec_ext.set_strict(True)
+            try:
+                with pytest.raises(ValueError, match=message):
+                    BACKENDS[backend].truncate_kv_cache(lengths.clone(), kw["num_kept"], kept_indices=kw["kept_indices"],
+                                                        k_caches=[t.clone() for t in k], v_caches=[t.clone() for t in v])
+            finally:
+                specdec_ext.set_strict(False)
+            assert int(lengths[0]) == int(before[0])  # request 0 is the invalid one in every case
+            assert int(lengths[1]) == int(before[1]) + int(kw["num_kept"][1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_page_index_out_of_range(backend):
+    k = [torch.randn(4, 4, 1, 2)]
+    v = [torch.randn(4, 4, 1, 2)]
+    table = torch.tensor([[0, 9]], dtype=torch.int32)  # page 9 does not exist
+    kept = torch.tensor([[0, 2, -1]], dtype=torch.int32)
+    lengths = torch.tensor([3], dtype=torch.int32)
+    if backend == "cpu":
+        with pytest.raises(ValueError, match="block_table points outside"):
+            specdec_ext.truncate_kv_cache(lengths, 2, kept_indices=kept, k_caches=k, v_caches=v, block_table=table)
+    else:
+        k0 = k[0].clone()
+        sim.truncate_kv_cache(lengths, 2, kept_indices=kept, k_caches=k, v_caches=v, block_table=table)
+        assert torch.equal(k[0], k0) and lengths.tolist() == [3]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_arguments_are_named(backend):
+    f = BACKENDS[backend].truncate_kv_cache
+    k = [torch.randn(2, 10, 1, 4)]
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        f(torch.zeros(2, dtype=torch.int64), 1, k_caches=k, v_caches=k, block_len=3, clear=True)
+    with pytest.raises(ValueError, match="same number of layers"):
+        f(torch.zeros(2, dtype=torch.int32), 1, k_caches=k, v_caches=[], block_len=3, clear=True)
+    with pytest.raises(ValueError, match="block_len is needed"):
+        f(torch.zeros(2, dtype=torch.int32), 1, k_caches=k, v_caches=k, clear=True)
+    with pytest.raises(ValueError, match="k_caches and v_caches are needed"):
+        f(torch.zeros(2, dtype=torch.int32), 1, block_len=3, clear=True)
+    with pytest.raises(ValueError, match=r"v_caches\[0\]|shape, strides and dtype"):
+        f(torch.zeros(2, dtype=torch.int32), 1, k_caches=k, v_caches=[torch.randn(2, 10, 1, 5)], block_len=3, clear=True)
+
+
+@pytest.mark.parametrize("backend", NAMESPACES)
+def test_opcheck(backend, gen):
+    ks, vs = make_caches(gen, 2, (3, 16, 2, 4), torch.float32)
+    lengths = torch.tensor([0, 5, 9], dtype=torch.int32)
+    kept = torch.tensor([[0, 2, -1], [1, -1, -1], [0, 1, 2]], dtype=torch.int32)
+    torch.library.opcheck(NAMESPACES[backend].truncate_kv_cache.default,
+                          (lengths, torch.tensor([2, 1, 3], dtype=torch.int32), kept, ks, vs, None, 3, True, None))
