@@ -4,6 +4,7 @@ Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` hol
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__
+from .kv_cache import PagedKVCache, StaticKVCache
 from .ops import (
     SamplingOutput,
     chain_speculative_sampling,
@@ -25,7 +26,9 @@ def build_info() -> dict:
 __all__ = [
     "__version__",
     "build_info",
+    "PagedKVCache",
     "SamplingOutput",
+    "StaticKVCache",
     "chain_speculative_sampling",
     "chain_speculative_sampling_from_logits",
     "is_strict",

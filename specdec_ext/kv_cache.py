@@ -1,0 +1,114 @@
+"""KV caches for a model: per-layer K/V storage, the lengths, and (paged) a page allocator.
+
+Both keep every layer in one stacked tensor [L, ...], so truncate() cuts all layers in one launch and
+layer(i) is a view. The lengths live on the device (cache_seqlens, int32): kernels read and advance
+them without host synchronisation.
+"""
+import torch
+
+from .ops import truncate_kv_cache
+
+
+class StaticKVCache:
+    """Contiguous cache: k, v are [num_layers, batch_size, max_seq_len, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int, *,
+                 dtype=torch.bfloat16, device="cpu"):
+        shape = (num_layers, batch_size, max_seq_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.cache_seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        self.block_table = None
+        self.max_seq_len = max_seq_len
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
+        """After verifying a block written at cache_seqlens: keep num_kept of its tokens in every layer."""
+        truncate_kv_cache(self.cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
+                          k_caches=self.k, v_caches=self.v, clear=clear)
+
+    def reset(self) -> None:
+        self.cache_seqlens.zero_()
+
+
+class PagedKVCache:
+    """Paged cache: k, v are [num_layers, num_pages, page_size, num_kv_heads, head_dim]; request b's position s
+    is in page block_table[b, s // page_size]. Unassigned table entries are -1, so a kernel that reaches one
+    reports it instead of reading another request's page.
+
+    The allocator runs on the host with a mirror of the lengths: reserve() before a verify step gives every
+    request pages for its block, truncate() frees whole pages past the new lengths (reading num_kept back,
+    the one host synchronisation of a round, which a scheduler needs anyway)."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+                 max_batch_size: int, max_pages_per_seq: int, dtype=torch.bfloat16, device="cpu"):
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"PagedKVCache: page_size must be a power of two, got {page_size}")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.cache_seqlens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self.block_table = torch.full((max_batch_size, max_pages_per_seq), -1, dtype=torch.int32, device=device)
+        self._table = [[] for _ in range(max_batch_size)]  # host copy of each request's pages
+        self._lengths = [0] * max_batch_size
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    def reserve(self, num_tokens: int, requests=None) -> None:
+        """Makes room for num_tokens more tokens after the current length of each request (all by default)."""
+        requests = range(len(self._table)) if requests is None else requests
+        max_pages = self.block_table.shape[1]
+        for b in requests:
+            need = -(-(self._lengths[b] + num_tokens) // self.page_size)
+            if need > max_pages:
+                raise ValueError(f"PagedKVCache: request {b} needs {need} pages, max_pages_per_seq is {max_pages}")
+            if need - len(self._table[b]) > len(self._free):
+                raise RuntimeError(f"PagedKVCache: out of pages ({len(self._free)} free, request {b} needs "
+                                   f"{need - len(self._table[b])} more)")
+            while len(self._table[b]) < need:
+                self._table[b].append(self._free.pop())
+        self._upload()
+
+    def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
+        """After verifying a block: keep num_kept of its tokens in every layer, then free whole pages past
+        the new lengths."""
+        truncate_kv_cache(self.cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
+                          k_caches=self.k, v_caches=self.v, block_table=self.block_table, clear=clear)
+        kept = torch.as_tensor(num_kept).expand(len(self._lengths)).tolist()
+        for b, n in enumerate(kept):
+            self._lengths[b] += int(n)
+            keep_pages = -(-self._lengths[b] // self.page_size)
+            while len(self._table[b]) > keep_pages:
+                self._free.append(self._table[b].pop())
+        self._upload()
+
+    def release(self, request: int) -> None:
+        """Frees every page of a finished request and sets its length to 0."""
+        self._free.extend(reversed(self._table[request]))
+        self._table[request] = []
+        self._lengths[request] = 0
+        self.cache_seqlens[request] = 0
+        self._upload()
+
+    def _upload(self) -> None:
+        table = torch.full(tuple(self.block_table.shape), -1, dtype=torch.int32)
+        for b, pages in enumerate(self._table):
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.block_table.copy_(table)
