@@ -245,3 +245,108 @@ inline std::string truncate_error_message(int32_t bits, int64_t b) {
 }
 
 }  // namespace specdec
+
+#include "specdec/attention.h"
+
+namespace specdec {
+
+inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                                             const std::optional<at::Tensor>& v_new,
+                                             const std::optional<at::Tensor>& block_table,
+                                             const std::optional<at::Tensor>& tree_mask, double softmax_scale,
+                                             const at::Tensor& out, const at::Tensor& lse) {
+  const char* op = "verify_attention";
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.is_contiguous(), op, ": q must be a contiguous [B, Q, Hq, D] tensor, got ", q.sizes());
+  const int64_t B = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op,
+                    ": q must be float16, bfloat16 or float32, got ", dtype);
+  TORCH_CHECK_VALUE(Q >= 1 && Q <= kMaxVerifyQueries, op, ": the number of new tokens Q must be in [1, ", kMaxVerifyQueries,
+                    "], got ", Q);
+  TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
+  const auto device = q.device();
+  auto same = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but q is on ", device);
+  };
+  for (const auto* c : {&k_cache, &v_cache}) {
+    const char* name = c == &k_cache ? "k_cache" : "v_cache";
+    TORCH_CHECK_VALUE(c->dim() == 4 && c->size(3) == D && c->stride(3) == 1 && c->stride(2) == D, op, ": ", name,
+                      " must be [B, S_max, Hkv, D] or [num_pages, page_size, Hkv, D] with D = ", D,
+                      " and each token's [Hkv, D] contiguous, got ", c->sizes());
+    TORCH_CHECK_VALUE(c->scalar_type() == dtype, op, ": ", name, " must have q's dtype ", dtype, ", got ", c->scalar_type());
+    same(*c, name);
+  }
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(), op,
+                    ": k_cache and v_cache must have the same shape and strides");
+  const int64_t Hkv = k_cache.size(2);
+  TORCH_CHECK_VALUE(Hkv >= 1 && Hq % Hkv == 0, op, ": the query heads Hq = ", Hq,
+                    " must be a multiple of the KV heads Hkv = ", Hkv);
+  TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == B && cache_seqlens.scalar_type() == at::kInt &&
+                        cache_seqlens.is_contiguous(),
+                    op, ": cache_seqlens must be a contiguous [B] = [", B, "] int32 tensor, got ", cache_seqlens.sizes(), " ",
+                    cache_seqlens.scalar_type());
+  same(cache_seqlens, "cache_seqlens");
+  AttentionParams P{};
+  TORCH_CHECK_VALUE(k_new.has_value() == v_new.has_value(), op, ": give both k_new and v_new, or neither");
+  if (k_new.has_value()) {
+    for (const auto* t : {&*k_new, &*v_new}) {
+      const char* name = t == &*k_new ? "k_new" : "v_new";
+      TORCH_CHECK_VALUE(t->dim() == 4 && t->size(0) == B && t->size(1) == Q && t->size(2) == Hkv && t->size(3) == D &&
+                            t->is_contiguous() && t->scalar_type() == dtype,
+                        op, ": ", name, " must be a contiguous [B, Q, Hkv, D] = [", B, ", ", Q, ", ", Hkv, ", ", D, "] ",
+                        dtype, " tensor, got ", t->sizes(), " ", t->scalar_type());
+      same(*t, name);
+    }
+    P.k_new = k_new->data_ptr();
+    P.v_new = v_new->data_ptr();
+  }
+  if (block_table.has_value()) {
+    const at::Tensor& t = *block_table;
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.scalar_type() == at::kInt && t.is_contiguous(), op,
+                      ": block_table must be a contiguous [B, max_pages] int32 tensor, got ", t.sizes(), " ", t.scalar_type());
+    TORCH_CHECK_VALUE(k_cache.is_contiguous(), op, ": a paged k_cache / v_cache must be contiguous");
+    same(t, "block_table");
+    P.block_table = t.data_ptr<int32_t>();
+    P.max_pages = t.size(1);
+    P.page_size = k_cache.size(1);
+    P.num_pages = k_cache.size(0);
+    P.capacity = P.max_pages * P.page_size;
+  } else {
+    TORCH_CHECK_VALUE(k_cache.size(0) >= B, op, ": k_cache holds ", k_cache.size(0), " requests, q ", B);
+    P.cache_stride_b = k_cache.stride(0);
+    P.cache_stride_s = k_cache.stride(1);
+    P.capacity = k_cache.size(1);
+    P.page_size = 1;
+  }
+  if (tree_mask.has_value()) {
+    const at::Tensor& m = *tree_mask;
+    const bool per_request = m.dim() == 3;
+    TORCH_CHECK_VALUE((m.dim() == 2 || (per_request && m.size(0) == B)) && m.size(-1) == Q && m.size(-2) == Q &&
+                          m.scalar_type() == at::kBool && m.is_contiguous(),
+                      op, ": tree_mask must be a contiguous bool [Q, Q] or [B, Q, Q] tensor with Q = ", Q, ", got ", m.sizes(),
+                      " ", m.scalar_type());
+    same(m, "tree_mask");
+    P.tree_mask = m.data_ptr<bool>();
+    P.mask_per_request = per_request;
+  }
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == dtype && out.is_contiguous(), op, ": bad output tensor");
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Q && lse.size(2) == Hq && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous(),
+              op, ": bad lse tensor");
+  P.q = q.data_ptr();
+  P.k_cache = k_cache.data_ptr();
+  P.v_cache = v_cache.data_ptr();
+  P.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+  P.out = out.data_ptr();
+  P.lse = lse.data_ptr<float>();
+  P.batch = B;
+  P.num_queries = Q;
+  P.q_heads = Hq;
+  P.kv_heads = Hkv;
+  P.head_dim = D;
+  P.scale = softmax_scale > 0 ? static_cast<float>(softmax_scale) : 1.0f / std::sqrt(static_cast<float>(D));
+  return P;
+}
+
+}  // namespace specdec

@@ -28,4 +28,11 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def(
       "truncate_kv_cache(Tensor(a!) cache_seqlens, Tensor num_kept, Tensor? kept_indices, Tensor(b!)[] k_caches, "
       "Tensor(c!)[] v_caches, Tensor? block_table, int block_len, bool clear, Tensor(d!)? error_flags) -> ()");
+
+  // Attention of Q new tokens per request against the KV cache (DESIGN.md §3.2); k_new/v_new, when given, are
+  // written into the cache at cache_seqlens[b] + i first. Returns (out [B, Q, Hq, D], lse [B, Q, Hq] float32).
+  // softmax_scale <= 0 means 1/sqrt(D).
+  m.def(
+      "verify_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
+      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float softmax_scale, bool return_lse) -> (Tensor, Tensor)");
 }

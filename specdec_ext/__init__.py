@@ -13,6 +13,7 @@ from .ops import (
     philox_uniform,
     set_strict,
     truncate_kv_cache,
+    verify_attention,
 )
 
 
@@ -35,4 +36,5 @@ __all__ = [
     "philox_uniform",
     "set_strict",
     "truncate_kv_cache",
+    "verify_attention",
 ]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ("philox", "sampling")
+BENCHMARKS = ("attention", "philox", "sampling")
 
 
 def cmd_info(args) -> int:
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     bench.add_argument("--json", default=None, help="write the results to this JSON file")
     bench.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG file")
     bench.add_argument("--batch", default=None, help="comma-separated batch sizes (default: the benchmark's grid)")
-    bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens")
-    bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes")
+    bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens (attention: queries Q)")
+    bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")
     bench.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     return args.fn(args)

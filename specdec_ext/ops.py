@@ -253,10 +253,37 @@ def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=N
                        records_errors=cache_seqlens.device.type != "cpu")
 
 
+def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
+                     softmax_scale=None, return_lse=False):
+    """Attention of the verify step (DESIGN.md §3.2): q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..64) against
+    the KV cache, contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table
+    [B, max_pages]. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j where tree_mask[i, j]
+    (default causal). k_new/v_new [B, Q, Hkv, D], when given, are written into the cache at
+    cache_seqlens[b] + j first; cache_seqlens is not advanced. Hq % Hkv == 0 (GQA/MQA).
+    Returns out [B, Q, Hq, D], or (out, lse [B, Q, Hq] float32) with return_lse."""
+    op = "verify_attention"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if tree_mask is not None:
+        tree_mask = tree_mask.to(torch.bool).contiguous()
+    if block_table is not None:
+        block_table = block_table.to(torch.int32).contiguous()
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"{op}: softmax_scale must be > 0, got {softmax_scale}")
+    out, lse = torch.ops.specdec.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                                  tree_mask, float(softmax_scale or 0.0), bool(return_lse))
+    return (out, lse) if return_lse else out
+
+
 def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::philox_uniform")
     def _(seed, offset, n, stream=0):
         return seed.new_empty((seed.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{namespace}::verify_attention")
+    def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, return_lse):
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "truncate_kv_cache"):
         # Both write only their output arguments.

@@ -166,3 +166,48 @@ def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=N
                     for j in range(n, block_len):
                         cache[slot(base + j)] = 0
         cache_seqlens[b] += n
+
+
+# ---------------------------------------------------------------------------------------------------
+def _cache_rows(cache, b, positions, block_table):
+    """Rows [len(positions), Hkv, D] of request b's cache (contiguous [B, S, ...] or paged [P, page, ...])."""
+    if block_table is None:
+        return cache[b, positions]
+    page_size = cache.shape[1]
+    pages = block_table[b, positions // page_size].long()
+    return cache[pages, positions % page_size]
+
+
+def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
+                     softmax_scale=None, return_lse=False, dtype=torch.float64):
+    """Reference of specdec_ext.verify_attention, computed in `dtype` (float64 for tests). Writes k_new/v_new
+    into the cache first, like the op. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j
+    (at cache position cache_seqlens[b] + j) where tree_mask[i, j] (default causal, j <= i)."""
+    batch, n_q, hq, d = q.shape
+    hkv = k_cache.shape[-2]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    out = torch.zeros(batch, n_q, hq, d, dtype=dtype, device=q.device)
+    lse = torch.full((batch, n_q, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    causal = torch.ones(n_q, n_q, dtype=torch.bool, device=q.device).tril()
+    for b in range(batch):
+        length = int(cache_seqlens[b])
+        new_pos = torch.arange(length, length + n_q, device=q.device)
+        if k_new is not None:
+            if block_table is None:
+                k_cache[b, new_pos], v_cache[b, new_pos] = k_new[b], v_new[b]
+            else:
+                pages = block_table[b, new_pos // k_cache.shape[1]].long()
+                k_cache[pages, new_pos % k_cache.shape[1]] = k_new[b]
+                v_cache[pages, new_pos % v_cache.shape[1]] = v_new[b]
+        positions = torch.arange(length + n_q, device=q.device)
+        keys = _cache_rows(k_cache, b, positions, block_table).to(dtype).repeat_interleave(hq // hkv, dim=1)
+        values = _cache_rows(v_cache, b, positions, block_table).to(dtype).repeat_interleave(hq // hkv, dim=1)
+        mask = causal if tree_mask is None else (tree_mask if tree_mask.dim() == 2 else tree_mask[b])
+        visible = torch.cat([torch.ones(n_q, length, dtype=torch.bool, device=q.device), mask.bool()], dim=1)  # [Q, S]
+        scores = torch.einsum("qhd,shd->hqs", q[b].to(dtype), keys) * scale
+        scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)  # [H, Q]
+        probs = torch.where(visible.any(-1).unsqueeze(0).unsqueeze(-1), torch.softmax(scores, -1), 0.0)
+        out[b] = torch.einsum("hqs,shd->qhd", probs, values)
+        lse[b] = row_lse.transpose(0, 1).float()
+    return (out, lse) if return_lse else out

@@ -10,18 +10,14 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/simd.h"
 
 namespace specdec {
 namespace {
 
-// The loops over a chunk, compiled for AVX-512, AVX2+FMA and baseline x86-64 and picked at load time.
-// Every variant computes the same bits: the arithmetic is the correctly rounded operations of
-// sampling_math.h, never contracted (-ffp-contract=off), and std::fma is exact with or without FMA units.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SPECDEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SPECDEC_CPU_CLONES
-#endif
+// The loops over a chunk are compiled for several instruction sets (SPECDEC_CPU_CLONES). Every variant
+// computes the same bits: the arithmetic is the correctly rounded operations of sampling_math.h, never
+// contracted (-ffp-contract=off), and std::fma is exact with or without FMA units.
 
 // Converts n values to float; returns whether any is invalid (probabilities: not finite; logits: NaN, +inf).
 template <typename T>

@@ -1,0 +1,57 @@
+"""`specdec bench attention`: verify_attention against torch's scaled_dot_product_attention (explicit mask,
+enable_gqa) and the reference, Hq/Hkv = 32/8, D = 128, every request with the same context length.
+GB/s counts the KV-cache bytes that must be read (every cached K and V row once)."""
+import torch
+import torch.nn.functional as F
+
+import specdec_ext
+from specdec_ext import reference
+
+from .common import copy_bandwidth_gbs, median_us, pick_device, report, save
+
+HQ, HKV, D = 32, 8, 128
+
+
+def main(args) -> int:
+    device = pick_device(args.device)
+    peak = copy_bandwidth_gbs(device)
+    cpu = device.type == "cpu"
+    batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8] if cpu else [1, 8, 32])
+    contexts = [int(x) for x in args.vocab.split(",")] if args.vocab else ([512, 4096] if cpu else [512, 4096, 32768])
+    queries = [int(x) for x in args.k.split(",")] if args.k else [1, 5, 8]
+    dtype = torch.float32 if cpu else torch.bfloat16
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            for n_q in queries:
+                rows.append(measure(batch, context, n_q, dtype, device, args.repeats, peak))
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+                      flush=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    report(f"verify_attention on {name} ({dtype}, Hq/Hkv = {HQ}/{HKV}, D = {D}; copy bandwidth {peak:.0f} GB/s)", rows,
+           ["B", "context", "Q", "ours_us", "sdpa_us", "speedup", "reference_us", "GB/s", "of_copy_bw"])
+    save(args, {"title": f"verify_attention, {name}", "device": name, "copy_bw_gbs": peak}, rows, ["B", "context", "Q"])
+    return 0
+
+
+def measure(batch, context, n_q, dtype, device, repeats, peak):
+    g = torch.Generator().manual_seed(batch + context + n_q)
+    s = context + n_q
+    q = torch.randn(batch, n_q, HQ, D, generator=g).to(device=device, dtype=dtype)
+    k_cache = torch.randn(batch, s, HKV, D, generator=g).to(device=device, dtype=dtype)
+    v_cache = torch.randn(batch, s, HKV, D, generator=g).to(device=device, dtype=dtype)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    ours = lambda: specdec_ext.verify_attention(q, k_cache, v_cache, lengths)
+    # SDPA on the same cache: [B, H, S, D] views, a [Q, S] mask (the cache, then causal over the new tokens).
+    mask = torch.ones(n_q, s, dtype=torch.bool, device=device)
+    mask[:, context:] = torch.ones(n_q, n_q, dtype=torch.bool, device=device).tril()
+    qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    ours_us = median_us(ours, device, repeats)
+    sdpa_us = median_us(sdpa, device, repeats)
+    ref_us = median_us(lambda: reference.verify_attention(q, k_cache, v_cache, lengths, dtype=torch.float32), device,
+                       max(3, repeats // 10), warmup=1)
+    kv_bytes = 2 * batch * s * HKV * D * k_cache.element_size()
+    gbs = kv_bytes / (ours_us * 1e-6) / 1e9
+    return {"B": batch, "context": context, "Q": n_q, "ours_us": ours_us, "sdpa_us": sdpa_us, "speedup": sdpa_us / ours_us,
+            "reference_us": ref_us, "GB/s": gbs, "of_copy_bw": gbs / peak}

@@ -1,0 +1,8 @@
+// Hot CPU loops are compiled for AVX-512, AVX2+FMA and baseline x86-64 and picked at load time (ifunc), so
+// one build runs everywhere and uses the vector units that are there.
+#pragma once
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SPECDEC_CPU_CLONES
+#endif

@@ -1,0 +1,44 @@
+// verify_attention (DESIGN.md §3.2): parameters shared by the backends. Query i of request b sees cache
+// positions [0, cache_seqlens[b]) and the new token j (at position cache_seqlens[b] + j) where
+// mask[i][j]; the default mask is causal (j <= i).
+#pragma once
+#include <stdint.h>
+
+namespace specdec {
+
+constexpr int kMaxVerifyQueries = 64;
+constexpr int kMaxHeadDim = 256;
+
+struct AttentionParams {
+  const void* q;              // [B, Q, Hq, D]
+  void* k_cache;              // contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D]
+  void* v_cache;
+  const int32_t* cache_seqlens;
+  const void* k_new;          // [B, Q, Hkv, D] or nullptr (new tokens already in the cache)
+  const void* v_new;
+  const int32_t* block_table; // [B, max_pages] or nullptr
+  const bool* tree_mask;      // [Q, Q] or [B, Q, Q] or nullptr (causal)
+  bool mask_per_request;
+  void* out;                  // [B, Q, Hq, D], dtype of q
+  float* lse;                 // [B, Q, Hq]
+  int64_t batch, num_queries, q_heads, kv_heads, head_dim;
+  int64_t cache_stride_b, cache_stride_s;  // elements (contiguous layout)
+  int64_t page_size, num_pages, max_pages, capacity;
+  float scale;
+};
+
+// Element offset of the row (b, position) in the cache, or -1 if its page is outside the cache.
+inline int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
+  if (P.block_table == nullptr) return b * P.cache_stride_b + pos * P.cache_stride_s;
+  const int64_t page = P.block_table[b * P.max_pages + pos / P.page_size];
+  if (page < 0 || page >= P.num_pages) return -1;
+  return (page * P.page_size + pos % P.page_size) * P.kv_heads * P.head_dim;
+}
+
+inline bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
+  if (P.tree_mask == nullptr) return j <= i;
+  const int64_t Q = P.num_queries;
+  return P.tree_mask[(P.mask_per_request ? b * Q * Q : 0) + i * Q + j];
+}
+
+}  // namespace specdec
