@@ -12,11 +12,12 @@
 
 #include "checks.h"
 #include "cpu/simd.h"
+#include "specdec/sampling_math.h"
 
 namespace specdec {
 namespace {
 
-constexpr int kKeyTile = 32;
+constexpr int kKeyTile = 32;  // K and V tiles in float stay in L1
 constexpr int kMinSplitKeys = 512;
 
 template <typename T>
@@ -24,21 +25,15 @@ SPECDEC_CPU_CLONES void to_float_row(const T* src, int64_t n, float* dst) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-// dot(a, b) with 16 partial sums, so that the loop vectorises without reassociating a single sum.
-SPECDEC_CPU_CLONES float dot(const float* a, const float* b, int64_t n) {
-  float part[16] = {};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    for (int l = 0; l < 16; ++l) part[l] += a[d + l] * b[d + l];
+// Loads a tile of n cache rows (given by offsets) as float rows.
+template <typename T>
+SPECDEC_CPU_CLONES void load_tile(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t d, float* kt, float* vt) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kr = k + rows[t];
+    const T* vr = v + rows[t];
+    for (int64_t e = 0; e < d; ++e) kt[t * d + e] = static_cast<float>(kr[e]);
+    for (int64_t e = 0; e < d; ++e) vt[t * d + e] = static_cast<float>(vr[e]);
   }
-  float s = 0.0f;
-  for (; d < n; ++d) s += a[d] * b[d];
-  for (int l = 0; l < 16; ++l) s += part[l];
-  return s;
-}
-
-SPECDEC_CPU_CLONES void scale_add(float* acc, float alpha, const float* v, float p, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) acc[d] = acc[d] * alpha + p * v[d];
 }
 
 // Running softmax state of one query row over a range of keys.
@@ -47,46 +42,89 @@ struct RowState {
   float l = 0.0f;
 };
 
+constexpr int kRowBlock = 32;
+
+// scores[r][t] = q_r . k_t for a tile, from the transposed queries qt[e][r] (rows padded to a multiple of
+// kRowBlock): for each key, a block of rows accumulates in vector registers, with no horizontal sums.
+SPECDEC_CPU_CLONES void tile_scores(const float* qt, int64_t rows_padded, const float* k, int64_t n, int64_t d,
+                                    float* scores) {
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
+    for (int64_t t = 0; t < n; ++t) {
+      float acc[kRowBlock] = {};
+      for (int64_t e = 0; e < d; ++e) {
+        const float ke = k[t * d + e];
+        for (int r = 0; r < kRowBlock; ++r) acc[r] += qt[e * rows_padded + r0 + r] * ke;
+      }
+      for (int r = 0; r < kRowBlock; ++r) scores[(r0 + r) * kKeyTile + t] = acc[r];
+    }
+  }
+}
+
+// Folds one tile into each row's running max, sum and output (masked scores are -inf; exp is det_exp,
+// which vectorises).
+SPECDEC_CPU_CLONES void tile_accumulate(float* scores, const float* v, int64_t rows, int64_t n, int64_t d,
+                                        RowState* state, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = &scores[r * kKeyTile];
+    float tile_max = -INFINITY;
+    for (int64_t t = 0; t < n; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
+    if (tile_max == -INFINITY) continue;
+    const float m = state[r].m > tile_max ? state[r].m : tile_max;
+    const float alpha = det_exp(state[r].m - m);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = det_exp(s[t] - m);
+      sum += s[t];
+    }
+    state[r].l = state[r].l * alpha + sum;
+    state[r].m = m;
+    // Output blocks of 16 stay in registers across the tile's keys.
+    float* o = &acc[r * d];
+    int64_t e0 = 0;
+    for (; e0 + 16 <= d; e0 += 16) {
+      float block[16];
+      for (int l = 0; l < 16; ++l) block[l] = o[e0 + l] * alpha;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = s[t];
+        for (int l = 0; l < 16; ++l) block[l] += p * v[t * d + e0 + l];
+      }
+      for (int l = 0; l < 16; ++l) o[e0 + l] = block[l];
+    }
+    for (; e0 < d; ++e0) {
+      float x = o[e0] * alpha;
+      for (int64_t t = 0; t < n; ++t) x += s[t] * v[t * d + e0];
+      o[e0] = x;
+    }
+  }
+}
+
 template <typename T>
 void attend_range(const AttentionParams& P, int64_t b, int64_t kvh, int64_t begin, int64_t end, const float* qrows,
                   float* acc, RowState* state) {
   const int64_t D = P.head_dim, G = P.q_heads / P.kv_heads, R = P.num_queries * G;
+  const int64_t rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
+  std::vector<float> qt(D * rows_padded, 0.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t e = 0; e < D; ++e) qt[e * rows_padded + r] = qrows[r * D + e];
+  }
   const int64_t length = P.cache_seqlens[b];
   const T* kc = static_cast<const T*>(P.k_cache);
   const T* vc = static_cast<const T*>(P.v_cache);
-  std::vector<float> kt(kKeyTile * D), vt(kKeyTile * D), scores(kKeyTile);
+  std::vector<float> kt(kKeyTile * D), vt(kKeyTile * D), scores(rows_padded * kKeyTile);
+  int64_t rows[kKeyTile];
   for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, end - t0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t row = attention_cache_row(P, b, t0 + t) + kvh * D;
-      to_float_row(kc + row, D, &kt[t * D]);
-      to_float_row(vc + row, D, &vt[t * D]);
-    }
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = r / G;
-      float tile_max = -INFINITY;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = t0 + t;
-        const bool visible = pos < length || attention_visible(P, b, i, pos - length);
-        scores[t] = visible ? dot(&qrows[r * D], &kt[t * D], D) : -INFINITY;
-        tile_max = std::max(tile_max, scores[t]);
+    for (int64_t t = 0; t < n; ++t) rows[t] = attention_cache_row(P, b, t0 + t) + kvh * D;
+    load_tile(kc, vc, rows, n, D, kt.data(), vt.data());
+    tile_scores(qt.data(), rows_padded, kt.data(), n, D, scores.data());
+    if (t0 + n > length) {  // the tile reaches the new tokens: apply the mask
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t t = std::max<int64_t>(0, length - t0); t < n; ++t) {
+          if (!attention_visible(P, b, r / G, t0 + t - length)) scores[r * kKeyTile + t] = -INFINITY;
+        }
       }
-      if (tile_max == -INFINITY) continue;
-      RowState& s = state[r];
-      const float m = std::max(s.m, tile_max);
-      const float alpha = std::exp(s.m - m);
-      float* o = &acc[r * D];
-      s.l *= alpha;
-      bool first = true;
-      for (int64_t t = 0; t < n; ++t) {
-        if (scores[t] == -INFINITY) continue;
-        const float p = std::exp(scores[t] - m);
-        s.l += p;
-        scale_add(o, first ? alpha : 1.0f, &vt[t * D], p, D);
-        first = false;
-      }
-      s.m = m;
     }
+    tile_accumulate(scores.data(), vt.data(), R, n, D, state, acc);
   }
 }
 
@@ -136,7 +174,8 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
             if (st.m == -INFINITY) continue;
             const float w = std::exp(st.m - m);
             l += st.l * w;
-            scale_add(o.data(), 1.0f, &acc[((bh * splits + s) * R + r) * D], w, D);
+            const float* a = &acc[((bh * splits + s) * R + r) * D];
+            for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
           }
         }
         T* out = static_cast<T*>(P.out) + ((b * Q + i) * Hq + h) * D;
