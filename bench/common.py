@@ -71,7 +71,7 @@ def save(args, meta: dict, rows: list[dict], label_keys: list[str]) -> None:
         ax.bar(range(len(rows)), [r["speedup"] for r in rows])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-        ax.set_ylabel("speed-up over the PyTorch reference")
+        ax.set_ylabel("speed-up of ours over the PyTorch baseline")
         ax.set_title(meta.get("title", ""))
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
