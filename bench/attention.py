@@ -1,6 +1,7 @@
 """`specdec bench attention`: verify_attention against torch's scaled_dot_product_attention (explicit mask,
-enable_gqa) and the reference, Hq/Hkv = 32/8, D = 128, every request with the same context length.
-GB/s counts the KV-cache bytes that must be read (every cached K and V row once)."""
+enable_gqa), the reference, and with --flex FlexAttention (torch.compile'd, one compile per shape), Hq/Hkv = 32/8,
+D = 128, every request with the same context length. GB/s counts the KV-cache bytes that must be read (every
+cached K and V row once)."""
 import torch
 import torch.nn.functional as F
 
@@ -24,17 +25,19 @@ def main(args) -> int:
     for batch in batches:
         for context in contexts:
             for n_q in queries:
-                rows.append(measure(batch, context, n_q, dtype, device, args.repeats, peak))
+                rows.append(measure(batch, context, n_q, dtype, device, args.repeats, peak, args.flex))
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
                       flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    columns = ["B", "context", "Q", "ours_us", "sdpa_us", "speedup"]
+    columns += ["flex_us", "vs_flex"] if args.flex else []
     report(f"verify_attention on {name} ({dtype}, Hq/Hkv = {HQ}/{HKV}, D = {D}; copy bandwidth {peak:.0f} GB/s)", rows,
-           ["B", "context", "Q", "ours_us", "sdpa_us", "speedup", "reference_us", "GB/s", "of_copy_bw"])
+           columns + ["reference_us", "GB/s", "of_copy_bw"])
     save(args, {"title": f"verify_attention, {name}", "device": name, "copy_bw_gbs": peak}, rows, ["B", "context", "Q"])
     return 0
 
 
-def measure(batch, context, n_q, dtype, device, repeats, peak):
+def measure(batch, context, n_q, dtype, device, repeats, peak, flex=False):
     g = torch.Generator().manual_seed(batch + context + n_q)
     s = context + n_q
     q = torch.randn(batch, n_q, HQ, D, generator=g).to(device=device, dtype=dtype)
@@ -53,5 +56,20 @@ def measure(batch, context, n_q, dtype, device, repeats, peak):
                        max(3, repeats // 10), warmup=1)
     kv_bytes = 2 * batch * s * HKV * D * k_cache.element_size()
     gbs = kv_bytes / (ours_us * 1e-6) / 1e9
-    return {"B": batch, "context": context, "Q": n_q, "ours_us": ours_us, "sdpa_us": sdpa_us, "speedup": sdpa_us / ours_us,
-            "reference_us": ref_us, "GB/s": gbs, "of_copy_bw": gbs / peak}
+    row = {"B": batch, "context": context, "Q": n_q, "ours_us": ours_us, "sdpa_us": sdpa_us, "speedup": sdpa_us / ours_us}
+    if flex:
+        flex_us = median_us(flex_attention_fn(qt, kt, vt, context), device, repeats)
+        row.update(flex_us=flex_us, vs_flex=flex_us / ours_us)
+    return row | {"reference_us": ref_us, "GB/s": gbs, "of_copy_bw": gbs / peak}
+
+
+def flex_attention_fn(qt, kt, vt, context):
+    """FlexAttention over the same [B, H, S, D] views with the verify mask as a mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def verify_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < context) | (kv_idx - context <= q_idx)
+
+    block_mask = create_block_mask(verify_mask, None, None, qt.shape[2], kt.shape[2], device=qt.device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda: compiled(qt, kt, vt, block_mask=block_mask, enable_gqa=True)

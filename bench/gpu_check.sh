@@ -20,3 +20,9 @@ python3 -m specdec_ext.cli bench philox --device cuda --json "$OUT/philox.json" 
 python3 -m specdec_ext.cli bench sampling --device cuda --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png" \
   > "$OUT/bench_sampling.txt" 2>&1
 tail -26 "$OUT/bench_sampling.txt"
+python3 -m specdec_ext.cli bench attention --device cuda --repeats 30 --json "$OUT/attention.json" \
+  --plot "$OUT/attention.png" > "$OUT/bench_attention.txt" 2>&1
+tail -30 "$OUT/bench_attention.txt"
+python3 -m specdec_ext.cli bench attention --device cuda --repeats 30 --flex --batch 1,8 --vocab 4096,32768 --k 5 \
+  > "$OUT/bench_attention_flex.txt" 2>&1
+tail -8 "$OUT/bench_attention_flex.txt"

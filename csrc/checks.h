@@ -20,6 +20,15 @@ inline void check_philox_args(const at::Tensor& seed, const at::Tensor& offset, 
   TORCH_CHECK_VALUE(stream >= 0 && stream <= 0xffffffffLL, "philox_uniform: stream must be in [0, 2^32), got ", stream);
 }
 
+// The kernels' device-side error word: a one-element int32 tensor on `device`, or none.
+inline int32_t* error_flags_pointer(const char* op, const std::optional<at::Tensor>& error_flags, const at::Device& device) {
+  if (!error_flags.has_value()) return nullptr;
+  TORCH_CHECK_VALUE(error_flags->numel() == 1 && error_flags->scalar_type() == at::kInt, op,
+                    ": error_flags must be a one-element int32 tensor");
+  TORCH_CHECK_VALUE(error_flags->device() == device, op, ": error_flags is on ", error_flags->device(), ", expected ", device);
+  return error_flags->data_ptr<int32_t>();
+}
+
 }  // namespace specdec
 
 #include "specdec/chain_sampling.h"
@@ -85,12 +94,7 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
                     " ", output_token_ids.scalar_type());
   same_device(output_token_ids, "output_token_ids");
   vector_of(num_accepted, "num_accepted", at::kInt);
-  if (error_flags.has_value()) {
-    TORCH_CHECK_VALUE(error_flags->numel() == 1 && error_flags->scalar_type() == at::kInt, op,
-                      ": error_flags must be a one-element int32 tensor");
-    same_device(*error_flags, "error_flags");
-    P.error_flags = error_flags->data_ptr<int32_t>();
-  }
+  P.error_flags = error_flags_pointer(op, error_flags, device);
   P.draft_ids = draft_token_ids.data_ptr();
   P.draft_ids_int64 = draft_token_ids.scalar_type() == at::kLong;
   P.target = target.data_ptr();
@@ -225,12 +229,7 @@ inline TruncateParams make_truncate_params(const at::Tensor& cache_seqlens, cons
     P.page_size = 1;  // lengths only: the table is not read
     P.block_table = nullptr;
   }
-  if (error_flags.has_value()) {
-    TORCH_CHECK_VALUE(error_flags->numel() == 1 && error_flags->scalar_type() == at::kInt, op,
-                      ": error_flags must be a one-element int32 tensor");
-    same_device(*error_flags, "error_flags");
-    P.error_flags = error_flags->data_ptr<int32_t>();
-  }
+  P.error_flags = error_flags_pointer(op, error_flags, device);
   return P;
 }
 
@@ -255,7 +254,8 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
                                              const std::optional<at::Tensor>& v_new,
                                              const std::optional<at::Tensor>& block_table,
                                              const std::optional<at::Tensor>& tree_mask, double softmax_scale,
-                                             const at::Tensor& out, const at::Tensor& lse) {
+                                             const std::optional<at::Tensor>& error_flags, const at::Tensor& out,
+                                             const at::Tensor& lse) {
   const char* op = "verify_attention";
   TORCH_CHECK_VALUE(q.dim() == 4 && q.is_contiguous(), op, ": q must be a contiguous [B, Q, Hq, D] tensor, got ", q.sizes());
   const int64_t B = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
@@ -346,6 +346,7 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
   P.kv_heads = Hkv;
   P.head_dim = D;
   P.scale = softmax_scale > 0 ? static_cast<float>(softmax_scale) : 1.0f / std::sqrt(static_cast<float>(D));
+  P.error_flags = error_flags_pointer(op, error_flags, device);
   return P;
 }
 

@@ -31,8 +31,10 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
 
   // Attention of Q new tokens per request against the KV cache (DESIGN.md §3.2); k_new/v_new, when given, are
   // written into the cache at cache_seqlens[b] + i first. Returns (out [B, Q, Hq, D], lse [B, Q, Hq] float32).
-  // softmax_scale <= 0 means 1/sqrt(D).
+  // softmax_scale <= 0 means 1/sqrt(D). error_flags, when given, collects AttentionError bits of invalid requests
+  // on CUDA (whose outputs are NaN); the CPU kernel raises instead.
   m.def(
       "verify_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
-      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float softmax_scale, bool return_lse) -> (Tensor, Tensor)");
+      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float softmax_scale, bool return_lse, "
+      "Tensor(c!)? error_flags) -> (Tensor, Tensor)");
 }

@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     bench.add_argument("--batch", default=None, help="comma-separated batch sizes (default: the benchmark's grid)")
     bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens (attention: queries Q)")
     bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")
+    bench.add_argument("--flex", action="store_true", help="attention: also time FlexAttention (compiles per shape)")
     bench.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -253,14 +253,15 @@ def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=N
                        records_errors=cache_seqlens.device.type != "cpu")
 
 
-def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
-                     softmax_scale=None, return_lse=False):
-    """Attention of the verify step (DESIGN.md §3.2): q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..64) against
-    the KV cache, contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table
-    [B, max_pages]. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j where tree_mask[i, j]
-    (default causal). k_new/v_new [B, Q, Hkv, D], when given, are written into the cache at
-    cache_seqlens[b] + j first; cache_seqlens is not advanced. Hq % Hkv == 0 (GQA/MQA).
-    Returns out [B, Q, Hq, D], or (out, lse [B, Q, Hq] float32) with return_lse."""
+# Error bits of verify_attention on CUDA (AttentionError in csrc/include/specdec/attention.h).
+_ATTENTION_ERRORS = {
+    1: "cache_seqlens[b] + Q runs outside the cache (or cache_seqlens[b] < 0)",
+    2: "block_table points outside the paged cache",
+}
+
+
+def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table, tree_mask, softmax_scale,
+                      return_lse, records_errors):
     op = "verify_attention"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, torch.Tensor):
@@ -271,9 +272,32 @@ def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
         block_table = block_table.to(torch.int32).contiguous()
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"{op}: softmax_scale must be > 0, got {softmax_scale}")
-    out, lse = torch.ops.specdec.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                                                  tree_mask, float(softmax_scale or 0.0), bool(return_lse))
+    flags = torch.zeros(1, dtype=torch.int32, device=q.device) if records_errors and _strict else None
+    out, lse = ops.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
+                                    float(softmax_scale or 0.0), bool(return_lse), flags)
+    if flags is not None:
+        bits = int(flags.item())  # the host sync that strict mode is for
+        if bits:
+            raise ValueError(f"{op}: invalid input detected on {q.device}: " + "; ".join(
+                msg for bit, msg in _ATTENTION_ERRORS.items() if bits & bit))
     return (out, lse) if return_lse else out
+
+
+def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
+                     softmax_scale=None, return_lse=False):
+    """Attention of the verify step (DESIGN.md §3.2): q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..64) against
+    the KV cache, contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table
+    [B, max_pages]. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j where tree_mask[i, j]
+    (default causal). k_new/v_new [B, Q, Hkv, D], when given, are written into the cache at
+    cache_seqlens[b] + j first; cache_seqlens is not advanced. Hq % Hkv == 0 (GQA/MQA).
+    Returns out [B, Q, Hq, D], or (out, lse [B, Q, Hq] float32) with return_lse.
+
+    CPU: float32, bfloat16, float16, any head dim up to 256; invalid requests raise. CUDA: float16 and
+    bfloat16 on tensor cores (sm_80+), head dim 64 or 128, no host sync; a request whose block runs past
+    its cache or whose pages are outside the cache gets NaN outputs (set_strict(True) raises)."""
+    return _verify_attention(torch.ops.specdec, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                             block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
+                             return_lse=return_lse, records_errors=q.device.type != "cpu")
 
 
 def _register_fakes(namespace: str) -> None:
@@ -282,7 +306,8 @@ def _register_fakes(namespace: str) -> None:
         return seed.new_empty((seed.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake(f"{namespace}::verify_attention")
-    def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, return_lse):
+    def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, return_lse,
+          error_flags):
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "truncate_kv_cache"):

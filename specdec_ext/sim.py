@@ -44,3 +44,12 @@ def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=N
     ops._truncate_kv_cache(torch.ops.specdec_sim, cache_seqlens, num_kept, block_len=block_len,
                            kept_indices=kept_indices, k_caches=k_caches, v_caches=v_caches, block_table=block_table,
                            clear=clear, records_errors=True)
+
+
+def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
+                     softmax_scale=None, return_lse=False):
+    """specdec_ext.verify_attention's CUDA kernel under the emulator (float16/bfloat16, head dim 64 or 128;
+    device-side error recording, as on CUDA)."""
+    return ops._verify_attention(torch.ops.specdec_sim, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                 block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
+                                 return_lse=return_lse, records_errors=True)

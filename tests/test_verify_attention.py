@@ -106,4 +106,118 @@ def test_bad_arguments_are_named(gen):
 
 def test_opcheck(gen):
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 2, 3, 4, 2, 64, torch.bfloat16, [4, 9])
-    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, 0.0, True))
+    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))
+
+
+# ----- the CUDA kernel under the emulator (float16/bfloat16, head dim 64/128, small shapes) -----------------
+# The emulator runs a 4-SM device, so even these shapes take the split-KV path with its merge kernel.
+SIM_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def sim():
+    from specdec_ext import sim
+    return sim
+
+
+@pytest.mark.parametrize("dtype", SIM_DTYPES, ids=str)
+@pytest.mark.parametrize("n_q", [1, 2, 6, 16, 64])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2), (8, 1), (6, 2)])
+def test_sim_contiguous_causal_with_append(dtype, n_q, hq, hkv, gen, sim):
+    lengths = [int(x) for x in torch.randint(0, 200, (3,), generator=gen)]
+    lengths[0] = 0
+    q, kc, vc, sl, kn, vn, _ = make_case(gen, 3, n_q, hq, hkv, 64, dtype, lengths)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, return_lse=True)
+    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, return_lse=True)
+    assert rel_error(out, ref) <= TOLERANCE[dtype]
+    assert torch.allclose(lse, ref_lse, atol=2e-3)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # the new tokens written, nothing else
+
+
+@pytest.mark.parametrize("dtype", SIM_DTYPES, ids=str)
+@pytest.mark.parametrize("page_size", [8, 16, 256])
+def test_sim_paged_tree_mask(dtype, page_size, gen, sim):
+    n_q = 9
+    lengths = [int(x) for x in torch.randint(0, 300, (3,), generator=gen)]
+    q, kc, vc, sl, kn, vn, table = make_case(gen, 3, n_q, 8, 2, 128, dtype, lengths, paged=page_size)
+    masks = torch.stack([random_tree_mask(gen, n_q) for _ in range(3)])
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, block_table=table, tree_mask=masks, return_lse=True)
+    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, block_table=table, tree_mask=masks,
+                                              return_lse=True)
+    assert rel_error(out, ref) <= TOLERANCE[dtype]
+    assert torch.allclose(lse, ref_lse, atol=2e-3)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    # One mask for every request; the new tokens are already in the cache.
+    out = sim.verify_attention(q, kc, vc, sl, block_table=table, tree_mask=masks[1])
+    assert rel_error(out, reference.verify_attention(q, kc, vc, sl, block_table=table, tree_mask=masks[1])) <= \
+        TOLERANCE[dtype]
+
+
+def test_sim_row_with_nothing_visible(sim):
+    # A tree row that sees no new token in an empty cache has no keys: output 0 and lse -inf, as on the CPU.
+    q = torch.randn(1, 3, 2, 64).half()
+    kc, vc = torch.randn(1, 8, 1, 64).half(), torch.randn(1, 8, 1, 64).half()
+    mask = torch.tensor([[True, False, False], [False, False, False], [True, True, True]])
+    sl = torch.zeros(1, dtype=torch.int32)
+    out, lse = sim.verify_attention(q, kc, vc, sl, tree_mask=mask, return_lse=True)
+    cpu_out, cpu_lse = specdec_ext.verify_attention(q, kc, vc, sl, tree_mask=mask, return_lse=True)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1])) and torch.isneginf(lse[0, 1]).all()
+    assert rel_error(out, cpu_out.double()) <= 4e-3 and torch.allclose(lse, cpu_lse, atol=2e-3)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sim_long_context_many_rows(d, gen, sim):
+    # 1500 cached tokens: eight KV splits, merged by lse; 64 x 2 = 128 query rows per KV head: two row tiles.
+    q, kc, vc, sl, kn, vn, _ = make_case(gen, 1, 64, 2, 1, d, torch.bfloat16, [1500])
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, softmax_scale=0.07, return_lse=True)
+    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, softmax_scale=0.07, return_lse=True)
+    assert rel_error(out, ref) <= 2e-2
+    assert torch.allclose(lse, ref_lse, atol=2e-3)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_sim_invalid_requests_get_nan_and_strict_raises(gen, sim):
+    q, kc, vc, sl, kn, vn, table = make_case(gen, 3, 4, 4, 2, 64, torch.float16, [5, 20, 7], paged=8)
+    bad_table = table.clone()
+    bad_table[1, 1] = 10_000  # request 1's second page is outside the cache
+    lengths = sl.clone()
+    lengths[2] = table.shape[1] * 8  # request 2's block runs past its pages
+    kc_before, vc_before = kc.clone(), vc.clone()
+    out, lse = sim.verify_attention(q, kc, vc, lengths, kn, vn, block_table=bad_table, return_lse=True)
+    assert torch.isnan(out[1:]).all() and torch.isnan(lse[1:]).all()
+    ref = reference.verify_attention(q[:1], kc_before.clone(), vc_before.clone(), sl[:1], kn[:1], vn[:1],
+                                     block_table=table[:1])
+    assert rel_error(out[:1], ref) <= 4e-3
+    # Request 2 (block past the cache) wrote nothing; only request 0's and request 1's in-range slots changed.
+    changed = (kc != kc_before).any(-1).any(-1)
+    allowed = torch.zeros_like(changed)
+    for b, n in ((0, 5), (1, 20)):
+        for j in range(4):
+            page = int(bad_table[b, (n + j) // 8])
+            if page < kc.shape[0]:
+                allowed[page, (n + j) % 8] = True
+    assert not (changed & ~allowed).any()
+    specdec_ext.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="block_table points outside.*|runs outside the cache"):
+            sim.verify_attention(q, kc, vc, lengths, block_table=bad_table)
+    finally:
+        specdec_ext.set_strict(False)
+
+
+def test_sim_unsupported_inputs_are_named(gen, sim):
+    q, kc, vc, sl, _, _, _ = make_case(gen, 1, 2, 2, 1, 64, torch.float32, [3])
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        sim.verify_attention(q, kc, vc, sl)
+    q, kc, vc, sl, _, _, _ = make_case(gen, 1, 2, 2, 1, 96, torch.float16, [3])
+    with pytest.raises(ValueError, match="head dim 64 or 128"):
+        sim.verify_attention(q, kc, vc, sl)
+
+
+def test_sim_opcheck(gen, sim):
+    q, kc, vc, sl, kn, vn, _ = make_case(gen, 2, 3, 4, 2, 64, torch.bfloat16, [4, 9])
+    torch.library.opcheck(torch.ops.specdec_sim.verify_attention.default,
+                          (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))

@@ -192,11 +192,11 @@ std::tuple<at::Tensor, at::Tensor> verify_attention_cpu(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& v_new,
                                                         const std::optional<at::Tensor>& block_table,
                                                         const std::optional<at::Tensor>& tree_mask, double softmax_scale,
-                                                        bool return_lse) {
+                                                        bool return_lse, const std::optional<at::Tensor>& error_flags) {
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   const AttentionParams P = make_attention_params(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
-                                                  softmax_scale, out, lse);
+                                                  softmax_scale, error_flags, out, lse);
   // Every request's block must fit in its cache and pages (checked before anything is written).
   for (int64_t b = 0; b < P.batch; ++b) {
     const int64_t length = P.cache_seqlens[b];

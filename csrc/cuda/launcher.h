@@ -16,8 +16,11 @@ struct LauncherGuard {
   explicit LauncherGuard(const at::Tensor&) {}
 };
 inline Stream current_stream(const at::Tensor&) { return {}; }
+// A small device, so that the tests' modest shapes already take the multi-block paths.
+inline int multiprocessor_count(const at::Tensor&) { return 4; }
 }  // namespace specdec
 #else
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #define SPECDEC_LAUNCHER_KEY CUDA
@@ -28,6 +31,9 @@ struct LauncherGuard {
   explicit LauncherGuard(const at::Tensor& t) : guard(t.device()) {}
 };
 inline Stream current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+inline int multiprocessor_count(const at::Tensor& t) {
+  return at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount;
+}
 }  // namespace specdec
 #endif
 

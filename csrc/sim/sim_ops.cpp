@@ -10,3 +10,4 @@
 #include "../cuda/chain_sampling.cu"
 #include "../cuda/philox_uniform.cu"
 #include "../cuda/truncate_kv_cache.cu"
+#include "../cuda/verify_attention.cu"

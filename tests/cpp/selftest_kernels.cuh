@@ -117,4 +117,42 @@ __global__ void out_of_bounds_kernel(float* out, int n) {
   if (i <= n) out[i] = 1.0f;
 }
 
+// One warp: C = A B for 16 x 16 x 16 through cp.async, ldmatrix and two m16n8k16 MMAs, with B's fragments
+// loaded twice: from a transposed copy (n-major rows, plain ldmatrix) and from the row-major copy
+// (ldmatrix .trans). Also writes each lane's A fragment as ldmatrix delivered it.
+template <typename T>
+__global__ void mma_kernel(const T* a, const T* b, const T* bt, float* c_from_bt, float* c_from_b, uint32_t* a_frags) {
+  constexpr int kStride = 24;  // padded rows of 48 bytes: 16-byte aligned
+  SPECDEC_SHARED(T, sa, 16 * kStride);
+  SPECDEC_SHARED(T, sb, 16 * kStride);
+  SPECDEC_SHARED(T, sbt, 16 * kStride);
+  const int lane = threadIdx.x;
+  const int row = lane / 2, col = lane % 2 * 8;  // 32 chunks of 16 bytes per matrix
+  cp_async_16(sa + row * kStride + col, a + row * 16 + col, true);
+  cp_async_16(sb + row * kStride + col, b + row * 16 + col, true);
+  cp_async_16(sbt + row * kStride + col, bt + row * 16 + col, true);
+  cp_async_commit();
+  cp_async_wait<0>();
+  sync_warp();
+  const int mat = lane / 8, r = lane % 8;
+  uint32_t af[4], bf[4], bf_trans[4];
+  ldmatrix_x4(af, sa + (mat % 2 * 8 + r) * kStride + mat / 2 * 8, false);
+  ldmatrix_x4(bf, sbt + (mat / 2 * 8 + r) * kStride + mat % 2 * 8, false);
+  ldmatrix_x4(bf_trans, sb + (mat % 2 * 8 + r) * kStride + mat / 2 * 8, true);
+  float c[2][4] = {}, d[2][4] = {};
+  for (int n = 0; n < 2; ++n) {
+    mma_m16n8k16<T>(c[n], af, {bf[2 * n], bf[2 * n + 1]});
+    mma_m16n8k16<T>(d[n], af, {bf_trans[2 * n], bf_trans[2 * n + 1]});
+  }
+  const int g = lane / 4, t = lane % 4;
+  for (int n = 0; n < 2; ++n) {
+    for (int e = 0; e < 4; ++e) {
+      const int i = (g + 8 * (e / 2)) * 16 + n * 8 + 2 * t + e % 2;
+      c_from_bt[i] = c[n][e];
+      c_from_b[i] = d[n][e];
+    }
+  }
+  for (int i = 0; i < 4; ++i) a_frags[lane * 4 + i] = af[i];
+}
+
 }  // namespace selftest

@@ -182,6 +182,48 @@ TEST_CASE("half and bfloat16 conversions round to nearest even") {
   CHECK_EQ(from_float<bf16_t>(1.00390625f).bits, 0x3f80);  // tie: 1 + 2^-8 rounds to even (1.0)
 }
 
+template <typename T>
+void check_mma(unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  alignas(16) T a[256], b[256], bt[256];
+  for (int i = 0; i < 256; ++i) {
+    a[i] = from_float<T>(normal(rng));
+    b[i] = from_float<T>(normal(rng));
+  }
+  for (int k = 0; k < 16; ++k) {
+    for (int n = 0; n < 16; ++n) bt[n * 16 + k] = b[k * 16 + n];
+  }
+  std::vector<float> c_bt(256, NAN), c_b(256, NAN);
+  std::vector<uint32_t> frags(128);
+  launch_kernel("mma", selftest::mma_kernel<T>, dim3(1), dim3(32), 0, Stream{}, a, b, bt, c_bt.data(), c_b.data(),
+                frags.data());
+  for (int m = 0; m < 16; ++m) {
+    for (int n = 0; n < 16; ++n) {
+      double ref = 0, bound = 0;
+      for (int k = 0; k < 16; ++k) {
+        ref += double(to_float(a[m * 16 + k])) * to_float(b[k * 16 + n]);
+        bound += std::fabs(double(to_float(a[m * 16 + k])) * to_float(b[k * 16 + n]));
+      }
+      CHECK(std::fabs(c_bt[m * 16 + n] - ref) <= 2e-6 * bound + 1e-30);
+      CHECK_EQ(c_b[m * 16 + n], c_bt[m * 16 + n]);
+    }
+  }
+  // The A fragment layout of the PTX ISA: a[i] = A[g + 8 (i % 2)][2t + 8 (i / 2) + {0, 1}].
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int e = (g + 8 * (i % 2)) * 16 + 2 * t + 8 * (i / 2);
+      CHECK_EQ(frags[lane * 4 + i], uint32_t{a[e].bits} | uint32_t{a[e + 1].bits} << 16);
+    }
+  }
+}
+
+TEST_CASE("tensor-core MMA, ldmatrix (plain and .trans) and cp.async follow the PTX fragment layouts") {
+  check_mma<half_t>(11);
+  check_mma<bf16_t>(12);
+}
+
 TEST_CASE("a barrier that only some threads reach is reported, not a hang") {
   std::vector<int> out(128, 0);
   CHECK_THROWS_WITH(launch_kernel("divergent", selftest::divergent_barrier_kernel, dim3(1), dim3(128), 0, Stream{}, out.data()),

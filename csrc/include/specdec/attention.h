@@ -4,6 +4,8 @@
 #pragma once
 #include <stdint.h>
 
+#include "sampling_math.h"
+
 namespace specdec {
 
 constexpr int kMaxVerifyQueries = 64;
@@ -25,17 +27,28 @@ struct AttentionParams {
   int64_t cache_stride_b, cache_stride_s;  // elements (contiguous layout)
   int64_t page_size, num_pages, max_pages, capacity;
   float scale;
+  // CUDA only: keys [split * split_keys, (split + 1) * split_keys) of each request go to one block; with
+  // several splits the blocks write normalised partial outputs and their lse, and a second kernel merges.
+  int64_t num_splits, split_keys, row_tiles;
+  float* partial_out;         // [num_splits, B, Q, Hq, D]
+  float* partial_lse;         // [num_splits, B, Q, Hq]
+  int32_t* error_flags;       // [1] or nullptr: AttentionError bits of invalid requests
+};
+
+enum AttentionError : int32_t {
+  kAttentionBadLength = 1,  // cache_seqlens[b] < 0 or the block runs past the cache
+  kAttentionBadPage = 2,    // block_table points outside the paged cache
 };
 
 // Element offset of the row (b, position) in the cache, or -1 if its page is outside the cache.
-inline int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
+SPECDEC_MATH int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
   if (P.block_table == nullptr) return b * P.cache_stride_b + pos * P.cache_stride_s;
   const int64_t page = P.block_table[b * P.max_pages + pos / P.page_size];
   if (page < 0 || page >= P.num_pages) return -1;
   return (page * P.page_size + pos % P.page_size) * P.kv_heads * P.head_dim;
 }
 
-inline bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
+SPECDEC_MATH bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
   if (P.tree_mask == nullptr) return j <= i;
   const int64_t Q = P.num_queries;
   return P.tree_mask[(P.mask_per_request ? b * Q * Q : 0) + i * Q + j];

@@ -3,7 +3,8 @@
 // same kernel source runs on a GPU and under the emulator.
 //
 // Primitives (twinned): built-in variables, sync_threads/sync_warp, shuffles, votes, atomics, shared
-// memory declarations, 16-byte vector loads/stores, half/bfloat16 conversions.
+// memory declarations, 16-byte vector loads/stores, half/bfloat16 conversions, tensor-core MMA, ldmatrix
+// and asynchronous global -> shared copies.
 // Compound helpers (warp/block reductions and scans) are written once, on top of the primitives.
 #pragma once
 #include <stdint.h>
@@ -328,6 +329,164 @@ SPECDEC_DEVICE VecN<T, N> load_vecn(const T* p) {
   }
   return r;
 }
+#endif
+
+// ----- tensor cores and asynchronous copies (sm_80+) ------------------------------------------------
+// Fragments of mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.f32 for lane = 4 * g + t (PTX ISA,
+// "Matrix Fragments for mma.m16n8k16"). Each 32-bit register holds two 16-bit elements, the lower index in
+// the low half:
+//   A (16 x 16, row-major): a[0] = A[g][2t, 2t+1]    a[1] = A[g+8][2t, 2t+1]
+//                           a[2] = A[g][2t+8, 2t+9]  a[3] = A[g+8][2t+8, 2t+9]
+//   B (16 x 8, k x n):      b[0] = B[2t, 2t+1][g]    b[1] = B[2t+8, 2t+9][g]
+//   C (16 x 8, fp32):       c[0], c[1] = C[g][2t, 2t+1]   c[2], c[3] = C[g+8][2t, 2t+1]
+// ldmatrix.x4 loads four 8 x 8 matrices of 16-bit elements from shared memory: lanes 8i..8i+7 give the
+// addresses of matrix i's rows (16 bytes each, 16-byte aligned), and lane 4 * g + t receives in r[i]
+// row g, columns 2t and 2t+1 of matrix i; with .trans, rows 2t and 2t+1 of column g.
+// cp_async_16 copies 16 bytes global -> shared without passing through registers (zero-fills when !fill);
+// cp_async_wait<N> waits until at most N of the committed groups are still in flight.
+#if defined(SPECDEC_SIM)
+namespace detail {
+// The emulated warp-wide matrix instructions exchange operands through this area: 8 words per lane, one
+// slot per warp of the block (emulator-only shared memory, not part of the kernel's budget on a GPU).
+inline uint32_t* warp_exchange_slots() {
+  static const char site = 0;
+  const dim3 bd = sim::block_dim();
+  const unsigned threads = bd.x * bd.y * bd.z;
+  const uint3 t = sim::thread_idx();
+  const unsigned linear = t.x + bd.x * (t.y + bd.y * t.z);
+  auto* base = static_cast<uint32_t*>(sim::static_shared(&site, threads * 8 * sizeof(uint32_t), 16));
+  return base + linear / kWarpSize * kWarpSize * 8;
+}
+template <typename T>
+float half_word(uint32_t word, unsigned which) {
+  return to_float(T{static_cast<uint16_t>(which ? word >> 16 : word & 0xffffu)});
+}
+inline void check_row_address(const void* p, const std::source_location& loc) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) sim::fail("ldmatrix row address not 16-byte aligned", loc.file_name(), loc.line());
+}
+}  // namespace detail
+
+template <typename T>
+uint32_t pack2(float lo, float hi) {
+  return uint32_t{from_float<T>(lo).bits} | uint32_t{from_float<T>(hi).bits} << 16;
+}
+
+template <typename T>
+void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                  std::source_location loc = std::source_location::current()) {
+  static_assert(std::is_same_v<T, half_t> || std::is_same_v<T, bf16_t>, "fp16 or bf16 operands");
+  uint32_t* slots = detail::warp_exchange_slots();
+  const unsigned lane = lane_id();
+  for (int i = 0; i < 4; ++i) slots[lane * 8 + i] = a[i];
+  slots[lane * 8 + 4] = b[0];
+  slots[lane * 8 + 5] = b[1];
+  sync_warp(kFullMask, loc);
+  auto a_at = [&](unsigned row, unsigned k) {
+    const unsigned src = (row % 8) * 4 + (k % 8) / 2, reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return detail::half_word<T>(slots[src * 8 + reg], k % 2);
+  };
+  auto b_at = [&](unsigned k, unsigned n) {
+    const unsigned src = n * 4 + (k % 8) / 2, reg = 4 + (k >= 8 ? 1 : 0);
+    return detail::half_word<T>(slots[src * 8 + reg], k % 2);
+  };
+  const unsigned g = lane / 4, t = lane % 4;
+  float d[4];
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * t + i % 2;
+    float acc = c[i];
+    for (unsigned k = 0; k < 16; ++k) acc += a_at(row, k) * b_at(k, col);
+    d[i] = acc;
+  }
+  sync_warp(kFullMask, loc);  // every lane has read the slots before any lane reuses them
+  for (int i = 0; i < 4; ++i) c[i] = d[i];
+}
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans,
+                        std::source_location loc = std::source_location::current()) {
+  detail::check_row_address(row, loc);
+  uint32_t* slots = detail::warp_exchange_slots();
+  const unsigned lane = lane_id();
+  const uintptr_t address = reinterpret_cast<uintptr_t>(row);
+  slots[lane * 8] = static_cast<uint32_t>(address);
+  slots[lane * 8 + 1] = static_cast<uint32_t>(address >> 32);
+  sync_warp(kFullMask, loc);
+  auto row_of = [&](unsigned src) {
+    return reinterpret_cast<const uint16_t*>(uintptr_t{slots[src * 8]} | uintptr_t{slots[src * 8 + 1]} << 32);
+  };
+  const unsigned g = lane / 4, t = lane % 4;
+  uint32_t out[4];
+  for (unsigned i = 0; i < 4; ++i) {
+    if (!trans) {
+      out[i] = uint32_t{row_of(8 * i + g)[2 * t]} | uint32_t{row_of(8 * i + g)[2 * t + 1]} << 16;
+    } else {
+      out[i] = uint32_t{row_of(8 * i + 2 * t)[g]} | uint32_t{row_of(8 * i + 2 * t + 1)[g]} << 16;
+    }
+  }
+  sync_warp(kFullMask, loc);
+  for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+
+inline void cp_async_16(void* shared, const void* global, bool fill,
+                        std::source_location loc = std::source_location::current()) {
+  if (reinterpret_cast<uintptr_t>(shared) % 16 != 0 || reinterpret_cast<uintptr_t>(global) % 16 != 0) {
+    sim::fail("cp.async of 16 bytes with a misaligned address", loc.file_name(), loc.line());
+  }
+  if (fill) {
+    std::memcpy(shared, global, 16);
+  } else {
+    std::memset(shared, 0, 16);
+  }
+}
+inline void cp_async_commit() {}
+template <int N> void cp_async_wait() {}
+#else
+template <typename T> SPECDEC_DEVICE uint32_t pack2(float lo, float hi);
+template <> SPECDEC_DEVICE uint32_t pack2<half_t>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &h, 4);
+  return r;
+}
+template <> SPECDEC_DEVICE uint32_t pack2<bf16_t>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &h, 4);
+  return r;
+}
+
+template <typename T> SPECDEC_DEVICE void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+template <> SPECDEC_DEVICE void mma_m16n8k16<half_t>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> SPECDEC_DEVICE void mma_m16n8k16<bf16_t>(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+SPECDEC_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if (trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  }
+}
+
+SPECDEC_DEVICE void cp_async_16(void* shared, const void* global, bool fill) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global), "r"(fill ? 16 : 0));
+}
+SPECDEC_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> SPECDEC_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 #endif
 
 // ----- compound helpers: one source for both backends ----------------------------------------------

@@ -1,0 +1,106 @@
+"""verify_attention on CUDA (tensor cores): against the float64 reference, no host sync, CUDA-graph capture,
+device-side handling of invalid requests."""
+import pytest
+import torch
+
+import specdec_ext
+from specdec_ext import reference
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def rel_error(out, ref):
+    return float((out.double().cpu() - ref.cpu()).norm() / ref.cpu().norm())
+
+
+def make_case(g, batch, n_q, hq, hkv, d, dtype, lengths, page_size=None):
+    q = torch.randn(batch, n_q, hq, d, generator=g).to(dtype)
+    k_new = torch.randn(batch, n_q, hkv, d, generator=g).to(dtype)
+    v_new = torch.randn(batch, n_q, hkv, d, generator=g).to(dtype)
+    capacity = max(lengths) + n_q
+    if page_size:
+        per_seq = -(-capacity // page_size)
+        num_pages = batch * per_seq + 5
+        table = torch.randperm(num_pages, generator=g)[: batch * per_seq].int().reshape(batch, per_seq).cuda()
+        shape = (num_pages, page_size, hkv, d)
+    else:
+        table, shape = None, (batch, capacity + 7, hkv, d)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    cuda = [t.cuda() for t in (q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32), k_new, v_new)]
+    return (*cuda, table)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n_q", [1, 2, 6, 16, 64])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8), (8, 1), (12, 4)])
+@pytest.mark.parametrize("page_size", [None, 16, 256])
+def test_against_reference(dtype, d, n_q, hq, hkv, page_size):
+    g = torch.Generator().manual_seed(n_q * 1000 + hq * 10 + hkv + d)
+    lengths = [0, 1, 700, 6000]
+    q, kc, vc, sl, kn, vn, table = make_case(g, 4, n_q, hq, hkv, d, dtype, lengths, page_size)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out, lse = specdec_ext.verify_attention(q, kc, vc, sl, kn, vn, block_table=table, return_lse=True)
+    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, block_table=table, return_lse=True)
+    assert rel_error(out, ref) <= TOLERANCE[dtype]
+    assert torch.allclose(lse.cpu(), ref_lse.cpu().float(), atol=2e-3)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_tree_mask_per_request():
+    g = torch.Generator().manual_seed(3)
+    n_q = 12
+    q, kc, vc, sl, kn, vn, table = make_case(g, 3, n_q, 32, 8, 128, torch.bfloat16, [5, 300, 4000], 16)
+    masks = torch.zeros(3, n_q, n_q, dtype=torch.bool)
+    for b in range(3):
+        for i in range(n_q):
+            masks[b, i, i] = True
+            if i:
+                masks[b, i] |= masks[b, int(torch.randint(0, i, (1,), generator=g))]
+    masks = masks.cuda()
+    out = specdec_ext.verify_attention(q, kc, vc, sl, block_table=table, tree_mask=masks)
+    ref = reference.verify_attention(q, kc, vc, sl, block_table=table, tree_mask=masks)
+    assert rel_error(out, ref) <= 2e-2
+
+
+def test_no_host_sync_and_graph_capture():
+    g = torch.Generator().manual_seed(4)
+    q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 5, 32, 8, 128, torch.bfloat16, [100, 3000])
+    want = reference.verify_attention(q, kc.clone(), vc.clone(), sl, kn, vn)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        specdec_ext.verify_attention(q, kc.clone(), vc.clone(), sl, kn, vn)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        specdec_ext.verify_attention(q, kc, vc, sl, kn, vn)  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out.copy_(specdec_ext.verify_attention(q, kc, vc, sl, kn, vn))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(out, want) <= 2e-2
+
+
+def test_invalid_request_is_nan_and_strict_raises():
+    g = torch.Generator().manual_seed(5)
+    q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 4, 8, 2, 64, torch.float16, [10, 20])
+    sl[1] = kc.shape[1]  # request 1's block runs past the cache
+    out = specdec_ext.verify_attention(q, kc, vc, sl, kn, vn)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    specdec_ext.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="runs outside the cache"):
+            specdec_ext.verify_attention(q, kc, vc, sl)
+    finally:
+        specdec_ext.set_strict(False)
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(6)
+    q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 3, 8, 2, 128, torch.bfloat16, [4, 90])
+    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))
