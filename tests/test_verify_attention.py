@@ -167,10 +167,11 @@ def test_sim_row_with_nothing_visible(sim):
     assert rel_error(out, cpu_out.double()) <= 4e-3 and torch.allclose(lse, cpu_lse, atol=2e-3)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_sim_long_context_many_rows(d, gen, sim):
-    # 1500 cached tokens: eight KV splits, merged by lse; 64 x 2 = 128 query rows per KV head: two row tiles.
-    q, kc, vc, sl, kn, vn, _ = make_case(gen, 1, 64, 2, 1, d, torch.bfloat16, [1500])
+@pytest.mark.parametrize("d,length,n_q", [(64, 6000, 5), (128, 1500, 64)])
+def test_sim_long_context_many_rows(d, length, n_q, gen, sim):
+    # Long contexts at B = 1 take several KV splits, merged by lse (6000 tokens: eight splits of 768 keys);
+    # 64 queries x 2 heads = 128 query rows per KV head: two row tiles.
+    q, kc, vc, sl, kn, vn, _ = make_case(gen, 1, n_q, 2, 1, d, torch.bfloat16, [length])
     kc_ref, vc_ref = kc.clone(), vc.clone()
     out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, softmax_scale=0.07, return_lse=True)
     ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, softmax_scale=0.07, return_lse=True)
@@ -221,3 +222,25 @@ def test_sim_opcheck(gen, sim):
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 2, 3, 4, 2, 64, torch.bfloat16, [4, 9])
     torch.library.opcheck(torch.ops.specdec_sim.verify_attention.default,
                           (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))
+
+
+@pytest.mark.parametrize("trial", range(8))
+def test_random_shapes_cpu_and_sim(trial, gen, sim):
+    # Every dimension drawn fresh per run: batch, queries, GQA ratio, head dim, layout, page size, mask, lengths.
+    pick = lambda *choices: choices[int(torch.randint(0, len(choices), (1,), generator=gen))]
+    batch, n_q, hkv, ratio, d = pick(1, 2, 5), pick(1, 3, 7, 17), pick(1, 2, 3), pick(1, 2, 3, 5), pick(64, 128)
+    dtype = pick(torch.bfloat16, torch.float16)
+    lengths = [int(x) for x in torch.randint(0, 700, (batch,), generator=gen)]
+    paged = pick(None, 8, 32, 128)
+    q, kc, vc, sl, kn, vn, table = make_case(gen, batch, n_q, hkv * ratio, hkv, d, dtype, lengths, paged=paged)
+    mask = pick(None, random_tree_mask(gen, n_q))
+    append = pick(True, False)
+    new = (kn, vn) if append else (None, None)
+    ref_caches = (kc.clone(), vc.clone())
+    ref, ref_lse = reference.verify_attention(q, *ref_caches, sl, *new, block_table=table, tree_mask=mask, return_lse=True)
+    for f in (specdec_ext.verify_attention, sim.verify_attention):
+        caches = (kc.clone(), vc.clone())
+        out, lse = f(q, *caches, sl, *new, block_table=table, tree_mask=mask, return_lse=True)
+        assert rel_error(out, ref) <= TOLERANCE[dtype], f
+        assert torch.allclose(lse, ref_lse, atol=2e-3), f
+        assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1]), f
