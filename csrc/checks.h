@@ -312,6 +312,8 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
     P.page_size = k_cache.size(1);
     P.num_pages = k_cache.size(0);
     P.capacity = P.max_pages * P.page_size;
+    TORCH_CHECK_VALUE(P.page_size >= 1, op, ": a paged k_cache needs page_size >= 1");
+    P.page_shift = (P.page_size & (P.page_size - 1)) == 0 ? __builtin_ctzll(P.page_size) : -1;
   } else {
     TORCH_CHECK_VALUE(k_cache.size(0) >= B, op, ": k_cache holds ", k_cache.size(0), " requests, q ", B);
     P.cache_stride_b = k_cache.stride(0);

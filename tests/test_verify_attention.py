@@ -231,7 +231,7 @@ def test_random_shapes_cpu_and_sim(trial, gen, sim):
     batch, n_q, hkv, ratio, d = pick(1, 2, 5), pick(1, 3, 7, 17), pick(1, 2, 3), pick(1, 2, 3, 5), pick(64, 128)
     dtype = pick(torch.bfloat16, torch.float16)
     lengths = [int(x) for x in torch.randint(0, 700, (batch,), generator=gen)]
-    paged = pick(None, 8, 32, 128)
+    paged = pick(None, 8, 32, 128, 24)  # 24: a page size that is not a power of two
     q, kc, vc, sl, kn, vn, table = make_case(gen, batch, n_q, hkv * ratio, hkv, d, dtype, lengths, paged=paged)
     mask = pick(None, random_tree_mask(gen, n_q))
     append = pick(True, False)

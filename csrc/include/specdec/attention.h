@@ -26,6 +26,7 @@ struct AttentionParams {
   int64_t batch, num_queries, q_heads, kv_heads, head_dim;
   int64_t cache_stride_b, cache_stride_s;  // elements (contiguous layout)
   int64_t page_size, num_pages, max_pages, capacity;
+  int32_t page_shift;         // log2(page_size) when it is a power of two (the usual case), else -1
   float scale;
   // CUDA only: keys [split * split_keys, (split + 1) * split_keys) of each request go to one block; with
   // several splits the blocks write normalised partial outputs and their lse, and a second kernel merges.
@@ -43,9 +44,12 @@ enum AttentionError : int32_t {
 // Element offset of the row (b, position) in the cache, or -1 if its page is outside the cache.
 SPECDEC_MATH int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
   if (P.block_table == nullptr) return b * P.cache_stride_b + pos * P.cache_stride_s;
-  const int64_t page = P.block_table[b * P.max_pages + pos / P.page_size];
+  // A shift and a mask rather than a 64-bit division: the kernels address every row through here.
+  const int64_t index = P.page_shift >= 0 ? pos >> P.page_shift : pos / P.page_size;
+  const int64_t slot = P.page_shift >= 0 ? pos & (P.page_size - 1) : pos % P.page_size;
+  const int64_t page = P.block_table[b * P.max_pages + index];
   if (page < 0 || page >= P.num_pages) return -1;
-  return (page * P.page_size + pos % P.page_size) * P.kv_heads * P.head_dim;
+  return (page * P.page_size + slot) * P.kv_heads * P.head_dim;
 }
 
 SPECDEC_MATH bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
