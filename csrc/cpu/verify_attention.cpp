@@ -28,18 +28,38 @@ namespace {
 #endif
 #define SPECDEC_INLINE inline __attribute__((always_inline))
 
-// 16 floats: one AVX-512 register (two AVX2 ones). The micro-kernels keep their accumulators in these, so
-// that they live in registers under every SPECDEC_CPU_CLONES target; loads and stores through this type
-// are unaligned and may alias float.
-typedef float f32x16 __attribute__((vector_size(64), aligned(4), may_alias));
-SPECDEC_INLINE f32x16& as_f32x16(float* p) { return *reinterpret_cast<f32x16*>(p); }
-SPECDEC_INLINE const f32x16& as_f32x16(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
+// A vector of W floats, for the micro-kernels' accumulators; loads and stores through it are unaligned and
+// may alias float.
+template <int W>
+struct FloatVec {
+  typedef float type __attribute__((vector_size(4 * W), aligned(4), may_alias));
+};
+template <int W>
+using f32v = typename FloatVec<W>::type;
+template <int W>
+SPECDEC_INLINE f32v<W>& vec_at(float* p) {
+  return *reinterpret_cast<f32v<W>*>(p);
+}
+template <int W>
+SPECDEC_INLINE const f32v<W>& vec_at(const float* p) {
+  return *reinterpret_cast<const f32v<W>*>(p);
+}
 
-constexpr int kKeyTile = 32;   // keys per tile: the tile's rows and scores stay in L1
-constexpr int kRowVec = 16;    // query rows are padded to a multiple of one f32x16 of rows
-constexpr int kScoreKeys = 8;  // keys per score micro-kernel: 8 independent vector accumulators
-constexpr int kPvRows = 4;     // rows x vectors of outputs per P.V micro-kernel: 16 vector accumulators
-constexpr int kPvVecs = 4;
+// Floats per vector register of the running CPU, which is also the instruction set of the
+// SPECDEC_CPU_CLONES clones that run: their micro-kernels use vectors of this width, the widest that the
+// compiler keeps in registers (wider generic vectors go through memory).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+inline int vector_floats() {
+  return __builtin_cpu_supports("x86-64-v4") ? 16 : __builtin_cpu_supports("x86-64-v3") ? 8 : 4;
+}
+#else
+inline int vector_floats() { return 4; }
+#endif
+
+constexpr int kKeyTile = 32;       // keys per tile: the tile's rows and scores stay in L1
+constexpr int kRowBlock = 16;      // query rows are padded to a multiple of this (one AVX-512 vector)
+constexpr int kScoreAccs = 8;      // vector accumulators of the score micro-kernel
+constexpr int kPvRows = 4;         // rows per P.V micro-kernel
 constexpr int kPrefetchTiles = 1;  // K and V rows are requested this many tiles ahead
 constexpr int kMinSplitKeys = 512;
 
@@ -65,21 +85,41 @@ SPECDEC_CPU_CLONES void tile_rows(const T* k, const T* v, const int64_t* rows, i
 }
 
 // scores[t][r] = q_r . k_t for the tile's kKeyTile keys, from the transposed queries qt[e][r] (rows padded
-// to rows_padded, a multiple of kRowVec, with zeros): a vector of rows per key, kScoreKeys keys at a time, so
-// that kScoreKeys independent accumulators hide the latency of the multiply-adds and no horizontal sums occur.
-SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_scores(const float* qt, int64_t rows_padded, const float* const* keys,
-                                                       int64_t d, float* scores) {
-  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowVec) {
-    for (int t0 = 0; t0 < kKeyTile; t0 += kScoreKeys) {
-      f32x16 acc[kScoreKeys] = {};
+// to rows_padded, a multiple of kRowBlock, with zeros): vectors of rows per key, a few keys at a time, so that
+// kScoreAccs independent accumulators hide the latency of the multiply-adds and no horizontal sums occur.
+template <int W>
+SPECDEC_INLINE void tile_scores_w(const float* qt, int64_t rows_padded, const float* const* keys, int64_t d,
+                                  float* scores) {
+  constexpr int kVecs = kRowBlock / W, kKeys = kScoreAccs / kVecs;
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
+    for (int t0 = 0; t0 < kKeyTile; t0 += kKeys) {
+      f32v<W> acc[kKeys][kVecs] = {};
       for (int64_t e = 0; e < d; ++e) {
-        const f32x16 q = as_f32x16(&qt[e * rows_padded + r0]);
+        f32v<W> q[kVecs];
+#pragma GCC unroll 4
+        for (int c = 0; c < kVecs; ++c) q[c] = vec_at<W>(&qt[e * rows_padded + r0 + c * W]);
 #pragma GCC unroll 8
-        for (int j = 0; j < kScoreKeys; ++j) acc[j] += q * keys[t0 + j][e];
+        for (int j = 0; j < kKeys; ++j) {
+          const float k = keys[t0 + j][e];
+#pragma GCC unroll 4
+          for (int c = 0; c < kVecs; ++c) acc[j][c] += q[c] * k;
+        }
       }
 #pragma GCC unroll 8
-      for (int j = 0; j < kScoreKeys; ++j) as_f32x16(&scores[(t0 + j) * rows_padded + r0]) = acc[j];
+      for (int j = 0; j < kKeys; ++j) {
+#pragma GCC unroll 4
+        for (int c = 0; c < kVecs; ++c) vec_at<W>(&scores[(t0 + j) * rows_padded + r0 + c * W]) = acc[j][c];
+      }
     }
+  }
+}
+
+SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_scores(const float* qt, int64_t rows_padded, const float* const* keys,
+                                                       int64_t d, float* scores) {
+  switch (vector_floats()) {
+    case 16: tile_scores_w<16>(qt, rows_padded, keys, d, scores); break;
+    case 8: tile_scores_w<8>(qt, rows_padded, keys, d, scores); break;
+    default: tile_scores_w<4>(qt, rows_padded, keys, d, scores);
   }
 }
 
@@ -88,21 +128,21 @@ SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_scores(const float* qt, int64_t 
 // get probability 0 (a row with no visible key so far keeps m = -inf, l = 0, and gets alpha = 0). Rows are
 // in vector lanes; exp is det_exp, which vectorises.
 SPECDEC_CPU_CLONES void tile_softmax(float* scores, int64_t rows_padded, float* m, float* l, float* alpha) {
-  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowVec) {
-    float mx[kRowVec], sum[kRowVec] = {};
-    for (int r = 0; r < kRowVec; ++r) mx[r] = m[r0 + r];
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
+    float mx[kRowBlock], sum[kRowBlock] = {};
+    for (int r = 0; r < kRowBlock; ++r) mx[r] = m[r0 + r];
     for (int t = 0; t < kKeyTile; ++t) {
       const float* s = &scores[t * rows_padded + r0];
-      for (int r = 0; r < kRowVec; ++r) mx[r] = s[r] > mx[r] ? s[r] : mx[r];
+      for (int r = 0; r < kRowBlock; ++r) mx[r] = s[r] > mx[r] ? s[r] : mx[r];
     }
     for (int t = 0; t < kKeyTile; ++t) {
       float* s = &scores[t * rows_padded + r0];
-      for (int r = 0; r < kRowVec; ++r) {
+      for (int r = 0; r < kRowBlock; ++r) {
         s[r] = det_exp(s[r] - mx[r]);
         sum[r] += s[r];
       }
     }
-    for (int r = 0; r < kRowVec; ++r) {
+    for (int r = 0; r < kRowBlock; ++r) {
       alpha[r0 + r] = det_exp(m[r0 + r] - mx[r]);
       l[r0 + r] = l[r0 + r] * alpha[r0 + r] + sum[r];
       m[r0 + r] = mx[r];
@@ -110,21 +150,21 @@ SPECDEC_CPU_CLONES void tile_softmax(float* scores, int64_t rows_padded, float* 
   }
 }
 
-// out[r][d0, d0 + 16 kVecs) = alpha[r] out[r][...] + sum_t probs[t][r] values[t][...] for kRows rows from r0:
+// out[r][d0, d0 + W kVecs) = alpha[r] out[r][...] + sum_t probs[t][r] values[t][...] for kRows rows from r0:
 // the outputs stay in registers across the tile's keys.
-template <int kRows, int kVecs>
+template <int W, int kRows, int kVecs>
 SPECDEC_INLINE void pv_block(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
                              const float* alpha, int64_t r0, int64_t d0, int64_t d, float* out) {
-  f32x16 acc[kRows][kVecs];
+  f32v<W> acc[kRows][kVecs];
 #pragma GCC unroll 4
   for (int i = 0; i < kRows; ++i) {
 #pragma GCC unroll 4
-    for (int c = 0; c < kVecs; ++c) acc[i][c] = as_f32x16(&out[(r0 + i) * d + d0 + 16 * c]) * alpha[r0 + i];
+    for (int c = 0; c < kVecs; ++c) acc[i][c] = vec_at<W>(&out[(r0 + i) * d + d0 + c * W]) * alpha[r0 + i];
   }
   for (int64_t t = 0; t < n; ++t) {
-    f32x16 v[kVecs];
+    f32v<W> v[kVecs];
 #pragma GCC unroll 4
-    for (int c = 0; c < kVecs; ++c) v[c] = as_f32x16(values[t] + d0 + 16 * c);
+    for (int c = 0; c < kVecs; ++c) v[c] = vec_at<W>(values[t] + d0 + c * W);
 #pragma GCC unroll 4
     for (int i = 0; i < kRows; ++i) {
       const float p = probs[t * rows_padded + r0 + i];
@@ -135,32 +175,48 @@ SPECDEC_INLINE void pv_block(const float* probs, int64_t rows_padded, const floa
 #pragma GCC unroll 4
   for (int i = 0; i < kRows; ++i) {
 #pragma GCC unroll 4
-    for (int c = 0; c < kVecs; ++c) as_f32x16(&out[(r0 + i) * d + d0 + 16 * c]) = acc[i][c];
+    for (int c = 0; c < kVecs; ++c) vec_at<W>(&out[(r0 + i) * d + d0 + c * W]) = acc[i][c];
   }
 }
 
-template <int kVecs>
+template <int W, int kVecs>
 SPECDEC_INLINE void pv_columns(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
                                const float* alpha, int64_t rows, int64_t d0, int64_t d, float* out) {
   int64_t r0 = 0;
-  for (; r0 + kPvRows <= rows; r0 += kPvRows) pv_block<kPvRows, kVecs>(probs, rows_padded, values, n, alpha, r0, d0, d, out);
-  for (; r0 < rows; ++r0) pv_block<1, kVecs>(probs, rows_padded, values, n, alpha, r0, d0, d, out);
+  for (; r0 + kPvRows <= rows; r0 += kPvRows) {
+    pv_block<W, kPvRows, kVecs>(probs, rows_padded, values, n, alpha, r0, d0, d, out);
+  }
+  for (; r0 < rows; ++r0) pv_block<W, 1, kVecs>(probs, rows_padded, values, n, alpha, r0, d0, d, out);
 }
 
 // Adds a tile's probabilities times its n value rows to the rows' outputs out[r][d], rescaled by alpha:
-// columns in blocks of kPvVecs vectors, then single vectors, then (D not a multiple of 16) one at a time.
-SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_accumulate(const float* probs, int64_t rows_padded,
-                                                           const float* const* values, int64_t n, const float* alpha,
-                                                           int64_t rows, int64_t d, float* out) {
+// columns in blocks of kVecs vectors (kPvRows x kVecs accumulators: half the vector registers), then single
+// vectors, then one at a time.
+template <int W>
+SPECDEC_INLINE void tile_accumulate_w(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+                                      const float* alpha, int64_t rows, int64_t d, float* out) {
+  constexpr int kVecs = W == 16 ? 4 : 2;
   int64_t d0 = 0;
-  for (; d0 + 16 * kPvVecs <= d; d0 += 16 * kPvVecs) pv_columns<kPvVecs>(probs, rows_padded, values, n, alpha, rows, d0, d, out);
-  for (; d0 + 16 <= d; d0 += 16) pv_columns<1>(probs, rows_padded, values, n, alpha, rows, d0, d, out);
+  for (; d0 + W * kVecs <= d; d0 += W * kVecs) {
+    pv_columns<W, kVecs>(probs, rows_padded, values, n, alpha, rows, d0, d, out);
+  }
+  for (; d0 + W <= d; d0 += W) pv_columns<W, 1>(probs, rows_padded, values, n, alpha, rows, d0, d, out);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = d0; c < d; ++c) {
       float x = out[r * d + c] * alpha[r];
       for (int64_t t = 0; t < n; ++t) x += probs[t * rows_padded + r] * values[t][c];
       out[r * d + c] = x;
     }
+  }
+}
+
+SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_accumulate(const float* probs, int64_t rows_padded,
+                                                           const float* const* values, int64_t n, const float* alpha,
+                                                           int64_t rows, int64_t d, float* out) {
+  switch (vector_floats()) {
+    case 16: tile_accumulate_w<16>(probs, rows_padded, values, n, alpha, rows, d, out); break;
+    case 8: tile_accumulate_w<8>(probs, rows_padded, values, n, alpha, rows, d, out); break;
+    default: tile_accumulate_w<4>(probs, rows_padded, values, n, alpha, rows, d, out);
   }
 }
 
@@ -192,7 +248,7 @@ template <typename T>
 void attend_range(const AttentionParams& P, int64_t b, int64_t kvh, int64_t begin, int64_t end, Workspace& ws,
                   float* acc, float* m, float* l) {
   const int64_t D = P.head_dim, G = P.q_heads / P.kv_heads, R = P.num_queries * G;
-  const int64_t rows_padded = (R + kRowVec - 1) / kRowVec * kRowVec;
+  const int64_t rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t length = P.cache_seqlens[b];
   const T* kc = static_cast<const T*>(P.k_cache);
   const T* vc = static_cast<const T*>(P.v_cache);
@@ -222,7 +278,7 @@ void attend_range(const AttentionParams& P, int64_t b, int64_t kvh, int64_t begi
 template <typename T>
 void verify_attention_cpu_impl(const AttentionParams& P) {
   const int64_t B = P.batch, Q = P.num_queries, Hq = P.q_heads, Hkv = P.kv_heads, D = P.head_dim;
-  const int64_t G = Hq / Hkv, R = Q * G, rows_padded = (R + kRowVec - 1) / kRowVec * kRowVec;
+  const int64_t G = Hq / Hkv, R = Q * G, rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   int64_t max_keys = 0;
   for (int64_t b = 0; b < B; ++b) max_keys = std::max<int64_t>(max_keys, P.cache_seqlens[b] + Q);
   // Splits only when requests x KV heads cannot keep the threads busy (long contexts at small batch).
