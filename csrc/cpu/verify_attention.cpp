@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -17,121 +18,267 @@
 namespace specdec {
 namespace {
 
-constexpr int kKeyTile = 32;  // K and V tiles in float stay in L1
+// The dot products here only need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the
+// sampling kernels: let the compiler fuse their multiply-adds (one rounding instead of two, half the
+// instructions). Only on functions that do not compute det_exp, whose bits stay those of sampling_math.h.
+#if defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_FUSED_MADD __attribute__((optimize("fp-contract=fast")))
+#else
+#define SPECDEC_FUSED_MADD
+#endif
+#define SPECDEC_INLINE inline __attribute__((always_inline))
+
+// A vector of W floats, for the micro-kernels' accumulators; loads and stores through it are unaligned and
+// may alias float.
+template <int W>
+struct FloatVec {
+  typedef float type __attribute__((vector_size(4 * W), aligned(4), may_alias));
+};
+template <int W>
+using f32v = typename FloatVec<W>::type;
+template <int W>
+SPECDEC_INLINE f32v<W>& vec_at(float* p) {
+  return *reinterpret_cast<f32v<W>*>(p);
+}
+template <int W>
+SPECDEC_INLINE const f32v<W>& vec_at(const float* p) {
+  return *reinterpret_cast<const f32v<W>*>(p);
+}
+
+// Floats per vector register of the running CPU, which is also the instruction set of the
+// SPECDEC_CPU_CLONES clones that run: their micro-kernels use vectors of this width, the widest that the
+// compiler keeps in registers (wider generic vectors go through memory).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+inline int vector_floats() {
+  return __builtin_cpu_supports("x86-64-v4") ? 16 : __builtin_cpu_supports("x86-64-v3") ? 8 : 4;
+}
+#else
+inline int vector_floats() { return 4; }
+#endif
+
+constexpr int kKeyTile = 32;       // keys per tile: the tile's rows and scores stay in L1
+constexpr int kRowBlock = 16;      // query rows are padded to a multiple of this (one AVX-512 vector)
+constexpr int kScoreAccs = 8;      // vector accumulators of the score micro-kernel
+constexpr int kPvRows = 4;         // rows per P.V micro-kernel
+constexpr int kPrefetchTiles = 1;  // K and V rows are requested this many tiles ahead
 constexpr int kMinSplitKeys = 512;
 
+// Points keys[t] and values[t] at the tile's n cache rows as float: the cache itself for fp32, rows
+// converted into buf (2 x kKeyTile x d) otherwise. Keys past n repeat the last row (their scores are masked).
 template <typename T>
-SPECDEC_CPU_CLONES void to_float_row(const T* src, int64_t n, float* dst) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+SPECDEC_CPU_CLONES void tile_rows(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t d, float* buf,
+                                  const float** keys, const float** values) {
+  for (int64_t t = 0; t < n; ++t) {
+    if constexpr (std::is_same_v<T, float>) {
+      keys[t] = k + rows[t];
+      values[t] = v + rows[t];
+    } else {
+      float* kf = buf + t * d;
+      float* vf = buf + (kKeyTile + t) * d;
+      for (int64_t e = 0; e < d; ++e) kf[e] = static_cast<float>(k[rows[t] + e]);
+      for (int64_t e = 0; e < d; ++e) vf[e] = static_cast<float>(v[rows[t] + e]);
+      keys[t] = kf;
+      values[t] = vf;
+    }
+  }
+  for (int64_t t = n; t < kKeyTile; ++t) keys[t] = keys[n - 1];
 }
 
-// Loads a tile of n cache rows (given by offsets) as float rows.
-template <typename T>
-SPECDEC_CPU_CLONES void load_tile(const T* k, const T* v, const int64_t* rows, int64_t n, int64_t d, float* kt, float* vt) {
-  for (int64_t t = 0; t < n; ++t) {
-    const T* kr = k + rows[t];
-    const T* vr = v + rows[t];
-    for (int64_t e = 0; e < d; ++e) kt[t * d + e] = static_cast<float>(kr[e]);
-    for (int64_t e = 0; e < d; ++e) vt[t * d + e] = static_cast<float>(vr[e]);
+// scores[t][r] = q_r . k_t for the tile's kKeyTile keys, from the transposed queries qt[e][r] (rows padded
+// to rows_padded, a multiple of kRowBlock, with zeros): vectors of rows per key, a few keys at a time, so that
+// kScoreAccs independent accumulators hide the latency of the multiply-adds and no horizontal sums occur.
+template <int W>
+SPECDEC_INLINE void tile_scores_w(const float* qt, int64_t rows_padded, const float* const* keys, int64_t d,
+                                  float* scores) {
+  constexpr int kVecs = kRowBlock / W, kKeys = kScoreAccs / kVecs;
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
+    for (int t0 = 0; t0 < kKeyTile; t0 += kKeys) {
+      f32v<W> acc[kKeys][kVecs] = {};
+      for (int64_t e = 0; e < d; ++e) {
+        f32v<W> q[kVecs];
+#pragma GCC unroll 4
+        for (int c = 0; c < kVecs; ++c) q[c] = vec_at<W>(&qt[e * rows_padded + r0 + c * W]);
+#pragma GCC unroll 8
+        for (int j = 0; j < kKeys; ++j) {
+          const float k = keys[t0 + j][e];
+#pragma GCC unroll 4
+          for (int c = 0; c < kVecs; ++c) acc[j][c] += q[c] * k;
+        }
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < kKeys; ++j) {
+#pragma GCC unroll 4
+        for (int c = 0; c < kVecs; ++c) vec_at<W>(&scores[(t0 + j) * rows_padded + r0 + c * W]) = acc[j][c];
+      }
+    }
   }
 }
 
-// Running softmax state of one query row over a range of keys.
-struct RowState {
-  float m = -INFINITY;
-  float l = 0.0f;
+SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_scores(const float* qt, int64_t rows_padded, const float* const* keys,
+                                                       int64_t d, float* scores) {
+  switch (vector_floats()) {
+    case 16: tile_scores_w<16>(qt, rows_padded, keys, d, scores); break;
+    case 8: tile_scores_w<8>(qt, rows_padded, keys, d, scores); break;
+    default: tile_scores_w<4>(qt, rows_padded, keys, d, scores);
+  }
+}
+
+// Folds a tile's scores into each row's running max m and sum l, and turns them into probabilities relative
+// to the new max; alpha[r] = exp(old max - new max) rescales the row's output. Masked scores are -inf and
+// get probability 0 (a row with no visible key so far keeps m = -inf, l = 0, and gets alpha = 0). Rows are
+// in vector lanes; exp is det_exp, which vectorises.
+SPECDEC_CPU_CLONES void tile_softmax(float* scores, int64_t rows_padded, float* m, float* l, float* alpha) {
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
+    float mx[kRowBlock], sum[kRowBlock] = {};
+    for (int r = 0; r < kRowBlock; ++r) mx[r] = m[r0 + r];
+    for (int t = 0; t < kKeyTile; ++t) {
+      const float* s = &scores[t * rows_padded + r0];
+      for (int r = 0; r < kRowBlock; ++r) mx[r] = s[r] > mx[r] ? s[r] : mx[r];
+    }
+    for (int t = 0; t < kKeyTile; ++t) {
+      float* s = &scores[t * rows_padded + r0];
+      for (int r = 0; r < kRowBlock; ++r) {
+        s[r] = det_exp(s[r] - mx[r]);
+        sum[r] += s[r];
+      }
+    }
+    for (int r = 0; r < kRowBlock; ++r) {
+      alpha[r0 + r] = det_exp(m[r0 + r] - mx[r]);
+      l[r0 + r] = l[r0 + r] * alpha[r0 + r] + sum[r];
+      m[r0 + r] = mx[r];
+    }
+  }
+}
+
+// out[r][d0, d0 + W kVecs) = alpha[r] out[r][...] + sum_t probs[t][r] values[t][...] for kRows rows from r0:
+// the outputs stay in registers across the tile's keys.
+template <int W, int kRows, int kVecs>
+SPECDEC_INLINE void pv_block(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+                             const float* alpha, int64_t r0, int64_t d0, int64_t d, float* out) {
+  f32v<W> acc[kRows][kVecs];
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) acc[i][c] = vec_at<W>(&out[(r0 + i) * d + d0 + c * W]) * alpha[r0 + i];
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    f32v<W> v[kVecs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) v[c] = vec_at<W>(values[t] + d0 + c * W);
+#pragma GCC unroll 4
+    for (int i = 0; i < kRows; ++i) {
+      const float p = probs[t * rows_padded + r0 + i];
+#pragma GCC unroll 4
+      for (int c = 0; c < kVecs; ++c) acc[i][c] += p * v[c];
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kVecs; ++c) vec_at<W>(&out[(r0 + i) * d + d0 + c * W]) = acc[i][c];
+  }
+}
+
+template <int W, int kVecs>
+SPECDEC_INLINE void pv_columns(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+                               const float* alpha, int64_t rows, int64_t d0, int64_t d, float* out) {
+  int64_t r0 = 0;
+  for (; r0 + kPvRows <= rows; r0 += kPvRows) {
+    pv_block<W, kPvRows, kVecs>(probs, rows_padded, values, n, alpha, r0, d0, d, out);
+  }
+  for (; r0 < rows; ++r0) pv_block<W, 1, kVecs>(probs, rows_padded, values, n, alpha, r0, d0, d, out);
+}
+
+// Adds a tile's probabilities times its n value rows to the rows' outputs out[r][d], rescaled by alpha:
+// columns in blocks of kVecs vectors (kPvRows x kVecs accumulators: half the vector registers), then single
+// vectors, then one at a time.
+template <int W>
+SPECDEC_INLINE void tile_accumulate_w(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+                                      const float* alpha, int64_t rows, int64_t d, float* out) {
+  constexpr int kVecs = W == 16 ? 4 : 2;
+  int64_t d0 = 0;
+  for (; d0 + W * kVecs <= d; d0 += W * kVecs) {
+    pv_columns<W, kVecs>(probs, rows_padded, values, n, alpha, rows, d0, d, out);
+  }
+  for (; d0 + W <= d; d0 += W) pv_columns<W, 1>(probs, rows_padded, values, n, alpha, rows, d0, d, out);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = d0; c < d; ++c) {
+      float x = out[r * d + c] * alpha[r];
+      for (int64_t t = 0; t < n; ++t) x += probs[t * rows_padded + r] * values[t][c];
+      out[r * d + c] = x;
+    }
+  }
+}
+
+SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_accumulate(const float* probs, int64_t rows_padded,
+                                                           const float* const* values, int64_t n, const float* alpha,
+                                                           int64_t rows, int64_t d, float* out) {
+  switch (vector_floats()) {
+    case 16: tile_accumulate_w<16>(probs, rows_padded, values, n, alpha, rows, d, out); break;
+    case 8: tile_accumulate_w<8>(probs, rows_padded, values, n, alpha, rows, d, out); break;
+    default: tile_accumulate_w<4>(probs, rows_padded, values, n, alpha, rows, d, out);
+  }
+}
+
+// Asks for the K and V rows of keys [t0, t1) in L2. Each key's D values are one short run, Hkv x D apart
+// from the next key's, too short for the hardware prefetchers to follow.
+template <typename T>
+void prefetch_keys(const AttentionParams& P, int64_t b, int64_t kvh, const T* k, const T* v, int64_t t0, int64_t t1) {
+  const int64_t D = P.head_dim;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t row = attention_cache_row(P, b, t) + kvh * D;
+    for (int64_t e = 0; e < D; e += 64 / sizeof(T)) {
+      __builtin_prefetch(k + row + e, 0, 2);
+      __builtin_prefetch(v + row + e, 0, 2);
+    }
+  }
+}
+
+// Per-thread buffers, sized for the largest item.
+struct Workspace {
+  std::vector<float> qt;      // [D][rows_padded] scaled queries, transposed, padding rows 0
+  std::vector<float> tile;    // [2][kKeyTile][D] the tile's K and V rows as float (16-bit caches)
+  std::vector<float> scores;  // [kKeyTile][rows_padded] scores, then probabilities
+  std::vector<float> alpha;   // [rows_padded]
 };
 
-constexpr int kRowBlock = 32;
-
-// scores[r][t] = q_r . k_t for a tile, from the transposed queries qt[e][r] (rows padded to a multiple of
-// kRowBlock): for each key, a block of rows accumulates in vector registers, with no horizontal sums.
-SPECDEC_CPU_CLONES void tile_scores(const float* qt, int64_t rows_padded, const float* k, int64_t n, int64_t d,
-                                    float* scores) {
-  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
-    for (int64_t t = 0; t < n; ++t) {
-      float acc[kRowBlock] = {};
-      for (int64_t e = 0; e < d; ++e) {
-        const float ke = k[t * d + e];
-        for (int r = 0; r < kRowBlock; ++r) acc[r] += qt[e * rows_padded + r0 + r] * ke;
-      }
-      for (int r = 0; r < kRowBlock; ++r) scores[(r0 + r) * kKeyTile + t] = acc[r];
-    }
-  }
-}
-
-// Folds one tile into each row's running max, sum and output (masked scores are -inf; exp is det_exp,
-// which vectorises).
-SPECDEC_CPU_CLONES void tile_accumulate(float* scores, const float* v, int64_t rows, int64_t n, int64_t d,
-                                        RowState* state, float* acc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = &scores[r * kKeyTile];
-    float tile_max = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) tile_max = s[t] > tile_max ? s[t] : tile_max;
-    if (tile_max == -INFINITY) continue;
-    const float m = state[r].m > tile_max ? state[r].m : tile_max;
-    const float alpha = det_exp(state[r].m - m);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = det_exp(s[t] - m);
-      sum += s[t];
-    }
-    state[r].l = state[r].l * alpha + sum;
-    state[r].m = m;
-    // Output blocks of 16 stay in registers across the tile's keys.
-    float* o = &acc[r * d];
-    int64_t e0 = 0;
-    for (; e0 + 16 <= d; e0 += 16) {
-      float block[16];
-      for (int l = 0; l < 16; ++l) block[l] = o[e0 + l] * alpha;
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = s[t];
-        for (int l = 0; l < 16; ++l) block[l] += p * v[t * d + e0 + l];
-      }
-      for (int l = 0; l < 16; ++l) o[e0 + l] = block[l];
-    }
-    for (; e0 < d; ++e0) {
-      float x = o[e0] * alpha;
-      for (int64_t t = 0; t < n; ++t) x += s[t] * v[t * d + e0];
-      o[e0] = x;
-    }
-  }
-}
-
+// Attends the item's query rows (R = Q x G, scaled, in ws.qt) to keys [begin, end) of request b, KV head kvh;
+// m, l (rows_padded) and acc (R x D) are the item's softmax state and unnormalised output.
 template <typename T>
-void attend_range(const AttentionParams& P, int64_t b, int64_t kvh, int64_t begin, int64_t end, const float* qrows,
-                  float* acc, RowState* state) {
+void attend_range(const AttentionParams& P, int64_t b, int64_t kvh, int64_t begin, int64_t end, Workspace& ws,
+                  float* acc, float* m, float* l) {
   const int64_t D = P.head_dim, G = P.q_heads / P.kv_heads, R = P.num_queries * G;
   const int64_t rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
-  std::vector<float> qt(D * rows_padded, 0.0f);
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t e = 0; e < D; ++e) qt[e * rows_padded + r] = qrows[r * D + e];
-  }
   const int64_t length = P.cache_seqlens[b];
   const T* kc = static_cast<const T*>(P.k_cache);
   const T* vc = static_cast<const T*>(P.v_cache);
-  std::vector<float> kt(kKeyTile * D), vt(kKeyTile * D), scores(rows_padded * kKeyTile);
   int64_t rows[kKeyTile];
+  const float* keys[kKeyTile];
+  const float* values[kKeyTile];
   for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, end - t0);
+    prefetch_keys(P, b, kvh, kc, vc, t0 + kPrefetchTiles * kKeyTile, std::min(end, t0 + (kPrefetchTiles + 1) * kKeyTile));
     for (int64_t t = 0; t < n; ++t) rows[t] = attention_cache_row(P, b, t0 + t) + kvh * D;
-    load_tile(kc, vc, rows, n, D, kt.data(), vt.data());
-    tile_scores(qt.data(), rows_padded, kt.data(), n, D, scores.data());
+    tile_rows(kc, vc, rows, n, D, ws.tile.data(), keys, values);
+    tile_scores(ws.qt.data(), rows_padded, keys, D, ws.scores.data());
+    float* scores = ws.scores.data();
+    for (int64_t t = n; t < kKeyTile; ++t) std::fill_n(&scores[t * rows_padded], rows_padded, -INFINITY);
     if (t0 + n > length) {  // the tile reaches the new tokens: apply the mask
-      for (int64_t r = 0; r < R; ++r) {
-        for (int64_t t = std::max<int64_t>(0, length - t0); t < n; ++t) {
-          if (!attention_visible(P, b, r / G, t0 + t - length)) scores[r * kKeyTile + t] = -INFINITY;
+      for (int64_t t = std::max<int64_t>(0, length - t0); t < n; ++t) {
+        for (int64_t r = 0; r < R; ++r) {
+          if (!attention_visible(P, b, r / G, t0 + t - length)) scores[t * rows_padded + r] = -INFINITY;
         }
       }
     }
-    tile_accumulate(scores.data(), vt.data(), R, n, D, state, acc);
+    tile_softmax(scores, rows_padded, m, l, ws.alpha.data());
+    tile_accumulate(scores, rows_padded, values, n, ws.alpha.data(), R, D, acc);
   }
 }
 
 template <typename T>
 void verify_attention_cpu_impl(const AttentionParams& P) {
   const int64_t B = P.batch, Q = P.num_queries, Hq = P.q_heads, Hkv = P.kv_heads, D = P.head_dim;
-  const int64_t G = Hq / Hkv, R = Q * G;
+  const int64_t G = Hq / Hkv, R = Q * G, rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
   int64_t max_keys = 0;
   for (int64_t b = 0; b < B; ++b) max_keys = std::max<int64_t>(max_keys, P.cache_seqlens[b] + Q);
   // Splits only when requests x KV heads cannot keep the threads busy (long contexts at small batch).
@@ -139,9 +286,14 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
   const int64_t splits = std::max<int64_t>(
       1, std::min<int64_t>((2 * threads + B * Hkv - 1) / (B * Hkv), (max_keys + kMinSplitKeys - 1) / kMinSplitKeys));
   std::vector<float> acc(B * Hkv * splits * R * D, 0.0f);
-  std::vector<RowState> state(B * Hkv * splits * R);
+  // Running max and sum of each item's rows (padding rows included, never read).
+  std::vector<float> row_max(B * Hkv * splits * rows_padded, -INFINITY), row_sum(B * Hkv * splits * rows_padded, 0.0f);
   at::parallel_for(0, B * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qrows(R * D);
+    Workspace ws;
+    ws.qt.assign(D * rows_padded, 0.0f);
+    if (!std::is_same_v<T, float>) ws.tile.resize(2 * kKeyTile * D);
+    ws.scores.resize(kKeyTile * rows_padded);
+    ws.alpha.resize(rows_padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv * splits), kvh = item / splits % Hkv, split = item % splits;
       const int64_t keys = P.cache_seqlens[b] + Q;
@@ -151,10 +303,11 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
       const T* q = static_cast<const T*>(P.q);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, h = kvh * G + r % G;
-        to_float_row(q + ((b * Q + i) * Hq + h) * D, D, &qrows[r * D]);
-        for (int64_t d = 0; d < D; ++d) qrows[r * D + d] *= P.scale;
+        const T* qr = q + ((b * Q + i) * Hq + h) * D;
+        for (int64_t e = 0; e < D; ++e) ws.qt[e * rows_padded + r] = static_cast<float>(qr[e]) * P.scale;
       }
-      attend_range<T>(P, b, kvh, k0, k1, qrows.data(), &acc[item * R * D], &state[item * R]);
+      attend_range<T>(P, b, kvh, k0, k1, ws, &acc[item * R * D], &row_max[item * rows_padded],
+                      &row_sum[item * rows_padded]);
     }
   });
   // Merge the splits of each (request, KV head) and write out and lse.
@@ -165,15 +318,15 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, h = kvh * G + r % G;
         float m = -INFINITY;
-        for (int64_t s = 0; s < splits; ++s) m = std::max(m, state[(bh * splits + s) * R + r].m);
+        for (int64_t s = 0; s < splits; ++s) m = std::max(m, row_max[(bh * splits + s) * rows_padded + r]);
         float l = 0.0f;
         std::fill(o.begin(), o.end(), 0.0f);
         if (m != -INFINITY) {
           for (int64_t s = 0; s < splits; ++s) {
-            const RowState& st = state[(bh * splits + s) * R + r];
-            if (st.m == -INFINITY) continue;
-            const float w = std::exp(st.m - m);
-            l += st.l * w;
+            const float ms = row_max[(bh * splits + s) * rows_padded + r];
+            if (ms == -INFINITY) continue;
+            const float w = std::exp(ms - m);
+            l += row_sum[(bh * splits + s) * rows_padded + r] * w;
             const float* a = &acc[((bh * splits + s) * R + r) * D];
             for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
           }
