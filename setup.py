@@ -65,6 +65,11 @@ def rel(paths):
 INCLUDES = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
 CXX_FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-Wall", "-Wno-unused-function", f'-DSPECDEC_VERSION="{VERSION}"']
 
+# at::parallel_for runs its OpenMP loop only when the caller is compiled with OpenMP (the pragma is in ATen's
+# header); the runtime is torch's own libgomp, already loaded when the extension is.
+OPENMP = ["-fopenmp"]
+
+
 def extensions() -> list:
     if flag("SPECDEC_NO_EXTENSIONS"):
         return []
@@ -79,11 +84,13 @@ def extensions() -> list:
                 "specdec_ext._C",
                 sources + rel((ROOT / "csrc" / "cuda").glob("*.cu")),
                 include_dirs=INCLUDES + nvidia_wheel_includes(),
-                extra_compile_args={"cxx": CXX_FLAGS + defines, "nvcc": nvcc_flags + defines},
+                extra_compile_args={"cxx": CXX_FLAGS + OPENMP + defines, "nvcc": nvcc_flags + defines},
+                extra_link_args=OPENMP,
             )
         )
     else:
-        result.append(CppExtension("specdec_ext._C", sources, include_dirs=INCLUDES, extra_compile_args={"cxx": CXX_FLAGS}))
+        result.append(CppExtension("specdec_ext._C", sources, include_dirs=INCLUDES,
+                                   extra_compile_args={"cxx": CXX_FLAGS + OPENMP}, extra_link_args=OPENMP))
 
     if not flag("SPECDEC_NO_SIM"):
         sim_flags = ["-std=c++20", "-O1", "-g", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
