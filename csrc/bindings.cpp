@@ -52,6 +52,12 @@ PyObject* build_info(PyObject*, PyObject*) {
   feature("neon");
 #endif
   set("cpu_features_compiled", features);
+  // Without OpenMP, at::parallel_for in the CPU kernels runs on one thread.
+#if defined(_OPENMP)
+  set("openmp", Py_NewRef(Py_True));
+#else
+  set("openmp", Py_NewRef(Py_False));
+#endif
 #if defined(__SANITIZE_ADDRESS__)
   set("address_sanitizer", Py_NewRef(Py_True));
 #else

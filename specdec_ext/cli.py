@@ -27,7 +27,9 @@ def cmd_info(args) -> int:
     else:
         print("CUDA kernels: not compiled (CPU-only build)")
     features = ", ".join(info["cpu_features_compiled"]) or "baseline x86-64"
-    print(f"CPU kernels: {info['compiler']}; compiled for {features}; torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    threads = f"{torch.get_num_threads()} threads" if info["openmp"] else "1 thread (built without OpenMP)"
+    print(f"CPU kernels: {info['compiler']}; compiled for {features}; torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; {threads}")
     try:
         from specdec_ext import sim
 

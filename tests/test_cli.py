@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import torch
+
 import specdec_ext
 
 
@@ -19,6 +21,8 @@ def test_info_reports_the_build():
     else:
         assert "CPU-only build" in r.stdout
     assert "emulator: present" in r.stdout
+    # The CPU kernels parallelise with at::parallel_for, which is serial unless the build has OpenMP.
+    assert info["openmp"] and f"{torch.get_num_threads()} threads" in r.stdout
 
 
 def test_demo_runs_and_checks_itself():
