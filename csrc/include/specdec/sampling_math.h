@@ -10,8 +10,8 @@
 //   * every reduction over a row follows one canonical order. The row is cut into chunks of kChunk = 1024
 //     entries; lane = v mod 1024; group = 32 consecutive lanes. A lane folds its entries in increasing v;
 //     lanes are combined by the balanced pairwise tree over each group, then groups sequentially 0..31.
-//     The CUDA kernel gets exactly this with 256 threads x 4 consecutive lanes (tree levels 1-2 in
-//     registers, 3-5 by butterfly shuffles); the CPU kernel gets it with lane arrays and SIMD loops.
+//     The CUDA kernel gets exactly this with 1024 threads, one lane each (the tree over a group is the
+//     warp's butterfly); the CPU kernel gets it with lane arrays and SIMD loops.
 //   * sampling by inverse CDF over the canonical order: chunk c, group g, lane l has the cumulative mass
 //     carry[c] + (prefix[c][g] + inclusive_scan_g[l]) where the group scan is Hillis-Steele, prefix is the
 //     sequential sum of earlier groups' totals and carry the sequential sum of earlier chunks' totals.
