@@ -123,6 +123,7 @@ struct Launch {
   const char* name = "";
   dim3 grid, block;
   uint3 block_id{};
+  uint64_t block_serial = 0;
   const std::function<void()>* body = nullptr;
   unsigned nthreads = 0;
   std::vector<Fiber> fibers;
@@ -144,6 +145,7 @@ struct Launch {
 };
 
 thread_local Launch* tls_launch = nullptr;
+thread_local uint64_t tls_blocks_run = 0;  // numbers the blocks run on this thread, across launches
 thread_local LaunchStats tls_last_stats;
 thread_local std::vector<std::unique_ptr<FiberStack>> tls_stacks;  // reused across launches
 
@@ -496,6 +498,7 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_share
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         L.block_id = uint3{x, y, z};
+        L.block_serial = ++tls_blocks_run;
         ++L.stats.blocks;
         run_block(L);
         if (L.failed) throw SimError(L.error);
@@ -508,6 +511,7 @@ const uint3& thread_idx() { return active("threadIdx").current->tid; }
 const uint3& block_idx() { return active("blockIdx").block_id; }
 const dim3& block_dim() { return active("blockDim").block; }
 const dim3& grid_dim() { return active("gridDim").grid; }
+uint64_t block_serial() { return active("block_serial").block_serial; }
 
 void sync_block(const char* file, unsigned line) {
   Launch& L = active("__syncthreads");

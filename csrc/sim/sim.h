@@ -59,6 +59,9 @@ const uint3& thread_idx();
 const uint3& block_idx();
 const dim3& block_dim();
 const dim3& grid_dim();
+// A number that identifies the running block among all blocks run on this OS thread (for per-block state
+// of the emulated primitives).
+uint64_t block_serial();
 
 // __syncthreads: `file`/`line` name the call site in error messages.
 void sync_block(const char* file, unsigned line);

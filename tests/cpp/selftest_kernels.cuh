@@ -155,4 +155,28 @@ __global__ void mma_kernel(const T* a, const T* b, const T* bt, float* c_from_bt
   for (int i = 0; i < 4; ++i) a_frags[lane * 4 + i] = af[i];
 }
 
+// Two cp.async groups of 16 bytes per thread: after cp_async_wait<1> the first is visible (read through
+// another thread's slot after a barrier) and the second not yet; after cp_async_wait<0> both are. Reading
+// the second group early is a race on a GPU; the emulator answers it with the shared-memory poison.
+struct alignas(16) Words4 {
+  uint32_t w[4];
+};
+__global__ void async_copy_kernel(const Words4* in, Words4* out) {
+  SPECDEC_SHARED(Words4, first, 32);
+  SPECDEC_SHARED(Words4, second, 32);
+  const int t = threadIdx.x, neighbour = (t + 1) % 32;
+  cp_async_16(&first[t], &in[t], true);
+  cp_async_commit();
+  cp_async_16(&second[t], &in[32 + t], t % 2 == 0);  // odd threads zero-fill
+  cp_async_commit();
+  cp_async_wait<1>();
+  sync_threads();
+  out[t] = first[neighbour];
+  out[32 + t] = second[neighbour];
+  sync_threads();
+  cp_async_wait<0>();
+  sync_threads();
+  out[64 + t] = second[neighbour];
+}
+
 }  // namespace selftest

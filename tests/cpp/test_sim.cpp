@@ -224,6 +224,22 @@ TEST_CASE("tensor-core MMA, ldmatrix (plain and .trans) and cp.async follow the 
   check_mma<bf16_t>(12);
 }
 
+TEST_CASE("cp.async copies land when cp_async_wait retires their group, not before") {
+  std::vector<selftest::Words4> in(64), out(96);
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 4; ++j) in[i].w[j] = static_cast<uint32_t>(i * 4 + j + 1);
+  }
+  launch_kernel("async_copy", selftest::async_copy_kernel, dim3(1), dim3(32), 0, Stream{}, in.data(), out.data());
+  for (int t = 0; t < 32; ++t) {
+    const int n = (t + 1) % 32;
+    for (int j = 0; j < 4; ++j) {
+      CHECK_EQ(out[t].w[j], in[n].w[j]);
+      CHECK_EQ(out[32 + t].w[j], 0xFFFFFFFFu);  // not yet copied: the poison of fresh shared memory
+      CHECK_EQ(out[64 + t].w[j], n % 2 == 0 ? in[32 + n].w[j] : 0u);
+    }
+  }
+}
+
 TEST_CASE("a barrier that only some threads reach is reported, not a hang") {
   std::vector<int> out(128, 0);
   CHECK_THROWS_WITH(launch_kernel("divergent", selftest::divergent_barrier_kernel, dim3(1), dim3(128), 0, Stream{}, out.data()),

@@ -18,6 +18,7 @@
 // Emulated CUDA: host C++ with fibers.
 #include <cstring>
 #include <source_location>
+#include <vector>
 
 #include "../../sim/sim.h"
 
@@ -426,19 +427,62 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans,
   for (int i = 0; i < 4; ++i) r[i] = out[i];
 }
 
+// cp.async is emulated as asynchronous as the hardware may be: a copy is carried out only when the
+// thread's cp_async_wait retires its group, so a kernel that reads a stage before waiting for it reads
+// stale data or the shared-memory poison, and its tests fail.
+namespace detail {
+struct PendingCopy {
+  void* shared;
+  const void* global;
+  bool fill;
+};
+struct AsyncCopies {
+  uint64_t block = 0;                            // block_serial() of the block these belong to
+  std::vector<PendingCopy> open;                 // issued, not committed
+  std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
+};
+inline AsyncCopies& async_copies() {
+  static thread_local std::vector<AsyncCopies> per_thread;  // the fibers of a block share one OS thread
+  const dim3 bd = sim::block_dim();
+  const uint3 t = sim::thread_idx();
+  const size_t linear = t.x + bd.x * (t.y + size_t{bd.y} * t.z);
+  if (per_thread.size() <= linear) per_thread.resize(linear + 1);
+  AsyncCopies& mine = per_thread[linear];
+  if (mine.block != sim::block_serial()) {  // left over from an earlier block: its copies died with it
+    mine.block = sim::block_serial();
+    mine.open.clear();
+    mine.groups.clear();
+  }
+  return mine;
+}
+}  // namespace detail
+
 inline void cp_async_16(void* shared, const void* global, bool fill,
                         std::source_location loc = std::source_location::current()) {
   if (reinterpret_cast<uintptr_t>(shared) % 16 != 0 || reinterpret_cast<uintptr_t>(global) % 16 != 0) {
     sim::fail("cp.async of 16 bytes with a misaligned address", loc.file_name(), loc.line());
   }
-  if (fill) {
-    std::memcpy(shared, global, 16);
-  } else {
-    std::memset(shared, 0, 16);
+  detail::async_copies().open.push_back({shared, global, fill});
+}
+inline void cp_async_commit() {
+  detail::AsyncCopies& mine = detail::async_copies();
+  mine.groups.push_back(std::move(mine.open));
+  mine.open.clear();
+}
+template <int N>
+void cp_async_wait() {
+  detail::AsyncCopies& mine = detail::async_copies();
+  while (mine.groups.size() > static_cast<size_t>(N)) {
+    for (const detail::PendingCopy& c : mine.groups.front()) {
+      if (c.fill) {
+        std::memcpy(c.shared, c.global, 16);
+      } else {
+        std::memset(c.shared, 0, 16);
+      }
+    }
+    mine.groups.erase(mine.groups.begin());
   }
 }
-inline void cp_async_commit() {}
-template <int N> void cp_async_wait() {}
 #else
 template <typename T> SPECDEC_DEVICE uint32_t pack2(float lo, float hi);
 template <> SPECDEC_DEVICE uint32_t pack2<half_t>(float lo, float hi) {
