@@ -42,7 +42,7 @@ enum AttentionError : int32_t {
 };
 
 // Element offset of the row (b, position) in the cache, or -1 if its page is outside the cache.
-SPECDEC_MATH int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
+SPECDEC_HD int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
   if (P.block_table == nullptr) return b * P.cache_stride_b + pos * P.cache_stride_s;
   // A shift and a mask rather than a 64-bit division: the kernels address every row through here.
   const int64_t index = P.page_shift >= 0 ? pos >> P.page_shift : pos / P.page_size;
@@ -52,7 +52,7 @@ SPECDEC_MATH int64_t attention_cache_row(const AttentionParams& P, int64_t b, in
   return (page * P.page_size + slot) * P.kv_heads * P.head_dim;
 }
 
-SPECDEC_MATH bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
+SPECDEC_HD bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
   if (P.tree_mask == nullptr) return j <= i;
   const int64_t Q = P.num_queries;
   return P.tree_mask[(P.mask_per_request ? b * Q * Q : 0) + i * Q + j];

@@ -35,20 +35,20 @@ struct ChainSamplingParams {
   bool logits;
 };
 
-SPECDEC_MATH int64_t draft_token(const ChainSamplingParams& P, int64_t b, int64_t i) {
+SPECDEC_HD int64_t draft_token(const ChainSamplingParams& P, int64_t b, int64_t i) {
   return P.draft_ids_int64 ? static_cast<const int64_t*>(P.draft_ids)[b * P.num_draft + i]
                            : static_cast<const int32_t*>(P.draft_ids)[b * P.num_draft + i];
 }
 
 // Position j of a request's output row: the accepted drafts, the last token, then -1.
-SPECDEC_MATH int32_t output_id(const ChainSamplingParams& P, int64_t b, int64_t j, int32_t accepted, int32_t token) {
+SPECDEC_HD int32_t output_id(const ChainSamplingParams& P, int64_t b, int64_t j, int32_t accepted, int32_t token) {
   if (j < accepted) return static_cast<int32_t>(draft_token(P, b, j));
   return j == accepted ? token : -1;
 }
 
 // Inverse CDF within a chunk: the first group whose cumulative mass base + (prefix + total) passes the
 // threshold (the last group if rounding lets none), and the prefix of the groups before it.
-SPECDEC_MATH int find_group(const float* group_totals, float base, float threshold, float* prefix) {
+SPECDEC_HD int find_group(const float* group_totals, float base, float threshold, float* prefix) {
   float p = 0.0f;
   int g = 0;
   for (; g < kGroups - 1; ++g) {

@@ -11,7 +11,7 @@
 
 #include <type_traits>
 
-#include "philox.h"
+#include "sampling_math.h"
 
 #if defined(SPECDEC_SIM)
 // ---------------------------------------------------------------------------------------------------
@@ -199,35 +199,33 @@ template <> SPECDEC_DEVICE float atomic_cas<float>(float* p, float compare, floa
 struct half_t { uint16_t bits; };
 struct bf16_t { uint16_t bits; };
 
-inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
 inline float to_float(float v) { return v; }
-inline float to_float(bf16_t v) { return bits_float(uint32_t{v.bits} << 16); }
+inline float to_float(bf16_t v) { return bits_as_float(uint32_t{v.bits} << 16); }
 inline float to_float(half_t v) {
   const uint32_t sign = uint32_t{v.bits & 0x8000u} << 16;
   uint32_t exp = (v.bits >> 10) & 0x1f, mant = v.bits & 0x3ff;
   if (exp == 0) {
-    if (mant == 0) return bits_float(sign);
+    if (mant == 0) return bits_as_float(sign);
     exp = 1;  // subnormal: normalise
     while (!(mant & 0x400)) { mant <<= 1; --exp; }
     mant &= 0x3ff;
-    return bits_float(sign | ((exp + 112) << 23) | (mant << 13));
+    return bits_as_float(sign | ((exp + 112) << 23) | (mant << 13));
   }
-  if (exp == 31) return bits_float(sign | 0x7f800000u | (mant << 13));
-  return bits_float(sign | ((exp + 112) << 23) | (mant << 13));
+  if (exp == 31) return bits_as_float(sign | 0x7f800000u | (mant << 13));
+  return bits_as_float(sign | ((exp + 112) << 23) | (mant << 13));
 }
 
 // Round to nearest even, as __float2half_rn / __float2bfloat16_rn.
 template <typename T> T from_float(float f);
 template <> inline float from_float<float>(float f) { return f; }
 template <> inline bf16_t from_float<bf16_t>(float f) {
-  const uint32_t x = float_bits(f);
+  const uint32_t x = float_as_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return bf16_t{static_cast<uint16_t>((x >> 16) | 0x40)};  // quiet NaN
   return bf16_t{static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
 }
 template <> inline half_t from_float<half_t>(float f) {
-  uint32_t x = float_bits(f);
+  uint32_t x = float_as_bits(f);
   const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
   if (x > 0x7f800000u) return half_t{static_cast<uint16_t>(sign | 0x7e00u)};

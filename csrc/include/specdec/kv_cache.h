@@ -36,7 +36,7 @@ struct TruncateParams {
 };
 
 // Word offset of row (b, pos), or -1 if the page table points outside the cache.
-SPECDEC_MATH int64_t cache_row(const TruncateParams& P, int64_t b, int64_t pos) {
+SPECDEC_HD int64_t cache_row(const TruncateParams& P, int64_t b, int64_t pos) {
   if (P.block_table == nullptr) return b * P.stride_b + pos * P.stride_s;
   const int64_t page = P.block_table[b * P.max_pages + pos / P.page_size];
   if (page < 0 || page >= P.num_pages) return -1;
@@ -44,7 +44,7 @@ SPECDEC_MATH int64_t cache_row(const TruncateParams& P, int64_t b, int64_t pos) 
 }
 
 // Checks request b; returns its error bits (0 = valid). Reads only request b's entries.
-SPECDEC_MATH int32_t check_truncate_request(const TruncateParams& P, int64_t b) {
+SPECDEC_HD int32_t check_truncate_request(const TruncateParams& P, int64_t b) {
   const int32_t base = P.cache_seqlens[b], n = P.num_kept[b];
   if (n < 0 || n > P.block_len) return kErrNumKept;
   if (base < 0 || base + P.block_len > P.capacity) return kErrBlockRange;

@@ -8,10 +8,13 @@
 #pragma once
 #include <stdint.h>
 
+// Functions shared by the host and device code of every backend. On the host they are always inlined: the
+// CPU kernels' loops are compiled for several instruction sets (target_clones), and an out-of-line call
+// would run the baseline build of a helper inside the AVX-512 loop.
 #if defined(__CUDACC__)
 #define SPECDEC_HD __host__ __device__ __forceinline__
 #else
-#define SPECDEC_HD inline
+#define SPECDEC_HD inline __attribute__((always_inline))
 #endif
 
 namespace specdec {

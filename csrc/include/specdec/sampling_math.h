@@ -22,14 +22,9 @@
 
 #include "philox.h"
 
-#if defined(__CUDA_ARCH__)
-#define SPECDEC_MATH __device__ __forceinline__
-#else
+#if !defined(__CUDA_ARCH__)
 #include <cmath>
 #include <cstring>
-// Always inlined: the CPU kernel's loops are compiled for several instruction sets (target_clones), and an
-// out-of-line call would run the baseline build of these functions inside the AVX-512 loop.
-#define SPECDEC_MATH inline __attribute__((always_inline))
 #endif
 
 namespace specdec {
@@ -57,31 +52,37 @@ enum SamplingError : int32_t {
 
 // ----- correctly rounded primitives, never contracted ----------------------------------------------
 #if defined(__CUDA_ARCH__)
-SPECDEC_MATH float fadd(float a, float b) { return __fadd_rn(a, b); }
-SPECDEC_MATH float fmul(float a, float b) { return __fmul_rn(a, b); }
-SPECDEC_MATH float ffma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
-SPECDEC_MATH float fdiv(float a, float b) { return __fdiv_rn(a, b); }
-SPECDEC_MATH float bits_as_float(uint32_t u) { return __uint_as_float(u); }
-SPECDEC_MATH bool is_nan(float x) { return isnan(x); }
-SPECDEC_MATH bool is_finite(float x) { return isfinite(x); }
+SPECDEC_HD float fadd(float a, float b) { return __fadd_rn(a, b); }
+SPECDEC_HD float fmul(float a, float b) { return __fmul_rn(a, b); }
+SPECDEC_HD float ffma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+SPECDEC_HD float fdiv(float a, float b) { return __fdiv_rn(a, b); }
+SPECDEC_HD float bits_as_float(uint32_t u) { return __uint_as_float(u); }
+SPECDEC_HD uint32_t float_as_bits(float f) { return __float_as_uint(f); }
+SPECDEC_HD bool is_nan(float x) { return isnan(x); }
+SPECDEC_HD bool is_finite(float x) { return isfinite(x); }
 #else
-SPECDEC_MATH float fadd(float a, float b) { return a + b; }
-SPECDEC_MATH float fmul(float a, float b) { return a * b; }
-SPECDEC_MATH float ffma(float a, float b, float c) { return std::fma(a, b, c); }
-SPECDEC_MATH float fdiv(float a, float b) { return a / b; }
-SPECDEC_MATH float bits_as_float(uint32_t u) {
+SPECDEC_HD float fadd(float a, float b) { return a + b; }
+SPECDEC_HD float fmul(float a, float b) { return a * b; }
+SPECDEC_HD float ffma(float a, float b, float c) { return std::fma(a, b, c); }
+SPECDEC_HD float fdiv(float a, float b) { return a / b; }
+SPECDEC_HD float bits_as_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
-SPECDEC_MATH bool is_nan(float x) { return x != x; }
-SPECDEC_MATH bool is_finite(float x) { return x - x == 0.0f; }
+SPECDEC_HD uint32_t float_as_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+SPECDEC_HD bool is_nan(float x) { return x != x; }
+SPECDEC_HD bool is_finite(float x) { return x - x == 0.0f; }
 #endif
 constexpr float kNegInf = -__builtin_huge_valf();
 
 // exp(x), the same bits on every backend; relative error ~2 ulp. Returns 0 below -87.3 (where exp(x) is
 // subnormal) and for NaN, which callers detect separately. Branch-free, so that CPU loops vectorise.
-SPECDEC_MATH float det_exp(float x0) {
+SPECDEC_HD float det_exp(float x0) {
   float x = x0 > -87.3f ? x0 : -87.3f;  // NaN -> -87.3; the result is replaced by 0 below
   x = x < 88.0f ? x : 88.0f;
   const float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -106,10 +107,10 @@ struct MaxSum {
   float m;
   float s;
 };
-SPECDEC_MATH MaxSum maxsum_identity() { return MaxSum{kNegInf, 0.0f}; }
+SPECDEC_HD MaxSum maxsum_identity() { return MaxSum{kNegInf, 0.0f}; }
 // Folds one scaled logit in. -inf (a masked token) and NaN leave the state unchanged. Written with selects
 // and one exp, so that neither a warp nor a SIMD loop evaluates both cases.
-SPECDEC_MATH MaxSum maxsum_push(MaxSum a, float x) {
+SPECDEC_HD MaxSum maxsum_push(MaxSum a, float x) {
   const bool up = x > a.m;
   const float e = det_exp(up ? fadd(a.m, -x) : fadd(x, -a.m));
   const float s_up = fadd(fmul(a.s, e), 1.0f);
@@ -117,13 +118,13 @@ SPECDEC_MATH MaxSum maxsum_push(MaxSum a, float x) {
   return MaxSum{up ? x : a.m, up ? s_up : (x > kNegInf ? s_same : a.s)};
 }
 // Commutative bit for bit: combine(a, b) == combine(b, a).
-SPECDEC_MATH MaxSum maxsum_combine(MaxSum a, MaxSum b) {
+SPECDEC_HD MaxSum maxsum_combine(MaxSum a, MaxSum b) {
   const float m = a.m > b.m ? a.m : b.m;
   if (!(m > kNegInf)) return maxsum_identity();
   return MaxSum{m, fadd(fmul(a.s, det_exp(fadd(a.m, -m))), fmul(b.s, det_exp(fadd(b.m, -m))))};
 }
 struct MaxSumCombine {
-  SPECDEC_MATH MaxSum operator()(MaxSum a, MaxSum b) const { return maxsum_combine(a, b); }
+  SPECDEC_HD MaxSum operator()(MaxSum a, MaxSum b) const { return maxsum_combine(a, b); }
 };
 
 // Argmax with ties to the lowest index; NaN never wins.
@@ -131,17 +132,17 @@ struct ArgMax {
   float value;
   int32_t index;
 };
-SPECDEC_MATH ArgMax argmax_identity() { return ArgMax{kNegInf, INT32_MAX}; }
-SPECDEC_MATH ArgMax argmax_combine(ArgMax a, ArgMax b) {
+SPECDEC_HD ArgMax argmax_identity() { return ArgMax{kNegInf, INT32_MAX}; }
+SPECDEC_HD ArgMax argmax_combine(ArgMax a, ArgMax b) {
   if (b.value > a.value || (b.value == a.value && b.index < a.index)) return b;
   return a;
 }
 struct ArgMaxCombine {
-  SPECDEC_MATH ArgMax operator()(ArgMax a, ArgMax b) const { return argmax_combine(a, b); }
+  SPECDEC_HD ArgMax operator()(ArgMax a, ArgMax b) const { return argmax_combine(a, b); }
 };
 
 struct FloatSum {
-  SPECDEC_MATH float operator()(float a, float b) const { return fadd(a, b); }
+  SPECDEC_HD float operator()(float a, float b) const { return fadd(a, b); }
 };
 
 // What one sampling pass draws from: the mass of entry v is
@@ -156,12 +157,12 @@ struct MassSpec {
 };
 
 // Softmax probability of one logit given its row's statistics.
-SPECDEC_MATH float softmax_prob(float logit, float inv_temp, float m, float inv_z) {
+SPECDEC_HD float softmax_prob(float logit, float inv_temp, float m, float inv_z) {
   return fmul(det_exp(fadd(fmul(logit, inv_temp), -m)), inv_z);
 }
 
 // Mass of entry v from the raw row values pv (target) and qv (draft; ignored without a draft row).
-SPECDEC_MATH float entry_mass(const MassSpec& s, int64_t v, float pv, float qv, bool has_q) {
+SPECDEC_HD float entry_mass(const MassSpec& s, int64_t v, float pv, float qv, bool has_q) {
   float p = s.logits ? softmax_prob(pv, s.inv_temp, s.m_p, s.inv_z_p) : pv;
   if (s.p_only) return p > 0.0f ? p : 0.0f;
   float q = has_q ? (s.logits ? softmax_prob(qv, s.inv_temp, s.m_q, s.inv_z_q) : qv) : (v == s.point ? 1.0f : 0.0f);
@@ -170,7 +171,7 @@ SPECDEC_MATH float entry_mass(const MassSpec& s, int64_t v, float pv, float qv, 
 }
 
 // Hillis-Steele inclusive scan of one group's 32 masses, in place: the canonical within-group order.
-SPECDEC_MATH void group_inclusive_scan(float* x) {
+SPECDEC_HD void group_inclusive_scan(float* x) {
   for (int off = 1; off < kGroup; off *= 2) {
     for (int l = kGroup - 1; l >= off; --l) x[l] = fadd(x[l - off], x[l]);
   }
