@@ -93,6 +93,21 @@ def is_strict() -> bool:
     return _strict
 
 
+def _error_flags(device, records_errors: bool):
+    """The kernels' device-side error word, when strict mode asks for their device-side checks."""
+    return torch.zeros(1, dtype=torch.int32, device=device) if records_errors and _strict else None
+
+
+def _raise_recorded_errors(op: str, device, flags, messages: dict) -> None:
+    """Raises ValueError naming every error bit the kernel recorded in `flags` (messages: bit -> text)."""
+    if flags is None:
+        return
+    bits = int(flags.item())  # the host sync that strict mode is for
+    if bits:
+        raise ValueError(f"{op}: invalid input detected on {device}: " + "; ".join(
+            msg for bit, msg in messages.items() if bits & bit))
+
+
 def _per_request(value, name: str, op: str, batch: int, device, dtype) -> torch.Tensor:
     """A [B] tensor of `dtype` on `device` from a Python scalar (broadcast) or a 0-/1-D tensor."""
     if isinstance(value, torch.Tensor):
@@ -140,16 +155,12 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     elif not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise ValueError(f"{op}: out must be a tuple (output_token_ids [B, K+1] int32, num_accepted [B] int32)")
     out = SamplingOutput(*out)
-    flags = torch.zeros(1, dtype=torch.int32, device=device) if records_errors and _strict else None
+    flags = _error_flags(device, records_errors)
     fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
     fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
        flags)
-    if flags is not None:
-        bits = int(flags.item())  # the host sync that strict mode is for
-        if bits:
-            names = {"target": tname, "draft": "draft_logits" if logits else "draft_probs"}
-            raise ValueError(f"{op}: invalid input detected on {device}: " + "; ".join(
-                msg.format(**names) for bit, msg in _SAMPLING_ERRORS.items() if bits & bit))
+    names = {"target": tname, "draft": "draft_logits" if logits else "draft_probs"}
+    _raise_recorded_errors(op, device, flags, {bit: msg.format(**names) for bit, msg in _SAMPLING_ERRORS.items()})
     return out
 
 
@@ -225,14 +236,10 @@ def _truncate_kv_cache(ops, cache_seqlens, num_kept, *, block_len, kept_indices,
     k_caches, v_caches = _layers(k_caches, "k_caches"), _layers(v_caches, "v_caches")
     if block_table is not None:
         block_table = block_table.to(torch.int32).contiguous()
-    flags = torch.zeros(1, dtype=torch.int32, device=device) if records_errors and _strict else None
+    flags = _error_flags(device, records_errors)
     ops.truncate_kv_cache(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table, int(block_len),
                           bool(clear), flags)
-    if flags is not None:
-        bits = int(flags.item())  # the host sync that strict mode is for
-        if bits:
-            raise ValueError(f"{op}: invalid input detected on {device}: " + "; ".join(
-                msg for bit, msg in _TRUNCATE_ERRORS.items() if bits & bit))
+    _raise_recorded_errors(op, device, flags, _TRUNCATE_ERRORS)
 
 
 def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
@@ -272,14 +279,10 @@ def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, 
         block_table = block_table.to(torch.int32).contiguous()
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"{op}: softmax_scale must be > 0, got {softmax_scale}")
-    flags = torch.zeros(1, dtype=torch.int32, device=q.device) if records_errors and _strict else None
+    flags = _error_flags(q.device, records_errors)
     out, lse = ops.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
                                     float(softmax_scale or 0.0), bool(return_lse), flags)
-    if flags is not None:
-        bits = int(flags.item())  # the host sync that strict mode is for
-        if bits:
-            raise ValueError(f"{op}: invalid input detected on {q.device}: " + "; ".join(
-                msg for bit, msg in _ATTENTION_ERRORS.items() if bits & bit))
+    _raise_recorded_errors(op, q.device, flags, _ATTENTION_ERRORS)
     return (out, lse) if return_lse else out
 
 

@@ -13,6 +13,18 @@ def rel_error(out, ref):
     return float((out.double() - ref).norm() / ref.norm())
 
 
+def check_against_reference(f, q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, lse_atol, **kwargs):
+    """Runs f (one backend's verify_attention) and the float64 reference on copies of the same caches: the
+    output within the dtype's tolerance, lse within lse_atol, and the caches equal afterwards (the new tokens
+    written, nothing else)."""
+    ref_caches, caches = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    ref, ref_lse = reference.verify_attention(q, *ref_caches, lengths, k_new, v_new, return_lse=True, **kwargs)
+    out, lse = f(q, *caches, lengths, k_new, v_new, return_lse=True, **kwargs)
+    assert rel_error(out, ref) <= TOLERANCE[q.dtype], f
+    assert torch.allclose(lse, ref_lse, atol=lse_atol), f
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1]), f
+
+
 def make_case(gen, batch, n_q, hq, hkv, d, dtype, lengths, paged=None, s_max=None):
     q = torch.randn(batch, n_q, hq, d, generator=gen).to(dtype)
     k_new = torch.randn(batch, n_q, hkv, d, generator=gen).to(dtype)
@@ -49,12 +61,8 @@ def test_contiguous_causal_with_append(dtype, n_q, hq, hkv, gen):
     lengths = [int(x) for x in torch.randint(0, 300, (3,), generator=gen)]
     lengths[0] = 0
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 3, n_q, hq, hkv, 64, dtype, lengths)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    out, lse = specdec_ext.verify_attention(q, kc, vc, sl, kn, vn, return_lse=True)
-    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, return_lse=True)
-    assert rel_error(out, ref) <= TOLERANCE[dtype]
-    assert torch.allclose(lse, ref_lse, atol=1e-3 if dtype != torch.float32 else 1e-5)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # the new tokens written, nothing else
+    check_against_reference(specdec_ext.verify_attention, q, kc, vc, sl, kn, vn,
+                            lse_atol=1e-3 if dtype != torch.float32 else 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -75,10 +83,7 @@ def test_paged_tree_mask_new_tokens_already_in_cache(dtype, page_size, gen):
 def test_long_context_splits_and_scale(gen):
     # One request with 6000 cached tokens: the CPU kernel splits the keys and merges the splits by lse.
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 1, 5, 8, 2, 128, torch.float32, [6000])
-    out, lse = specdec_ext.verify_attention(q, kc, vc, sl, kn, vn, softmax_scale=0.05, return_lse=True)
-    ref, ref_lse = reference.verify_attention(q, kc.clone(), vc.clone(), sl, kn, vn, softmax_scale=0.05, return_lse=True)
-    assert rel_error(out, ref) <= 2e-5
-    assert torch.allclose(lse, ref_lse, atol=1e-4)
+    check_against_reference(specdec_ext.verify_attention, q, kc, vc, sl, kn, vn, lse_atol=1e-4, softmax_scale=0.05)
 
 
 def test_bad_arguments_are_named(gen):
@@ -127,12 +132,7 @@ def test_sim_contiguous_causal_with_append(dtype, n_q, hq, hkv, gen, sim):
     lengths = [int(x) for x in torch.randint(0, 200, (3,), generator=gen)]
     lengths[0] = 0
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 3, n_q, hq, hkv, 64, dtype, lengths)
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, return_lse=True)
-    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, return_lse=True)
-    assert rel_error(out, ref) <= TOLERANCE[dtype]
-    assert torch.allclose(lse, ref_lse, atol=2e-3)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # the new tokens written, nothing else
+    check_against_reference(sim.verify_attention, q, kc, vc, sl, kn, vn, lse_atol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", SIM_DTYPES, ids=str)
@@ -142,13 +142,8 @@ def test_sim_paged_tree_mask(dtype, page_size, gen, sim):
     lengths = [int(x) for x in torch.randint(0, 300, (3,), generator=gen)]
     q, kc, vc, sl, kn, vn, table = make_case(gen, 3, n_q, 8, 2, 128, dtype, lengths, paged=page_size)
     masks = torch.stack([random_tree_mask(gen, n_q) for _ in range(3)])
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, block_table=table, tree_mask=masks, return_lse=True)
-    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, block_table=table, tree_mask=masks,
-                                              return_lse=True)
-    assert rel_error(out, ref) <= TOLERANCE[dtype]
-    assert torch.allclose(lse, ref_lse, atol=2e-3)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    check_against_reference(sim.verify_attention, q, kc, vc, sl, kn, vn, lse_atol=2e-3, block_table=table,
+                            tree_mask=masks)
     # One mask for every request; the new tokens are already in the cache.
     out = sim.verify_attention(q, kc, vc, sl, block_table=table, tree_mask=masks[1])
     assert rel_error(out, reference.verify_attention(q, kc, vc, sl, block_table=table, tree_mask=masks[1])) <= \
@@ -172,12 +167,7 @@ def test_sim_long_context_many_rows(d, length, n_q, gen, sim):
     # Long contexts at B = 1 take several KV splits, merged by lse (6000 tokens: eight splits of 768 keys);
     # 64 queries x 2 heads = 128 query rows per KV head: two row tiles.
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 1, n_q, 2, 1, d, torch.bfloat16, [length])
-    kc_ref, vc_ref = kc.clone(), vc.clone()
-    out, lse = sim.verify_attention(q, kc, vc, sl, kn, vn, softmax_scale=0.07, return_lse=True)
-    ref, ref_lse = reference.verify_attention(q, kc_ref, vc_ref, sl, kn, vn, softmax_scale=0.07, return_lse=True)
-    assert rel_error(out, ref) <= 2e-2
-    assert torch.allclose(lse, ref_lse, atol=2e-3)
-    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    check_against_reference(sim.verify_attention, q, kc, vc, sl, kn, vn, lse_atol=2e-3, softmax_scale=0.07)
 
 
 def test_sim_invalid_requests_get_nan_and_strict_raises(gen, sim):
@@ -236,11 +226,5 @@ def test_random_shapes_cpu_and_sim(trial, gen, sim):
     mask = pick(None, random_tree_mask(gen, n_q))
     append = pick(True, False)
     new = (kn, vn) if append else (None, None)
-    ref_caches = (kc.clone(), vc.clone())
-    ref, ref_lse = reference.verify_attention(q, *ref_caches, sl, *new, block_table=table, tree_mask=mask, return_lse=True)
     for f in (specdec_ext.verify_attention, sim.verify_attention):
-        caches = (kc.clone(), vc.clone())
-        out, lse = f(q, *caches, sl, *new, block_table=table, tree_mask=mask, return_lse=True)
-        assert rel_error(out, ref) <= TOLERANCE[dtype], f
-        assert torch.allclose(lse, ref_lse, atol=2e-3), f
-        assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1]), f
+        check_against_reference(f, q, kc, vc, sl, *new, lse_atol=2e-3, block_table=table, tree_mask=mask)

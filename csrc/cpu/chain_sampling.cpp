@@ -44,8 +44,7 @@ SPECDEC_CPU_CLONES void push_chunk(const float* logit, int n, float inv_temp, fl
 // Masses of entries base .. base + n (entry_mass), zero up to kChunk. The mode flags are made constants
 // so that each mode's loop vectorises.
 template <bool kLogits, bool kPOnly, bool kHasQ>
-inline __attribute__((always_inline)) void chunk_masses_for(MassSpec spec, int64_t base, int n, const float* pv,
-                                                            const float* qv, float* out) {
+SPECDEC_HD void chunk_masses_for(MassSpec spec, int64_t base, int n, const float* pv, const float* qv, float* out) {
   spec.logits = kLogits;
   spec.p_only = kPOnly;
   for (int l = 0; l < n; ++l) out[l] = entry_mass(spec, base + l, pv[l], kHasQ ? qv[l] : 0.0f, kHasQ);

@@ -26,7 +26,6 @@ namespace {
 #else
 #define SPECDEC_FUSED_MADD
 #endif
-#define SPECDEC_INLINE inline __attribute__((always_inline))
 
 // A vector of W floats, for the micro-kernels' accumulators; loads and stores through it are unaligned and
 // may alias float.
@@ -37,11 +36,11 @@ struct FloatVec {
 template <int W>
 using f32v = typename FloatVec<W>::type;
 template <int W>
-SPECDEC_INLINE f32v<W>& vec_at(float* p) {
+SPECDEC_HD f32v<W>& vec_at(float* p) {
   return *reinterpret_cast<f32v<W>*>(p);
 }
 template <int W>
-SPECDEC_INLINE const f32v<W>& vec_at(const float* p) {
+SPECDEC_HD const f32v<W>& vec_at(const float* p) {
   return *reinterpret_cast<const f32v<W>*>(p);
 }
 
@@ -88,7 +87,7 @@ SPECDEC_CPU_CLONES void tile_rows(const T* k, const T* v, const int64_t* rows, i
 // to rows_padded, a multiple of kRowBlock, with zeros): vectors of rows per key, a few keys at a time, so that
 // kScoreAccs independent accumulators hide the latency of the multiply-adds and no horizontal sums occur.
 template <int W>
-SPECDEC_INLINE void tile_scores_w(const float* qt, int64_t rows_padded, const float* const* keys, int64_t d,
+SPECDEC_HD void tile_scores_w(const float* qt, int64_t rows_padded, const float* const* keys, int64_t d,
                                   float* scores) {
   constexpr int kVecs = kRowBlock / W, kKeys = kScoreAccs / kVecs;
   for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
@@ -153,7 +152,7 @@ SPECDEC_CPU_CLONES void tile_softmax(float* scores, int64_t rows_padded, float* 
 // out[r][d0, d0 + W kVecs) = alpha[r] out[r][...] + sum_t probs[t][r] values[t][...] for kRows rows from r0:
 // the outputs stay in registers across the tile's keys.
 template <int W, int kRows, int kVecs>
-SPECDEC_INLINE void pv_block(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+SPECDEC_HD void pv_block(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
                              const float* alpha, int64_t r0, int64_t d0, int64_t d, float* out) {
   f32v<W> acc[kRows][kVecs];
 #pragma GCC unroll 4
@@ -180,7 +179,7 @@ SPECDEC_INLINE void pv_block(const float* probs, int64_t rows_padded, const floa
 }
 
 template <int W, int kVecs>
-SPECDEC_INLINE void pv_columns(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+SPECDEC_HD void pv_columns(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
                                const float* alpha, int64_t rows, int64_t d0, int64_t d, float* out) {
   int64_t r0 = 0;
   for (; r0 + kPvRows <= rows; r0 += kPvRows) {
@@ -193,7 +192,7 @@ SPECDEC_INLINE void pv_columns(const float* probs, int64_t rows_padded, const fl
 // columns in blocks of kVecs vectors (kPvRows x kVecs accumulators: half the vector registers), then single
 // vectors, then one at a time.
 template <int W>
-SPECDEC_INLINE void tile_accumulate_w(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
+SPECDEC_HD void tile_accumulate_w(const float* probs, int64_t rows_padded, const float* const* values, int64_t n,
                                       const float* alpha, int64_t rows, int64_t d, float* out) {
   constexpr int kVecs = W == 16 ? 4 : 2;
   int64_t d0 = 0;

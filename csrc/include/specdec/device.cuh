@@ -347,14 +347,17 @@ SPECDEC_DEVICE VecN<T, N> load_vecn(const T* p) {
 namespace detail {
 // The emulated warp-wide matrix instructions exchange operands through this area: 8 words per lane, one
 // slot per warp of the block (emulator-only shared memory, not part of the kernel's budget on a GPU).
+// The calling thread's index within its block, x fastest (the order lanes and warps are numbered in).
+inline unsigned linear_thread() {
+  const dim3 bd = sim::block_dim();
+  const uint3 t = sim::thread_idx();
+  return t.x + bd.x * (t.y + bd.y * t.z);
+}
 inline uint32_t* warp_exchange_slots() {
   static const char site = 0;
   const dim3 bd = sim::block_dim();
-  const unsigned threads = bd.x * bd.y * bd.z;
-  const uint3 t = sim::thread_idx();
-  const unsigned linear = t.x + bd.x * (t.y + bd.y * t.z);
-  auto* base = static_cast<uint32_t*>(sim::static_shared(&site, threads * 8 * sizeof(uint32_t), 16));
-  return base + linear / kWarpSize * kWarpSize * 8;
+  auto* base = static_cast<uint32_t*>(sim::static_shared(&site, bd.x * bd.y * bd.z * 8 * sizeof(uint32_t), 16));
+  return base + linear_thread() / kWarpSize * kWarpSize * 8;
 }
 template <typename T>
 float half_word(uint32_t word, unsigned which) {
@@ -441,9 +444,7 @@ struct AsyncCopies {
 };
 inline AsyncCopies& async_copies() {
   static thread_local std::vector<AsyncCopies> per_thread;  // the fibers of a block share one OS thread
-  const dim3 bd = sim::block_dim();
-  const uint3 t = sim::thread_idx();
-  const size_t linear = t.x + bd.x * (t.y + size_t{bd.y} * t.z);
+  const unsigned linear = linear_thread();
   if (per_thread.size() <= linear) per_thread.resize(linear + 1);
   AsyncCopies& mine = per_thread[linear];
   if (mine.block != sim::block_serial()) {  // left over from an earlier block: its copies died with it
