@@ -95,7 +95,7 @@ def assert_tokens_match_reference(out, ref, p_rows, q_rows, ids, u_resample, max
         assert lo - tol <= t <= float(cdf[tok]) + tol, f"row {b}: token {tok} is not at the threshold's boundary"
 
 
-SHAPES = [(1, 1, 1), (3, 1, 7), (6, 4, 1000), (5, 3, 2111), (4, 16, 300)]
+SHAPES = [(1, 1, 1), (3, 1, 7), (6, 4, 1000), (5, 3, 2111), (4, 16, 300), (8, 2, 20000)]  # 20000: three tiles
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -133,20 +133,38 @@ def test_logits_match_reference(backend, with_draft, dtype, batch, k, vocab, gen
     assert mismatched <= max(1, batch // 50), (out, ref)
 
 
+def misaligned_copy(t):
+    """The same values in rows that start one element past a 16-byte boundary (the kernels' scalar path)."""
+    if t is None:
+        return None
+    padded = torch.empty(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)
+    padded[..., 1:] = t
+    return padded[..., 1:]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "point"])
-def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_draft, gen):
-    # Both sum in the canonical order with the same exp, so even resampled tokens agree bit for bit.
-    batch, k, vocab = 24, 4, 2500
+@pytest.mark.parametrize("batch,vocab", [(24, 2500), (16, 20000)], ids=["one_tile", "three_tiles"])
+def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_draft, batch, vocab, gen):
+    # Both sum in the canonical order with the same exp, so even resampled tokens agree bit for bit. 20000 is a
+    # multiple of 8 (16-byte loads on the GPU) and spans three tiles; 2500 is not (scalar loads); the misaligned
+    # copy takes the scalar path with the same values and must give the same tokens.
+    k = 4
     inp = make_inputs(gen, batch, k, vocab, dtype, with_draft, sharpness=1.0)
+    shifted = {key: misaligned_copy(val) if key.endswith(("probs", "logits")) else val for key, val in inp.items()}
     if logits:
         t = torch.rand(batch, generator=gen) + 0.3
-        cpu, emu = run_logits("cpu", inp, t), run_logits("sim", inp, t)
+        cpu, emu, emu_shifted = run_logits("cpu", inp, t), run_logits("sim", inp, t), run_logits("sim", shifted, t)
     else:
-        cpu, emu = run_probs("cpu", inp), run_probs("sim", inp)
-    assert torch.equal(cpu.output_token_ids, emu.output_token_ids)
-    assert torch.equal(cpu.num_accepted, emu.num_accepted)
+        cpu, emu, emu_shifted = run_probs("cpu", inp), run_probs("sim", inp), run_probs("sim", shifted)
+    for out in (emu, emu_shifted):
+        assert torch.equal(cpu.output_token_ids, out.output_token_ids)
+        assert torch.equal(cpu.num_accepted, out.num_accepted)
+    resampled = cpu.output_token_ids.gather(1, cpu.num_accepted.long()[:, None])
+    assert bool((resampled >= 0).all())
+    if vocab > 8192:  # the tile level of the search picked a later tile (fails with probability 0.41^16 < 1e-6)
+        assert bool((resampled >= 8192).any())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,6 +1,7 @@
-// Chain speculative sampling on the CPU: requests in parallel (at::parallel_for), each row scanned with
-// lane arrays laid out as the canonical order of sampling_math.h (lane = v mod 1024), so the loops over a
-// chunk run over contiguous lanes and vectorise, and every sum comes out bit for bit as on the GPU.
+// Chain speculative sampling on the CPU: requests in parallel (at::parallel_for), each row scanned tile by
+// tile with lane arrays in the canonical order of sampling_math.h. A tile is stored transposed (entry j of
+// every lane together), so the loops over the 1024 lanes run over contiguous memory and vectorise, and every
+// sum comes out bit for bit as on the GPU.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -19,82 +20,112 @@ namespace {
 // computes the same bits: the arithmetic is the correctly rounded operations of sampling_math.h, never
 // contracted (-ffp-contract=off), and std::fma is exact with or without FMA units.
 
-// Converts n values to float; returns whether any is invalid (probabilities: not finite; logits: NaN, +inf).
+// Converts tile t of a row to float, transposed: xt[j * kLanes + l] = row[t * kTile + l * kLaneEntries + j],
+// `absent` past the vocabulary. Returns whether any entry is invalid (probabilities: not finite; logits: NaN,
+// +inf).
 template <typename T>
-SPECDEC_CPU_CLONES bool convert_chunk(const T* src, int n, float* out, bool logits) {
+SPECDEC_CPU_CLONES bool convert_tile(const T* row, int64_t vocab, int64_t t, float absent, bool logits, float* xt) {
   const float lowest_valid = logits ? kNegInf : -__FLT_MAX__;  // logits may be -inf, probabilities not
+  const T* src = row + t * kTile;
+  const int n = static_cast<int>(std::min<int64_t>(kTile, vocab - t * kTile));
   int bad = 0;
-  for (int l = 0; l < n; ++l) {
-    const float x = static_cast<float>(src[l]);
-    out[l] = x;
-    bad |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));  // also true for NaN
+  if (n == kTile) {
+    for (int l = 0; l < kLanes; ++l) {
+      for (int j = 0; j < kLaneEntries; ++j) {
+        const float x = static_cast<float>(src[l * kLaneEntries + j]);
+        xt[j * kLanes + l] = x;
+        bad |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));  // also true for NaN
+      }
+    }
+  } else {
+    for (int i = 0; i < kTile; ++i) {
+      const float x = i < n ? static_cast<float>(src[i]) : absent;
+      xt[i % kLaneEntries * kLanes + i / kLaneEntries] = x;
+      if (i < n) bad |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));
+    }
   }
   return bad != 0;
 }
 
-// Folds one chunk of logits, scaled by inv_temp, into the lanes' (max, sum) state.
-SPECDEC_CPU_CLONES void push_chunk(const float* logit, int n, float inv_temp, float* m, float* s) {
-  for (int l = 0; l < n; ++l) {
-    const MaxSum r = maxsum_push(MaxSum{m[l], s[l]}, fmul(logit[l], inv_temp));
+// Folds one transposed tile of logits into the lanes' (max, sum) states (maxsum_push_block).
+SPECDEC_CPU_CLONES void push_tile(const float* xt, float scale, float* m, float* s) {
+  for (int l = 0; l < kLanes; ++l) {
+    const MaxSum r = maxsum_push_block(MaxSum{m[l], s[l]}, xt + l, kLanes, block_max(xt + l, kLanes), scale);
     m[l] = r.m;
     s[l] = r.s;
   }
 }
 
-// Masses of entries base .. base + n (entry_mass), zero up to kChunk. The mode flags are made constants
-// so that each mode's loop vectorises.
+// Each lane's block sum of one transposed tile of masses, into sums[l]. The masses are entry_mass of entries
+// t * kTile + l * kLaneEntries + j; past the vocabulary the tile holds -inf logits or zero probabilities, whose
+// mass is 0. The mode flags are made constants so that each mode's loop vectorises.
 template <bool kLogits, bool kPOnly, bool kHasQ>
-SPECDEC_HD void chunk_masses_for(MassSpec spec, int64_t base, int n, const float* pv, const float* qv, float* out) {
+SPECDEC_HD void tile_block_sums_for(MassSpec spec, int64_t t, const float* pt, const float* qt, float* sums) {
   spec.logits = kLogits;
   spec.p_only = kPOnly;
-  for (int l = 0; l < n; ++l) out[l] = entry_mass(spec, base + l, pv[l], kHasQ ? qv[l] : 0.0f, kHasQ);
+  for (int l = 0; l < kLanes; ++l) {
+    const int32_t v0 = static_cast<int32_t>(t * kTile + l * kLaneEntries);
+    const auto m = [&](int j) __attribute__((always_inline)) {
+      return entry_mass(spec, v0 + j, pt[j * kLanes + l], kHasQ ? qt[j * kLanes + l] : 0.0f, kHasQ);
+    };
+    // block_sum spelled out over the 8 masses (no local array, no inner loop), so that the loop vectorises.
+    sums[l] = fadd(fadd(fadd(m(0), m(1)), fadd(m(2), m(3))), fadd(fadd(m(4), m(5)), fadd(m(6), m(7))));
+  }
 }
 
-SPECDEC_CPU_CLONES void chunk_masses(const MassSpec spec, int64_t base, int n, const float* pv, const float* qv, bool has_q,
-                                     float* out) {
+SPECDEC_CPU_CLONES void tile_block_sums(const MassSpec spec, int64_t t, const float* pt, const float* qt, bool has_q,
+                                        float* sums) {
   if (spec.p_only) {
-    spec.logits ? chunk_masses_for<true, true, false>(spec, base, n, pv, qv, out)
-                : chunk_masses_for<false, true, false>(spec, base, n, pv, qv, out);
+    spec.logits ? tile_block_sums_for<true, true, false>(spec, t, pt, qt, sums)
+                : tile_block_sums_for<false, true, false>(spec, t, pt, qt, sums);
   } else if (has_q) {
-    spec.logits ? chunk_masses_for<true, false, true>(spec, base, n, pv, qv, out)
-                : chunk_masses_for<false, false, true>(spec, base, n, pv, qv, out);
+    spec.logits ? tile_block_sums_for<true, false, true>(spec, t, pt, qt, sums)
+                : tile_block_sums_for<false, false, true>(spec, t, pt, qt, sums);
   } else {
-    spec.logits ? chunk_masses_for<true, false, false>(spec, base, n, pv, qv, out)
-                : chunk_masses_for<false, false, false>(spec, base, n, pv, qv, out);
+    spec.logits ? tile_block_sums_for<true, false, false>(spec, t, pt, qt, sums)
+                : tile_block_sums_for<false, false, false>(spec, t, pt, qt, sums);
   }
-  for (int l = n; l < kChunk; ++l) out[l] = 0.0f;
 }
 
-// The 32 group totals of a chunk's masses: the pairwise tree, one level at a time (adjacent pairs).
-SPECDEC_CPU_CLONES void group_totals_of_chunk(const float* mass, float* totals) {
-  float a[kChunk / 2], b[kChunk / 4];
-  for (int i = 0; i < kChunk / 2; ++i) a[i] = fadd(mass[2 * i], mass[2 * i + 1]);
-  for (int i = 0; i < kChunk / 4; ++i) b[i] = fadd(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < kChunk / 8; ++i) a[i] = fadd(b[2 * i], b[2 * i + 1]);
-  for (int i = 0; i < kChunk / 16; ++i) b[i] = fadd(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < kChunk / 32; ++i) totals[i] = fadd(b[2 * i], b[2 * i + 1]);
+// The 32 group totals of the lanes' values: the pairwise tree, one level at a time (adjacent pairs).
+SPECDEC_CPU_CLONES void group_totals_of_lanes(const float* lane, float* totals) {
+  float a[kLanes / 2], b[kLanes / 4];
+  for (int i = 0; i < kLanes / 2; ++i) a[i] = fadd(lane[2 * i], lane[2 * i + 1]);
+  for (int i = 0; i < kLanes / 4; ++i) b[i] = fadd(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < kLanes / 8; ++i) a[i] = fadd(b[2 * i], b[2 * i + 1]);
+  for (int i = 0; i < kLanes / 16; ++i) b[i] = fadd(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < kLanes / 32; ++i) totals[i] = fadd(b[2 * i], b[2 * i + 1]);
 }
 
-SPECDEC_CPU_CLONES void argmax_chunk(const float* x, int n, int32_t base, float* best, int32_t* index) {
-  for (int l = 0; l < n; ++l) {
-    const bool take = x[l] > best[l] || (x[l] == best[l] && index[l] == INT32_MAX);
-    best[l] = take ? x[l] : best[l];
-    index[l] = take ? base + l : index[l];
+// Greedy rows: the first index of the row's maximum (NaN never wins; it is reported by the caller's check).
+template <typename T>
+SPECDEC_CPU_CLONES int32_t argmax_row(const T* row, int64_t vocab, bool logits, bool* bad) {
+  const float lowest_valid = logits ? kNegInf : -__FLT_MAX__;
+  float best = kNegInf;
+  int64_t index = 0;
+  int invalid = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float x = static_cast<float>(row[v]);
+    invalid |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));
+    if (x > best) {
+      best = x;
+      index = v;
+    }
   }
+  *bad = invalid != 0;
+  return static_cast<int32_t>(index);
 }
 
 template <typename T>
 struct CpuSamplingEngine {
   const ChainSamplingParams& P;
   int32_t errors = 0;
-  // Per-request scratch, reused across rows.
-  std::vector<float> lane_a, lane_b, lane_c, lane_d, mass;
-  std::vector<int32_t> lane_i;
-  std::vector<float> group_totals, carry;
+  // Per-request scratch, reused across rows: transposed tiles, lane states, totals.
+  std::vector<float> tile_p, tile_q, lane_a, lane_b, lane_c, lane_d;
+  float group_totals[kMaxTiles * kGroups], tile_totals[kMaxTiles];
 
   explicit CpuSamplingEngine(const ChainSamplingParams& p)
-      : P(p), lane_a(kChunk), lane_b(kChunk), lane_c(kChunk), lane_d(kChunk), mass(kChunk), lane_i(kChunk),
-        group_totals(kMaxChunks * kGroups), carry(kMaxChunks + 1) {}
+      : P(p), tile_p(kTile), tile_q(kTile), lane_a(kLanes), lane_b(kLanes), lane_c(kLanes), lane_d(kLanes) {}
 
   const T* row_target(int64_t b, int64_t i) const {
     return static_cast<const T*>(P.target) + b * P.target_stride_b + i * P.target_stride_k;
@@ -103,108 +134,95 @@ struct CpuSamplingEngine {
     return static_cast<const T*>(P.draft) + b * P.draft_stride_b + i * P.draft_stride_k;
   }
   void flag(int32_t bits) { errors |= bits; }
+  int32_t bad_bit(bool target) const { return target ? kErrTargetNonFinite : kErrDraftNonFinite; }
   float load(const T* row, int64_t v, bool target) {
-    float x;
-    if (convert_chunk(row + v, 1, &x, P.logits)) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
+    const float x = static_cast<float>(row[v]);
+    const bool bad = P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x);
+    if (bad) errors |= bad_bit(target);
     return x;
   }
-  int64_t chunks() const { return (P.vocab + kChunk - 1) / kChunk; }
-  int valid(int64_t c) const { return static_cast<int>(std::min<int64_t>(kChunk, P.vocab - c * kChunk)); }
-
-  // Converts one chunk of a row to float and checks it.
-  void load_chunk(const T* row, int64_t c, float* out, bool target) {
-    if (convert_chunk(row + c * kChunk, valid(c), out, P.logits)) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
+  int64_t tiles() const { return (P.vocab + kTile - 1) / kTile; }
+  void load_tile(const T* row, int64_t t, float absent, bool target, float* xt) {
+    if (convert_tile(row, P.vocab, t, absent, P.logits, xt)) errors |= bad_bit(target);
   }
 
   int32_t argmax(const T* row) {
-    float* best = lane_a.data();
-    int32_t* index = lane_i.data();
-    float* x = lane_c.data();
-    for (int l = 0; l < kChunk; ++l) {
-      best[l] = kNegInf;
-      index[l] = INT32_MAX;
-    }
-    for (int64_t c = 0; c < chunks(); ++c) {
-      load_chunk(row, c, x, true);
-      argmax_chunk(x, valid(c), static_cast<int32_t>(c * kChunk), best, index);
-    }
-    ArgMax r = argmax_identity();
-    for (int l = 0; l < kChunk; ++l) r = argmax_combine(r, ArgMax{best[l], index[l]});
-    return r.index < P.vocab ? r.index : 0;
+    bool bad = false;
+    const int32_t index = argmax_row(row, P.vocab, P.logits, &bad);
+    if (bad) errors |= kErrTargetNonFinite;
+    return index;
   }
 
-  // The canonical combination of lane states: pairwise tree within each group, then groups in order.
-  static MaxSum reduce_lanes(const float* m, const float* s) {
-    MaxSum group[kGroups];
-    for (int g = 0; g < kGroups; ++g) {
-      MaxSum t[kGroup];
-      for (int l = 0; l < kGroup; ++l) t[l] = MaxSum{m[g * kGroup + l], s[g * kGroup + l]};
-      for (int width = 1; width < kGroup; width *= 2) {
-        for (int l = 0; l < kGroup; l += 2 * width) t[l] = maxsum_combine(t[l], t[l + width]);
+  // The pairwise tree over the lane states, one level at a time (adjacent pairs).
+  static MaxSum reduce_lanes(float* m, float* s) {
+    for (int width = 1; width < kLanes; width *= 2) {
+      for (int l = 0; l < kLanes; l += 2 * width) {
+        const MaxSum r = maxsum_combine(MaxSum{m[l], s[l]}, MaxSum{m[l + width], s[l + width]});
+        m[l] = r.m;
+        s[l] = r.s;
       }
-      group[g] = t[0];
     }
-    MaxSum r = group[0];
-    for (int g = 1; g < kGroups; ++g) r = maxsum_combine(r, group[g]);
-    return r;
+    return MaxSum{m[0], s[0]};
   }
 
-  void softmax_stats(const T* row_p, const T* row_q, float inv_temp, MaxSum* sp, MaxSum* sq) {
-    float *mp = lane_a.data(), *spp = lane_b.data(), *mq = lane_c.data(), *sqq = lane_d.data(), *x = mass.data();
-    for (int l = 0; l < kChunk; ++l) {
+  void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {
+    float *mp = lane_a.data(), *spp = lane_b.data(), *mq = lane_c.data(), *sqq = lane_d.data();
+    for (int l = 0; l < kLanes; ++l) {
       mp[l] = mq[l] = kNegInf;
       spp[l] = sqq[l] = 0.0f;
     }
-    for (int64_t c = 0; c < chunks(); ++c) {
-      const int n = valid(c);
-      load_chunk(row_p, c, x, true);
-      push_chunk(x, n, inv_temp, mp, spp);
+    for (int64_t t = 0; t < tiles(); ++t) {
+      load_tile(row_p, t, kNegInf, true, tile_p.data());
+      push_tile(tile_p.data(), scale, mp, spp);
       if (row_q != nullptr) {
-        load_chunk(row_q, c, x, false);
-        push_chunk(x, n, inv_temp, mq, sqq);
+        load_tile(row_q, t, kNegInf, false, tile_q.data());
+        push_tile(tile_q.data(), scale, mq, sqq);
       }
     }
     *sp = reduce_lanes(mp, spp);
     *sq = row_q != nullptr ? reduce_lanes(mq, sqq) : maxsum_identity();
   }
 
-  // Masses of chunk c (zero past the vocabulary).
-  void chunk_mass(const T* row_p, const T* row_q, const MassSpec& spec, int64_t c) {
-    const int n = valid(c);
-    float *pv = lane_a.data(), *qv = lane_b.data(), *m = mass.data();
-    load_chunk(row_p, c, pv, true);
-    if (row_q != nullptr) load_chunk(row_q, c, qv, false);
-    chunk_masses(spec, c * kChunk, n, pv, qv, row_q != nullptr, m);
+  // The masses of one lane's block in tile t (0 past the vocabulary).
+  void block_masses(const T* row_p, const T* row_q, const MassSpec& spec, int64_t t, int lane, float* m) {
+    for (int j = 0; j < kLaneEntries; ++j) {
+      const int32_t v = static_cast<int32_t>(t * kTile + lane * kLaneEntries + j);
+      m[j] = v < P.vocab ? entry_mass(spec, v, load(row_p, v, true), row_q != nullptr ? load(row_q, v, false) : 0.0f,
+                                      row_q != nullptr)
+                         : 0.0f;
+    }
   }
 
+  // Inverse CDF in index order, the cumulative mass built level by level: tiles, groups, lanes, entries.
   int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
-    const int64_t C = chunks();
-    float* m = mass.data();
-    for (int64_t c = 0; c < C; ++c) {
-      chunk_mass(row_p, row_q, spec, c);
-      group_totals_of_chunk(m, &group_totals[c * kGroups]);
+    const float absent = P.logits ? kNegInf : 0.0f;
+    const int tiles = static_cast<int>(this->tiles());
+    float* sums = lane_a.data();
+    for (int t = 0; t < tiles; ++t) {
+      load_tile(row_p, t, absent, true, tile_p.data());
+      if (row_q != nullptr) load_tile(row_q, t, absent, false, tile_q.data());
+      tile_block_sums(spec, t, tile_p.data(), tile_q.data(), row_q != nullptr, sums);
+      group_totals_of_lanes(sums, &group_totals[t * kGroups]);
+      tile_totals[t] = 0.0f;
+      for (int g = 0; g < kGroups; ++g) tile_totals[t] = fadd(tile_totals[t], group_totals[t * kGroups + g]);
     }
-    carry[0] = 0.0f;
-    for (int64_t c = 0; c < C; ++c) {
-      float t = 0.0f;
-      for (int g = 0; g < kGroups; ++g) t = fadd(t, group_totals[c * kGroups + g]);
-      carry[c + 1] = fadd(carry[c], t);
-    }
-    const float total = carry[C];
+    float total = 0.0f;
+    for (int t = 0; t < tiles; ++t) total = fadd(total, tile_totals[t]);
     if (!(total > 0.0f) || !is_finite(total)) return -1;
     const float threshold = fmul(u, total);
-    int64_t c = 0;
-    while (c < C - 1 && !(carry[c + 1] > threshold)) ++c;
-    const float base = carry[c];
-    float prefix;
-    const int g = find_group(&group_totals[c * kGroups], base, threshold, &prefix);
-    chunk_mass(row_p, row_q, spec, c);
-    float x[kGroup];
-    for (int l = 0; l < kGroup; ++l) x[l] = m[g * kGroup + l];
-    group_inclusive_scan(x);
-    int l = 0;
-    while (l < kGroup - 1 && !(fadd(base, fadd(prefix, x[l])) > threshold)) ++l;
-    return static_cast<int32_t>(c * kChunk + g * kGroup + l);
+    float before_tile, before_group, before_lane, before_entry;
+    const int t = first_crossing(tile_totals, tiles, 0.0f, threshold, &before_tile);
+    const int g = first_crossing(&group_totals[t * kGroups], kGroups, before_tile, threshold, &before_group);
+    const float base = fadd(before_tile, before_group);
+    float lane_sums[kGroup], m[kLaneEntries];
+    for (int l = 0; l < kGroup; ++l) {
+      block_masses(row_p, row_q, spec, t, g * kGroup + l, m);
+      lane_sums[l] = block_sum(m);
+    }
+    const int l = first_crossing(lane_sums, kGroup, base, threshold, &before_lane);
+    block_masses(row_p, row_q, spec, t, g * kGroup + l, m);
+    const int j = first_crossing(m, kLaneEntries, fadd(base, before_lane), threshold, &before_entry);
+    return t * kTile + (g * kGroup + l) * kLaneEntries + j;
   }
 
   void write(int64_t b, int32_t accepted, int32_t token) {

@@ -20,7 +20,7 @@ namespace {
 
 // The dot products here only need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the
 // sampling kernels: let the compiler fuse their multiply-adds (one rounding instead of two, half the
-// instructions). Only on functions that do not compute det_exp, whose bits stay those of sampling_math.h.
+// instructions). Only on functions that do not compute det_exp2, whose bits stay those of sampling_math.h.
 #if defined(__GNUC__) && !defined(__clang__)
 #define SPECDEC_FUSED_MADD __attribute__((optimize("fp-contract=fast")))
 #else
@@ -125,7 +125,7 @@ SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_scores(const float* qt, int64_t 
 // Folds a tile's scores into each row's running max m and sum l, and turns them into probabilities relative
 // to the new max; alpha[r] = exp(old max - new max) rescales the row's output. Masked scores are -inf and
 // get probability 0 (a row with no visible key so far keeps m = -inf, l = 0, and gets alpha = 0). Rows are
-// in vector lanes; exp is det_exp, which vectorises.
+// in vector lanes; exp is det_exp2 (sampling_math.h) of the score times log2(e), which vectorises.
 SPECDEC_CPU_CLONES void tile_softmax(float* scores, int64_t rows_padded, float* m, float* l, float* alpha) {
   for (int64_t r0 = 0; r0 < rows_padded; r0 += kRowBlock) {
     float mx[kRowBlock], sum[kRowBlock] = {};
@@ -137,12 +137,12 @@ SPECDEC_CPU_CLONES void tile_softmax(float* scores, int64_t rows_padded, float* 
     for (int t = 0; t < kKeyTile; ++t) {
       float* s = &scores[t * rows_padded + r0];
       for (int r = 0; r < kRowBlock; ++r) {
-        s[r] = det_exp(s[r] - mx[r]);
+        s[r] = det_exp2(fmul(s[r] - mx[r], kLog2e));
         sum[r] += s[r];
       }
     }
     for (int r = 0; r < kRowBlock; ++r) {
-      alpha[r0 + r] = det_exp(m[r0 + r] - mx[r]);
+      alpha[r0 + r] = det_exp2(fmul(m[r0 + r] - mx[r], kLog2e));
       l[r0 + r] = l[r0 + r] * alpha[r0 + r] + sum[r];
       m[r0 + r] = mx[r];
     }

@@ -1,29 +1,33 @@
-// Chain speculative sampling on the GPU: one block of 1024 threads per request. Thread t owns canonical
-// lane t of every chunk (sampling_math.h), so a group of 32 lanes is a warp and the pairwise tree over a
-// group is the warp's butterfly; the within-group scan of the sampling step is the warp's Hillis-Steele
-// scan. 1024 threads (not fewer threads with several lanes each) keep 32 warps per SM in flight.
+// Chain speculative sampling on the GPU: one block of 1024 threads per request, thread t being canonical
+// lane t (sampling_math.h). In every tile of 8192 entries a lane owns the 8 contiguous entries at 8t: one
+// 16-byte load for fp16/bf16 (two for fp32), so each load instruction of a warp reads 512 contiguous bytes.
+// A group of 32 lanes is a warp, and the pairwise tree over a group is the warp's butterfly.
 //
 // Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
-// rejected rows and one chunk. Rows after the first rejection are never read.
+// rejected rows. Rows after the first rejection are never read.
+// Instructions per logit in the statistics pass: det_exp2 (13), the fma that scales and shifts it, the
+// block sum, and an eighth of the block's max, rescale and check: about 18, against ~40 for an online
+// softmax that rescales at every entry.
 #pragma once
 #include "specdec/chain_sampling.h"
 #include "specdec/device.cuh"
 
 namespace specdec {
 
-constexpr int kSamplingThreads = kChunk;
-static_assert(kGroup == kWarpSize, "a canonical group is one warp");
+constexpr int kSamplingThreads = kLanes;
+static_assert(kGroup == kWarpSize && kGroups == kWarpSize, "a group is a warp, and the groups fill one warp");
 
 template <typename T>
 struct BlockSamplingEngine {
   const ChainSamplingParams P;  // a copy: a reference to the kernel parameter would put it in local memory
-  float* group_totals;  // [kMaxChunks * kGroups]
-  float* carry;         // [kMaxChunks + 1]
+  float* group_totals;  // [kMaxTiles * kGroups]
+  float* tile_totals;   // [kMaxTiles]
+  float* lane_sums;     // [kGroup]
   MaxSum* ms_scratch;   // [2 * kGroups]
   ArgMax* am_scratch;   // [kGroups]
-  int32_t* int_scratch; // [2]
-  float* scan_scratch;   // [1]
+  int32_t* int_scratch;  // [2]
+  float* float_scratch;  // [2]
   int32_t errors;       // this thread's error bits, published once at the end
 
   SPECDEC_DEVICE const T* row_target(int64_t b, int64_t i) const {
@@ -33,147 +37,188 @@ struct BlockSamplingEngine {
     return static_cast<const T*>(P.draft) + b * P.draft_stride_b + i * P.draft_stride_k;
   }
   SPECDEC_DEVICE void flag(int32_t bits) { errors |= bits; }
+  SPECDEC_DEVICE int32_t bad_bit(bool target) const { return target ? kErrTargetNonFinite : kErrDraftNonFinite; }
   // Probabilities must be finite; logits may be -inf (masked), never NaN or +inf.
-  SPECDEC_DEVICE void check(float x, bool target) {
-    const bool bad = P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x);
-    if (bad) errors |= target ? kErrTargetNonFinite : kErrDraftNonFinite;
-  }
   SPECDEC_DEVICE float load(const T* row, int64_t v, bool target) {
     const float x = to_float(row[v]);
-    check(x, target);
+    const bool bad = P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x);
+    if (bad) errors |= bad_bit(target);
     return x;
   }
-  SPECDEC_DEVICE int64_t lane_entry(int64_t chunk) const { return chunk * kChunk + threadIdx.x; }
-  SPECDEC_DEVICE int64_t chunks() const { return (P.vocab + kChunk - 1) / kChunk; }
-  // This thread's entry of chunk c (0 past the vocabulary, neither read nor checked).
-  SPECDEC_DEVICE float load_lane(const T* row, int64_t c, bool target) {
-    const int64_t v = lane_entry(c);
-    if (v >= P.vocab) return 0.0f;
-    return load(row, v, target);
+  SPECDEC_DEVICE int tiles() const { return static_cast<int>((P.vocab + kTile - 1) / kTile); }
+  // Entry indices within a row fit in 32 bits (vocab <= kMaxVocab), which saves registers.
+  SPECDEC_DEVICE int vocab() const { return static_cast<int>(P.vocab); }
+  // Whether whole blocks of a row can be read with 16-byte loads.
+  SPECDEC_DEVICE bool vector_row(const T* row) const {
+    return row != nullptr && reinterpret_cast<uintptr_t>(row) % 16 == 0 && P.vocab % kLaneEntries == 0;
   }
 
-  // Combines the lanes: the pairwise tree over each group (warp butterfly), then the 32 groups in order.
-  // Every thread returns the result.
+  SPECDEC_DEVICE int block_start(int t, unsigned lane) const { return t * kTile + static_cast<int>(lane) * kLaneEntries; }
+
+  // A lane's block as loaded: one 16-byte load for 16-bit types, two for fp32 (element by element when the
+  // row is not aligned or does not end on a whole block). Kept packed until used, so that the loads in flight
+  // hold 4 (16-bit) or 8 (fp32) registers per block.
+  static constexpr int kPerVec = Vec16<T>::kSize;
+  struct RawBlock {
+    Vec16<T> h[kLaneEntries / kPerVec];
+  };
+  SPECDEC_DEVICE RawBlock load_block(const T* row, bool vec, int v0) const {
+    RawBlock r;
+    if (vec && v0 < vocab()) {
+#pragma unroll
+      for (int h = 0; h < kLaneEntries / kPerVec; ++h) r.h[h] = load_vec16(row + v0 + h * kPerVec);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kLaneEntries; ++j) r.h[j / kPerVec].v[j % kPerVec] = v0 + j < vocab() ? row[v0 + j] : T{};
+    }
+    return r;
+  }
+  // The block as floats, `absent` past the vocabulary. Flags an invalid entry (block_max propagates NaN;
+  // probabilities are checked by magnitude).
+  SPECDEC_DEVICE void to_floats(const RawBlock& r, int v0, float absent, bool target, float* x) {
+#pragma unroll
+    for (int j = 0; j < kLaneEntries; ++j) x[j] = v0 + j < vocab() ? to_float(r.h[j / kPerVec].v[j % kPerVec]) : absent;
+    float a[kLaneEntries];
+#pragma unroll
+    for (int j = 0; j < kLaneEntries; ++j) a[j] = P.logits || x[j] >= 0.0f ? x[j] : -x[j];
+    if (!(block_max(a) < -kNegInf)) errors |= bad_bit(target);
+  }
+
+  // Combines the 1024 lane values by the pairwise tree: within each warp, then over the warps. Every
+  // thread returns the result.
   template <typename V, typename Op>
   SPECDEC_DEVICE V reduce_lanes(V lane, Op op, V* scratch) {
-    const V v = group_reduce<kGroup>(lane, op);
-    if (lane_id() == 0) scratch[threadIdx.x / kGroup] = v;
+    const V g = group_reduce<kGroup>(lane, op);
+    if (lane_id() == 0) scratch[threadIdx.x / kGroup] = g;
     sync_threads();
-    V r = scratch[0];
-    for (int g = 1; g < kGroups; ++g) r = op(r, scratch[g]);
+    const V r = group_reduce<kGroups>(scratch[lane_id()], op);
     sync_threads();
     return r;
   }
 
-  // Rows are streamed kUnroll chunks at a time: all loads of a batch are issued before any is used, which
-  // keeps enough bytes in flight per block. Each lane still folds its entries in increasing order.
-  static constexpr int kUnroll = 8;
-
-  SPECDEC_DEVICE int32_t argmax(const T* row) {
-    ArgMax lane = argmax_identity();
-    for (int64_t c0 = 0; c0 < chunks(); c0 += kUnroll) {
-      float x[kUnroll];
+  // The row operations are kept out of line: chain_sampling_request calls each from several places, and
+  // inlining them all made one kernel body that ptxas could only fit in 64 registers with kilobytes of spills.
+  SPECDEC_DEVICE_NOINLINE int32_t argmax(const T* row) {
+    const bool vec = vector_row(row);
+    ArgMax best = argmax_identity();
+    for (int t = 0; t < tiles(); ++t) {
+      const int v0 = block_start(t, threadIdx.x);
+      float x[kLaneEntries];
+      to_floats(load_block(row, vec, v0), v0, kNegInf, true, x);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) x[u] = c0 + u < chunks() ? load_lane(row, c0 + u, true) : 0.0f;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = lane_entry(c0 + u);
-        if (c0 + u < chunks() && v < P.vocab) lane = argmax_combine(lane, ArgMax{x[u], static_cast<int32_t>(v)});
+      for (int j = 0; j < kLaneEntries; ++j) {
+        if (v0 + j < vocab()) best = argmax_combine(best, ArgMax{x[j], v0 + j});
       }
     }
-    const ArgMax best = reduce_lanes(lane, ArgMaxCombine{}, am_scratch);
-    return best.index < P.vocab ? best.index : 0;
+    const ArgMax r = reduce_lanes(best, ArgMaxCombine{}, am_scratch);
+    return r.index < P.vocab ? r.index : 0;
   }
 
-  SPECDEC_DEVICE void softmax_stats(const T* row_p, const T* row_q, float inv_temp, MaxSum* sp, MaxSum* sq) {
+  // The row loops take one tile per iteration: 32 warps per SM keep the loads in flight. Unrolling two tiles,
+  // or loading the next tile before using the current one, made ptxas spill two to three times as much under
+  // the 64-register limit of 1024-thread blocks (sm_90a, nvcc 13.0); which is faster is for a GPU to say.
+
+  SPECDEC_DEVICE_NOINLINE void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {
+    const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
+    const int tiles = this->tiles();
     MaxSum lp = maxsum_identity(), lq = maxsum_identity();
-    for (int64_t c0 = 0; c0 < chunks(); c0 += kUnroll) {
-      float xp[kUnroll], xq[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        xp[u] = c0 + u < chunks() ? load_lane(row_p, c0 + u, true) : 0.0f;
-        xq[u] = c0 + u < chunks() && row_q != nullptr ? load_lane(row_q, c0 + u, false) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + u < chunks() && lane_entry(c0 + u) < P.vocab) {
-          lp = maxsum_push(lp, fmul(xp[u], inv_temp));
-          if (row_q != nullptr) lq = maxsum_push(lq, fmul(xq[u], inv_temp));
-        }
+    for (int t = 0; t < tiles; ++t) {
+      const int v0 = block_start(t, threadIdx.x);
+      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+      float x[kLaneEntries];
+      to_floats(rp, v0, kNegInf, true, x);
+      lp = maxsum_push_block(lp, x, 1, block_max(x), scale);
+      if (has_q) {
+        to_floats(rq, v0, kNegInf, false, x);
+        lq = maxsum_push_block(lq, x, 1, block_max(x), scale);
       }
     }
     *sp = reduce_lanes(lp, MaxSumCombine{}, ms_scratch);
-    *sq = row_q != nullptr ? reduce_lanes(lq, MaxSumCombine{}, ms_scratch + kGroups) : maxsum_identity();
+    *sq = has_q ? reduce_lanes(lq, MaxSumCombine{}, ms_scratch + kGroups) : maxsum_identity();
   }
 
-  SPECDEC_DEVICE float mass(const T* row_p, const T* row_q, const MassSpec& spec, int64_t v) {
-    if (v >= P.vocab) return 0.0f;
-    const float pv = load(row_p, v, true);
-    const float qv = row_q != nullptr ? load(row_q, v, false) : 0.0f;
-    return entry_mass(spec, v, pv, qv, row_q != nullptr);
-  }
-
-  SPECDEC_DEVICE int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
-    const int64_t chunks = this->chunks();
-    const unsigned group = threadIdx.x / kGroup;
-    // Pass 1: every group's total mass, per chunk.
-    for (int64_t c0 = 0; c0 < chunks; c0 += kUnroll) {
-      float xp[kUnroll], xq[kUnroll];
+  // The block sum of the masses of the block at v0 (0 past the vocabulary), from its raw target and draft
+  // values; the masses themselves into m if given.
+  SPECDEC_DEVICE float block_mass(const RawBlock& rp, const RawBlock& rq, bool has_q, const MassSpec& spec, int v0,
+                                  float* m = nullptr) {
+    const float absent = P.logits ? kNegInf : 0.0f;
+    float xp[kLaneEntries], xq[kLaneEntries], mass[kLaneEntries];
+    to_floats(rp, v0, absent, true, xp);
+    if (has_q) to_floats(rq, v0, absent, false, xq);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        xp[u] = c0 + u < chunks ? load_lane(row_p, c0 + u, true) : 0.0f;
-        xq[u] = c0 + u < chunks && row_q != nullptr ? load_lane(row_q, c0 + u, false) : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + u >= chunks) break;  // uniform across the block
-        const int64_t v = lane_entry(c0 + u);
-        const float m = v < P.vocab ? entry_mass(spec, v, xp[u], xq[u], row_q != nullptr) : 0.0f;
-        const float total = group_reduce<kGroup>(m, FloatSum{});
-        if (lane_id() == 0) group_totals[(c0 + u) * kGroups + group] = total;
-      }
+    for (int j = 0; j < kLaneEntries; ++j) {
+      mass[j] = v0 + j < vocab() ? entry_mass(spec, v0 + j, xp[j], has_q ? xq[j] : 0.0f, has_q) : 0.0f;
+      if (m != nullptr) m[j] = mass[j];
     }
+    return block_sum(mass);
+  }
+
+  // Pass 1 of sampling: every group's total in every tile (the pairwise tree over its lanes' block sums)
+  // into group_totals[t * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
+  SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const MassSpec& spec) {
+    const bool has_q = row_q != nullptr;
+    for (int t = 0; t < tiles(); ++t) {
+      const int v0 = block_start(t, threadIdx.x);
+      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+      const float group_total = group_reduce<kGroup>(block_mass(rp, rq, has_q, spec, v0), FloatSum{});
+      if (lane_id() == 0) group_totals[t * kGroups + threadIdx.x / kGroup] = group_total;
+    }
+  }
+
+  SPECDEC_DEVICE_NOINLINE int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
+    const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
+    const int tiles = this->tiles();
+    tile_group_totals(row_p, row_q, vec_p, vec_q, spec);
     sync_threads();
-    // Chunk totals (groups in order), then the carries (chunks in order).
-    for (int64_t c = threadIdx.x; c < chunks; c += kSamplingThreads) {
-      float t = 0.0f;
-      for (int g = 0; g < kGroups; ++g) t = fadd(t, group_totals[c * kGroups + g]);
-      carry[c + 1] = t;
+    // Tile totals (groups in order), one thread per tile; then the tile and the group, by one thread.
+    if (static_cast<int>(threadIdx.x) < tiles) {
+      float total = 0.0f;
+      for (int g = 0; g < kGroups; ++g) total = fadd(total, group_totals[threadIdx.x * kGroups + g]);
+      tile_totals[threadIdx.x] = total;
     }
     sync_threads();
     if (threadIdx.x == 0) {
-      carry[0] = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) carry[c + 1] = fadd(carry[c], carry[c + 1]);
+      float total = 0.0f;
+      for (int t = 0; t < tiles; ++t) total = fadd(total, tile_totals[t]);
+      int32_t group = -1;
+      if (total > 0.0f && is_finite(total)) {
+        const float threshold = fmul(u, total);
+        float before_tile, before_group;
+        const int t = first_crossing(tile_totals, tiles, 0.0f, threshold, &before_tile);
+        const int g = first_crossing(&group_totals[t * kGroups], kGroups, before_tile, threshold, &before_group);
+        group = t * kGroups + g;
+        float_scratch[0] = fadd(before_tile, before_group);
+        float_scratch[1] = threshold;
+      }
+      int_scratch[0] = group;
     }
     sync_threads();
-    const float total = carry[chunks];
-    if (!(total > 0.0f) || !is_finite(total)) {
+    const int32_t group = int_scratch[0];
+    if (group < 0) {
       sync_threads();
       return -1;
     }
-    const float threshold = fmul(u, total);
-    // The first chunk whose carry passes the threshold; then, by one thread, the group and the lane.
-    int64_t first = chunks;
-    for (int64_t c = threadIdx.x; c < chunks; c += kSamplingThreads) {
-      if (carry[c + 1] > threshold && c < first) first = c;
-    }
-    SPECDEC_SHARED(int32_t, chunk_min, kSamplingThreads / kWarpSize);
-    const int64_t c = block_reduce<kSamplingThreads>(static_cast<int32_t>(first), Min{}, chunk_min);
-    // The group, by one thread (groups in order), then the lane, by one warp: its Hillis-Steele scan is the
-    // canonical within-group scan.
-    if (threadIdx.x == 0) int_scratch[1] = find_group(&group_totals[c * kGroups], carry[c], threshold, &scan_scratch[0]);
-    sync_threads();
+    // The group's 32 block sums, by warp 0; then the lane and the entry, by one thread.
+    const int t = group / kGroups, g = group % kGroups;
     if (threadIdx.x < kWarpSize) {
-      const int g = int_scratch[1];
-      const float base = carry[c], prefix = scan_scratch[0];
-      const int64_t v = c * kChunk + g * kGroup + threadIdx.x;
-      const float inclusive = warp_inclusive_scan(mass(row_p, row_q, spec, v), FloatSum{});
-      const unsigned above = ballot(kFullMask, fadd(base, fadd(prefix, inclusive)) > threshold);
-      const int l = above != 0 ? lowest_set_bit(above) : kGroup - 1;
-      if (threadIdx.x == 0) int_scratch[0] = static_cast<int32_t>(c * kChunk + g * kGroup + l);
+      const int v0 = block_start(t, static_cast<unsigned>(g * kGroup) + threadIdx.x);
+      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+      lane_sums[threadIdx.x] = block_mass(rp, rq, has_q, spec, v0);
     }
     sync_threads();
-    const int32_t token = int_scratch[0];
+    if (threadIdx.x == 0) {
+      const float base = float_scratch[0], threshold = float_scratch[1];
+      float before_lane, before_entry;
+      const int l = first_crossing(lane_sums, kGroup, base, threshold, &before_lane);
+      const int v0 = block_start(t, static_cast<unsigned>(g * kGroup + l));
+      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+      float m[kLaneEntries];
+      block_mass(rp, rq, has_q, spec, v0, m);
+      const int j = first_crossing(m, kLaneEntries, fadd(base, before_lane), threshold, &before_entry);
+      int_scratch[1] = v0 + j;
+    }
+    sync_threads();
+    const int32_t token = int_scratch[1];
     sync_threads();
     return token;
   }
@@ -187,15 +232,16 @@ struct BlockSamplingEngine {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kSamplingThreads) chain_sampling_kernel(const ChainSamplingParams params) {
+__global__ void __launch_bounds__(kSamplingThreads, 1) chain_sampling_kernel(const ChainSamplingParams params) {
   const ChainSamplingParams P = params;
-  SPECDEC_SHARED(float, group_totals, kMaxChunks * kGroups);
-  SPECDEC_SHARED(float, carry, kMaxChunks + 1);
+  SPECDEC_SHARED(float, group_totals, kMaxTiles * kGroups);
+  SPECDEC_SHARED(float, tile_totals, kMaxTiles);
+  SPECDEC_SHARED(float, lane_sums, kGroup);
   SPECDEC_SHARED(MaxSum, ms_scratch, 2 * kGroups);
   SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
   SPECDEC_SHARED(int32_t, int_scratch, 2);
-  SPECDEC_SHARED(float, scan_scratch, 1);
-  BlockSamplingEngine<T> engine{P, group_totals, carry, ms_scratch, am_scratch, int_scratch, scan_scratch, 0};
+  SPECDEC_SHARED(float, float_scratch, 2);
+  BlockSamplingEngine<T> engine{P, group_totals, tile_totals, lane_sums, ms_scratch, am_scratch, int_scratch, float_scratch, 0};
   for (int64_t b = blockIdx.x; b < P.batch; b += gridDim.x) chain_sampling_request(engine, P, b);
   if (engine.errors != 0 && P.error_flags != nullptr) atomic_or(P.error_flags, engine.errors);
 }

@@ -46,22 +46,33 @@ SPECDEC_HD int32_t output_id(const ChainSamplingParams& P, int64_t b, int64_t j,
   return j == accepted ? token : -1;
 }
 
-// Inverse CDF within a chunk: the first group whose cumulative mass base + (prefix + total) passes the
-// threshold (the last group if rounding lets none), and the prefix of the groups before it.
-SPECDEC_HD int find_group(const float* group_totals, float base, float threshold, float* prefix) {
-  float p = 0.0f;
-  int g = 0;
-  for (; g < kGroups - 1; ++g) {
-    if (fadd(base, fadd(p, group_totals[g])) > threshold) break;
-    p = fadd(p, group_totals[g]);
+// One level of the inverse CDF: the first i whose cumulative mass fadd(base, c_i), c_i the left-to-right
+// sum parts[0] + ... + parts[i], exceeds `threshold`; or, should rounding let none, the last i with a
+// positive part (n - 1 if none is). *before = c_{i-1} (0 for i = 0). Parts are masses, >= 0. A pick by crossing always has a
+// positive part, since the level's base never exceeds the threshold.
+SPECDEC_HD int first_crossing(const float* parts, int n, float base, float threshold, float* before) {
+  float c = 0.0f, fallback_before = 0.0f;
+  int fallback = n - 1;
+  for (int i = 0; i < n; ++i) {
+    const float next = fadd(c, parts[i]);
+    if (fadd(base, next) > threshold) {
+      *before = c;
+      return i;
+    }
+    if (parts[i] > 0.0f) {
+      fallback = i;
+      fallback_before = c;
+    }
+    c = next;
   }
-  *prefix = p;
-  return g;
+  *before = fallback_before;
+  return fallback;
 }
 
 // The flow for one request. Engine supplies:
 //   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
-//   argmax(row) -> int32; softmax_stats(row_p, row_q, inv_temp, MaxSum*, MaxSum*);
+//   argmax(row) -> int32; softmax_stats(row_p, row_q, scale, MaxSum*, MaxSum*) (base-2 statistics of the
+//   logits times scale);
 //   sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is zero or not finite;
 //   flag(bits); write(b, accepted, token).
 #if defined(__CUDACC__)
@@ -76,12 +87,12 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
     k = k < 0 ? 0 : static_cast<int32_t>(K);
   }
   bool greedy;
-  float inv_temp = 1.0f;
+  float scale = kLog2e;  // log2(e) / temperature: softmax in base 2
   if (P.logits) {
     const float t = P.temperature[b];
     if (!(t >= 0.0f) || !is_finite(t)) e.flag(kErrTemperature);
     greedy = !(t > 0.0f) || !is_finite(t);
-    if (!greedy) inv_temp = fdiv(1.0f, t);
+    if (!greedy) scale = fmul(fdiv(1.0f, t), kLog2e);
   } else {
     greedy = P.greedy[b];
   }
@@ -106,18 +117,18 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
       token = best;
       break;
     }
-    MassSpec spec{P.logits, false, has_q ? -1 : x, inv_temp, 0.0f, 1.0f, 0.0f, 1.0f};
+    MassSpec spec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
     float p = 0.0f, q = has_q ? 0.0f : 1.0f;
     if (P.logits) {
       MaxSum sp, sq;
-      e.softmax_stats(row_p, row_q, inv_temp, &sp, &sq);
+      e.softmax_stats(row_p, row_q, scale, &sp, &sq);
       spec.m_p = sp.m;
       spec.inv_z_p = fdiv(1.0f, sp.s);
       spec.m_q = sq.m;
       spec.inv_z_q = fdiv(1.0f, sq.s);
       if (x >= 0) {
-        p = softmax_prob(e.load(row_p, x, true), inv_temp, spec.m_p, spec.inv_z_p);
-        if (has_q) q = softmax_prob(e.load(row_q, x, false), inv_temp, spec.m_q, spec.inv_z_q);
+        p = softmax_prob(e.load(row_p, x, true), scale, spec.m_p, spec.inv_z_p);
+        if (has_q) q = softmax_prob(e.load(row_q, x, false), scale, spec.m_q, spec.inv_z_q);
       }
     } else if (x >= 0) {
       p = e.load(row_p, x, true);
@@ -143,10 +154,10 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
     if (greedy) {
       token = e.argmax(row_p);
     } else {
-      MassSpec spec{P.logits, true, -1, inv_temp, 0.0f, 1.0f, 0.0f, 1.0f};
+      MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
       if (P.logits) {
         MaxSum sp, sq;
-        e.softmax_stats(row_p, nullptr, inv_temp, &sp, &sq);
+        e.softmax_stats(row_p, nullptr, scale, &sp, &sq);
         spec.m_p = sp.m;
         spec.inv_z_p = fdiv(1.0f, sp.s);
       }

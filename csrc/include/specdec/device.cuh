@@ -32,6 +32,7 @@
 #define blockDim (::specdec::sim::block_dim())
 #define gridDim (::specdec::sim::grid_dim())
 #define SPECDEC_DEVICE inline
+#define SPECDEC_DEVICE_NOINLINE __attribute__((noinline))
 
 // __shared__ T name[count]: one array per block, shared by its threads.
 #define SPECDEC_SHARED(T, name, count)                                                           \
@@ -47,6 +48,9 @@
 #include <cuda_fp16.h>
 
 #define SPECDEC_DEVICE __device__ __forceinline__
+// A device function kept out of line: for large bodies called from several places, so that ptxas allocates
+// registers for each once instead of for one huge inlined kernel.
+#define SPECDEC_DEVICE_NOINLINE __device__ __noinline__
 #define SPECDEC_SHARED(T, name, count)  \
   __shared__ T name##_specdec_storage[count]; \
   T* name = name##_specdec_storage

@@ -4,19 +4,29 @@
 // Why bit-exact: acceptance of a draft token from logits compares u * q(x) with p(x), where p and q are
 // softmax values whose normaliser is a sum over the vocabulary. CPU and CUDA agree on every decision only
 // if they compute that sum, and exp, identically. So:
-//   * exp is `det_exp` below: Cody-Waite reduction and a degree-7 polynomial using only IEEE multiply, add
-//     and fused multiply-add, each correctly rounded on every backend (no library expf, no contraction:
-//     device code uses the _rn intrinsics, host code is compiled with -ffp-contract=off);
-//   * every reduction over a row follows one canonical order. The row is cut into chunks of kChunk = 1024
-//     entries; lane = v mod 1024; group = 32 consecutive lanes. A lane folds its entries in increasing v;
-//     lanes are combined by the balanced pairwise tree over each group, then groups sequentially 0..31.
-//     The CUDA kernel gets exactly this with 1024 threads, one lane each (the tree over a group is the
-//     warp's butterfly); the CPU kernel gets it with lane arrays and SIMD loops.
-//   * sampling by inverse CDF over the canonical order: chunk c, group g, lane l has the cumulative mass
-//     carry[c] + (prefix[c][g] + inclusive_scan_g[l]) where the group scan is Hillis-Steele, prefix is the
-//     sequential sum of earlier groups' totals and carry the sequential sum of earlier chunks' totals.
-//     The sampled entry is the first whose cumulative mass exceeds u * R, R = carry[number of chunks].
-// With that, CPU, CUDA and the emulator return the same tokens, resampled ones included.
+//   * exp is `det_exp2` below (base 2; logits are scaled by log2(e) / temperature): rounding to an integer
+//     and a degree-5 polynomial using only IEEE add, multiply and fused multiply-add, each correctly
+//     rounded on every backend (no library exp, no contraction: device code uses the _rn intrinsics, host
+//     code is compiled with -ffp-contract=off). 13 instructions, ~2 ulp.
+//   * every reduction over a row follows one canonical order. The row is cut into tiles of kTile = 8192
+//     entries; lane l (of kLanes = 1024) owns the block of kLaneEntries = 8 contiguous entries
+//     t * 8192 + 8 l .. + 7 of every tile t, i.e. one 16-byte load of 16-bit values, and folds its blocks
+//     in increasing t. A group is 32 consecutive lanes.
+//       - softmax statistics: a lane keeps a running (max, sum); a block moves the max once, rescales the
+//         sum once, and adds the pairwise sum of its 8 exps (maxsum_push_block). The 1024 lane states are
+//         combined by the balanced pairwise tree over the lanes in order.
+//       - sampling masses: a group's total in a tile is the pairwise tree over its 32 lanes' block sums
+//         (each the pairwise sum of the block's 8 masses); a tile's total is its groups' totals summed in
+//         order, and the row's total R the tiles' totals summed in order.
+//     The CUDA kernel gets exactly this with one lane per thread (the tree over a group is the warp's
+//     butterfly); the CPU kernel with lane arrays and SIMD loops.
+//   * sampling by inverse CDF in index order: the entry v = t * 8192 + 8 l + j is found level by level, tile
+//     t, group of l, lane l, entry j. Each level picks, by `first_crossing` (chain_sampling.h), the first
+//     position whose cumulative mass, summed left to right from the level's base, exceeds u * R: tiles by
+//     their totals (base 0), the tile's groups by their totals, the group's lanes by their block sums, the
+//     block's 8 masses.
+// With that, CPU, CUDA and the emulator return the same tokens, resampled ones included. The order depends on
+// the lanes only, not on how they are spread over threads or blocks.
 #pragma once
 #include <stdint.h>
 
@@ -29,11 +39,14 @@
 
 namespace specdec {
 
-constexpr int kChunk = 1024;        // vocabulary entries per chunk (= canonical lanes)
-constexpr int kGroup = 32;          // lanes per group
-constexpr int kGroups = kChunk / kGroup;
+constexpr int kLanes = 1024;                  // canonical lanes
+constexpr int kLaneEntries = 8;               // contiguous entries of a lane in each tile
+constexpr int kTile = kLanes * kLaneEntries;  // 8192 entries
+constexpr int kGroup = 32;                    // lanes per group
+constexpr int kGroups = kLanes / kGroup;
 constexpr int64_t kMaxVocab = 262144;
-constexpr int kMaxChunks = static_cast<int>(kMaxVocab / kChunk);
+constexpr int kMaxTiles = static_cast<int>(kMaxVocab / kTile);
+constexpr float kLog2e = 1.44269502e+00f;  // log2(e), rounded to float
 constexpr int kMaxDraftTokens = 16;
 
 // RNG streams of a request (seed[b], offset[b]): acceptance of draft position i uses uniform i of
@@ -80,48 +93,76 @@ SPECDEC_HD bool is_finite(float x) { return x - x == 0.0f; }
 #endif
 constexpr float kNegInf = -__builtin_huge_valf();
 
-// exp(x), the same bits on every backend; relative error ~2 ulp. Returns 0 below -87.3 (where exp(x) is
-// subnormal) and for NaN, which callers detect separately. Branch-free, so that CPU loops vectorise.
-SPECDEC_HD float det_exp(float x0) {
-  float x = x0 > -87.3f ? x0 : -87.3f;  // NaN -> -87.3; the result is replaced by 0 below
-  x = x < 88.0f ? x : 88.0f;
-  const float kMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float k = fadd(fadd(fmul(x, 1.44269504f), kMagic), -kMagic);
-  float r = ffma(k, -0.693145752f, x);  // ln 2, high part (exact product)
-  r = ffma(k, -1.42860677e-06f, r);     // ln 2, low part
-  float p = 1.98412698e-4f;
-  p = ffma(p, r, 1.38888889e-3f);
-  p = ffma(p, r, 8.33333333e-3f);
-  p = ffma(p, r, 4.16666667e-2f);
-  p = ffma(p, r, 1.66666667e-1f);
-  p = ffma(p, r, 0.5f);
+// 2^d for d <= 64, the same bits on every backend; relative error ~2 ulp (a minimax polynomial on
+// [-1/2, 1/2]). Returns 0 for d <= -124 (2^d below 2^-124 is dropped: softmax terms are relative to the
+// row's max, so such a term is below 1e-37 of the sum) and for NaN and -inf.
+SPECDEC_HD float det_exp2(float d) {
+  const float kMagic = 12582912.0f;  // 1.5 * 2^23: t's low mantissa bits hold round(d)
+  const float t = fadd(d, kMagic);
+  const float r = fadd(d, -fadd(t, -kMagic));  // d - round(d), exact, in [-1/2, 1/2]
+  float p = 1.326472731e-03f;
+  p = ffma(p, r, 9.671512991e-03f);
+  p = ffma(p, r, 5.550733581e-02f);
+  p = ffma(p, r, 2.402224243e-01f);
+  p = ffma(p, r, 6.931470037e-01f);
   p = ffma(p, r, 1.0f);
-  p = ffma(p, r, 1.0f);
-  const int ki = static_cast<int>(k);  // in [-126, 127]
-  const float e = fmul(p, bits_as_float(static_cast<uint32_t>(ki + 127) << 23));
-  return x0 > -87.3f ? e : 0.0f;
+  // p is in [0.7, 1.42]; adding round(d) to its exponent field stays normal for round(d) >= -124.
+  // float_as_bits(t) << 23 == round(d) << 23 (mod 2^32): the bits of 1.5 * 2^23 shift out.
+  // Zeroed by a mask rather than a select: a select lets the compiler move the arithmetic under a branch,
+  // and then CPU loops do not vectorise.
+  const uint32_t keep = 0u - static_cast<uint32_t>(d > -124.0f);
+  return bits_as_float((float_as_bits(p) + (float_as_bits(t) << 23)) & keep);
 }
 
-// Running softmax statistics of a set of scaled logits: max m and sum of exp(x - m).
+// max(a, b) that returns NaN if either is NaN (a NaN input must not hide behind a max).
+SPECDEC_HD float max_propagate_nan(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a ? a : (a > b ? a : b);  // b when b is NaN; written so that CPU loops vectorise
+#endif
+}
+
+// The pairwise tree over a lane's block: ((x0 op x1) op (x2 op x3)) op ((x4 op x5) op (x6 op x7)).
+SPECDEC_HD float block_sum(const float* x) {
+  return fadd(fadd(fadd(x[0], x[1]), fadd(x[2], x[3])), fadd(fadd(x[4], x[5]), fadd(x[6], x[7])));
+}
+// The block's entries are x[0], x[stride], ..., x[7 * stride] (the CPU kernel keeps tiles transposed).
+SPECDEC_HD float block_max(const float* x, int stride = 1) {
+  const float a = max_propagate_nan(max_propagate_nan(x[0], x[stride]), max_propagate_nan(x[2 * stride], x[3 * stride]));
+  const float b = max_propagate_nan(max_propagate_nan(x[4 * stride], x[5 * stride]), max_propagate_nan(x[6 * stride], x[7 * stride]));
+  return max_propagate_nan(a, b);
+}
+
+// Running softmax statistics of a set of scaled logits (base 2): max m and sum of 2^(y - m).
 struct MaxSum {
   float m;
   float s;
 };
 SPECDEC_HD MaxSum maxsum_identity() { return MaxSum{kNegInf, 0.0f}; }
-// Folds one scaled logit in. -inf (a masked token) and NaN leave the state unchanged. Written with selects
-// and one exp, so that neither a warp nor a SIMD loop evaluates both cases.
-SPECDEC_HD MaxSum maxsum_push(MaxSum a, float x) {
-  const bool up = x > a.m;
-  const float e = det_exp(up ? fadd(a.m, -x) : fadd(x, -a.m));
-  const float s_up = fadd(fmul(a.s, e), 1.0f);
-  const float s_same = fadd(a.s, e);
-  return MaxSum{up ? x : a.m, up ? s_up : (x > kNegInf ? s_same : a.s)};
+// Folds one block of raw logits x (entries x[j * stride]; scaled by `scale` = log2(e) / temperature > 0)
+// into a lane's state; x_max = block_max(x, stride). The block's terms are summed as block_sum does. The scaled max is fmul(x_max, scale) (rounding is monotonic), each term
+// 2^ffma(x, scale, -m). -inf (a masked token, or an entry past the vocabulary) adds 0; NaN adds 0 and does
+// not move the max (callers detect it through x_max).
+SPECDEC_HD MaxSum maxsum_push_block(MaxSum a, const float* x, int stride, float x_max, float scale) {
+  const float bm = fmul(x_max, scale);
+  const float m = bm > a.m ? bm : a.m;
+  const float n = -m;  // spelled out, not a loop, so that a CPU loop over lanes around it vectorises
+  const float e0 = det_exp2(ffma(x[0], scale, n)), e1 = det_exp2(ffma(x[stride], scale, n));
+  const float e2 = det_exp2(ffma(x[2 * stride], scale, n)), e3 = det_exp2(ffma(x[3 * stride], scale, n));
+  const float e4 = det_exp2(ffma(x[4 * stride], scale, n)), e5 = det_exp2(ffma(x[5 * stride], scale, n));
+  const float e6 = det_exp2(ffma(x[6 * stride], scale, n)), e7 = det_exp2(ffma(x[7 * stride], scale, n));
+  const float block = fadd(fadd(fadd(e0, e1), fadd(e2, e3)), fadd(fadd(e4, e5), fadd(e6, e7)));  // block_sum's order
+  static_assert(kLaneEntries == 8, "blocks of 8");
+  return MaxSum{m, fadd(fmul(a.s, det_exp2(fadd(a.m, -m))), block)};
 }
 // Commutative bit for bit: combine(a, b) == combine(b, a).
 SPECDEC_HD MaxSum maxsum_combine(MaxSum a, MaxSum b) {
   const float m = a.m > b.m ? a.m : b.m;
   if (!(m > kNegInf)) return maxsum_identity();
-  return MaxSum{m, fadd(fmul(a.s, det_exp(fadd(a.m, -m))), fmul(b.s, det_exp(fadd(b.m, -m))))};
+  return MaxSum{m, fadd(fmul(a.s, det_exp2(fadd(a.m, -m))), fmul(b.s, det_exp2(fadd(b.m, -m))))};
 }
 struct MaxSumCombine {
   SPECDEC_HD MaxSum operator()(MaxSum a, MaxSum b) const { return maxsum_combine(a, b); }
@@ -147,34 +188,27 @@ struct FloatSum {
 
 // What one sampling pass draws from: the mass of entry v is
 //   logits == false: max(0, p_v - q_v), with q_v = [v == point] when q is absent, or p_v alone (p_only);
-//   logits == true : p_v = exp(l_v * inv_temp - m_p) * inv_z_p, likewise q from the draft logits.
+//   logits == true : p_v = 2^(l_v * scale - m_p) * inv_z_p, likewise q from the draft logits.
 // Masses are clamped to >= 0 and NaN counts as 0.
 struct MassSpec {
   bool logits;
   bool p_only;
-  int64_t point;  // the draft token when q is a point mass (no draft row), else -1
-  float inv_temp, m_p, inv_z_p, m_q, inv_z_q;
+  int32_t point;  // the draft token when q is a point mass (no draft row), else -1
+  float scale, m_p, inv_z_p, m_q, inv_z_q;
 };
 
-// Softmax probability of one logit given its row's statistics.
-SPECDEC_HD float softmax_prob(float logit, float inv_temp, float m, float inv_z) {
-  return fmul(det_exp(fadd(fmul(logit, inv_temp), -m)), inv_z);
+// Softmax probability of one raw logit given its row's statistics (m, 1 / sum) at `scale`.
+SPECDEC_HD float softmax_prob(float logit, float scale, float m, float inv_z) {
+  return fmul(det_exp2(ffma(logit, scale, -m)), inv_z);
 }
 
 // Mass of entry v from the raw row values pv (target) and qv (draft; ignored without a draft row).
-SPECDEC_HD float entry_mass(const MassSpec& s, int64_t v, float pv, float qv, bool has_q) {
-  float p = s.logits ? softmax_prob(pv, s.inv_temp, s.m_p, s.inv_z_p) : pv;
+SPECDEC_HD float entry_mass(const MassSpec& s, int32_t v, float pv, float qv, bool has_q) {
+  float p = s.logits ? softmax_prob(pv, s.scale, s.m_p, s.inv_z_p) : pv;
   if (s.p_only) return p > 0.0f ? p : 0.0f;
-  float q = has_q ? (s.logits ? softmax_prob(qv, s.inv_temp, s.m_q, s.inv_z_q) : qv) : (v == s.point ? 1.0f : 0.0f);
+  float q = has_q ? (s.logits ? softmax_prob(qv, s.scale, s.m_q, s.inv_z_q) : qv) : (v == s.point ? 1.0f : 0.0f);
   const float r = fadd(p, -q);
   return r > 0.0f ? r : 0.0f;
-}
-
-// Hillis-Steele inclusive scan of one group's 32 masses, in place: the canonical within-group order.
-SPECDEC_HD void group_inclusive_scan(float* x) {
-  for (int off = 1; off < kGroup; off *= 2) {
-    for (int l = kGroup - 1; l >= off; --l) x[l] = fadd(x[l - off], x[l]);
-  }
 }
 
 }  // namespace specdec

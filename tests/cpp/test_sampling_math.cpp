@@ -1,0 +1,113 @@
+// The bit-reproducible arithmetic of chain sampling (sampling_math.h, chain_sampling.h) against long double.
+#include <cmath>
+#include <limits>
+
+#include "check.h"
+#include "specdec/chain_sampling.h"
+
+using namespace specdec;
+
+namespace {
+double ulp_error(float got, long double want) {
+  const float w = static_cast<float>(want);
+  const double ulp = std::nextafter(w, std::numeric_limits<float>::infinity()) - w;
+  return static_cast<double>(std::fabs(static_cast<long double>(got) - want)) / ulp;
+}
+}  // namespace
+
+TEST_CASE("det_exp2 is within 2.5 ulp of 2^d on [-123.9, 1] and exact at integers") {
+  double worst = 0.0;
+  // 2^22 points spread over the range, plus the neighbourhood of every half-integer (where the rounding of
+  // d to an integer flips and the polynomial is evaluated at the ends of [-1/2, 1/2]).
+  for (int i = 0; i <= (1 << 22); ++i) {
+    const float d = -123.9f + 124.9f * static_cast<float>(i) / static_cast<float>(1 << 22);
+    worst = std::fmax(worst, ulp_error(det_exp2(d), std::exp2l(d)));
+  }
+  for (int k = -123; k <= 0; ++k) {
+    for (float d : {k - 0.5f, std::nextafter(k - 0.5f, 0.0f), std::nextafter(k - 0.5f, -200.0f)}) {
+      worst = std::fmax(worst, ulp_error(det_exp2(d), std::exp2l(d)));
+    }
+    CHECK_EQ(det_exp2(static_cast<float>(k)), std::ldexp(1.0f, k));
+  }
+  CHECK(worst <= 2.5);
+  CHECK(worst > 0.0);  // the comparison is live
+}
+
+TEST_CASE("det_exp2 drops what the softmax cannot use: d <= -124, -inf, NaN give 0") {
+  CHECK_EQ(det_exp2(-124.0f), 0.0f);
+  CHECK_EQ(det_exp2(-1000.0f), 0.0f);
+  CHECK_EQ(det_exp2(kNegInf), 0.0f);
+  CHECK_EQ(det_exp2(std::numeric_limits<float>::quiet_NaN()), 0.0f);
+  CHECK(det_exp2(-123.5f) > 0.0f);
+}
+
+TEST_CASE("max_propagate_nan returns NaN for a NaN on either side") {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(std::isnan(max_propagate_nan(nan, 1.0f)));
+  CHECK(std::isnan(max_propagate_nan(1.0f, nan)));
+  CHECK_EQ(max_propagate_nan(kNegInf, -3.0f), -3.0f);
+  CHECK_EQ(max_propagate_nan(2.0f, -3.0f), 2.0f);
+}
+
+TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^(y - max)") {
+  // 64 lanes of 4 blocks each, with masked entries; compared with the float64 sum.
+  uint32_t state = 12345;
+  auto next = [&] {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(state >> 8) / 16777216.0f;
+  };
+  const float scale = 1.3f * kLog2e;
+  MaxSum lanes[64];
+  double max_y = -INFINITY;
+  float x[64][4][kLaneEntries];
+  for (auto& lane : x) {
+    for (auto& block : lane) {
+      for (float& v : block) {
+        v = next() < 0.1f ? kNegInf : 20.0f * next() - 10.0f;
+        if (v > kNegInf) max_y = std::fmax(max_y, static_cast<double>(v) * scale);
+      }
+    }
+  }
+  for (int l = 0; l < 64; ++l) {
+    lanes[l] = maxsum_identity();
+    for (auto& block : x[l]) lanes[l] = maxsum_push_block(lanes[l], block, 1, block_max(block), scale);
+  }
+  for (int width = 1; width < 64; width *= 2) {
+    for (int l = 0; l < 64; l += 2 * width) lanes[l] = maxsum_combine(lanes[l], lanes[l + width]);
+  }
+  long double want = 0;
+  for (auto& lane : x) {
+    for (auto& block : lane) {
+      for (float v : block) {
+        if (v > kNegInf) want += std::exp2l(static_cast<long double>(v) * scale - static_cast<long double>(lanes[0].m));
+      }
+    }
+  }
+  CHECK(std::fabs(lanes[0].m - max_y) <= 1e-6 * std::fabs(max_y));
+  CHECK(std::fabs(static_cast<long double>(lanes[0].s) / want - 1) < 1e-5L);
+  // A block of masked entries leaves a state unchanged, bit for bit.
+  float masked[kLaneEntries];
+  for (float& v : masked) v = kNegInf;
+  const MaxSum same = maxsum_push_block(lanes[0], masked, 1, block_max(masked), scale);
+  CHECK_EQ(same.m, lanes[0].m);
+  CHECK_EQ(same.s, lanes[0].s);
+}
+
+TEST_CASE("first_crossing: the first cumulative mass above the threshold, else the last positive part") {
+  const float parts[5] = {0.25f, 0.0f, 0.5f, 0.25f, 0.0f};
+  float before = -1.0f;
+  CHECK_EQ(first_crossing(parts, 5, 0.0f, 0.1f, &before), 0);
+  CHECK_EQ(before, 0.0f);
+  CHECK_EQ(first_crossing(parts, 5, 0.0f, 0.25f, &before), 2);  // 0.25 is not above 0.25; the zero part is skipped
+  CHECK_EQ(before, 0.25f);
+  CHECK_EQ(first_crossing(parts, 5, 0.5f, 1.0f, &before), 2);   // base 0.5: 0.5 + 0.75 > 1
+  CHECK_EQ(first_crossing(parts, 5, 0.0f, 0.9f, &before), 3);
+  CHECK_EQ(before, 0.75f);
+  CHECK_EQ(first_crossing(parts, 5, 0.0f, 1.0f, &before), 3);   // none crosses: the last positive part
+  CHECK_EQ(before, 0.75f);
+  const float zeros[3] = {0.0f, 0.0f, 0.0f};
+  CHECK_EQ(first_crossing(zeros, 3, 0.0f, 0.0f, &before), 2);
+  CHECK_EQ(before, 0.0f);
+}
+
+int main(int argc, char** argv) { return specdec_test::run_all(argc, argv); }
