@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: builds everything from nothing (scripts/setup_env.sh), then runs
-#   1. the C++ unit tests (Philox known answers, emulator self-tests) under AddressSanitizer, with ctest;
+#   1. the C++ unit tests (Philox known answers, the sampling arithmetic, emulator self-tests) under
+#      AddressSanitizer, with ctest;
 #   2. the whole pytest suite, with the emulated CUDA kernels under AddressSanitizer.
 # tests/gpu runs only where a GPU is visible. Extra arguments go to pytest.
 set -euo pipefail

@@ -155,15 +155,18 @@ def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_d
     shifted = {key: misaligned_copy(val) if key.endswith(("probs", "logits")) else val for key, val in inp.items()}
     if logits:
         t = torch.rand(batch, generator=gen) + 0.3
+        t[:2] = 0.0  # two greedy rows: the argmax path
         cpu, emu, emu_shifted = run_logits("cpu", inp, t), run_logits("sim", inp, t), run_logits("sim", shifted, t)
     else:
-        cpu, emu, emu_shifted = run_probs("cpu", inp), run_probs("sim", inp), run_probs("sim", shifted)
+        greedy = torch.arange(batch) < 2
+        cpu, emu, emu_shifted = (run_probs("cpu", inp, greedy), run_probs("sim", inp, greedy),
+                                 run_probs("sim", shifted, greedy))
     for out in (emu, emu_shifted):
         assert torch.equal(cpu.output_token_ids, out.output_token_ids)
         assert torch.equal(cpu.num_accepted, out.num_accepted)
-    resampled = cpu.output_token_ids.gather(1, cpu.num_accepted.long()[:, None])
+    resampled = cpu.output_token_ids.gather(1, cpu.num_accepted.long()[:, None])[2:]
     assert bool((resampled >= 0).all())
-    if vocab > 8192:  # the tile level of the search picked a later tile (fails with probability 0.41^16 < 1e-6)
+    if vocab > 8192:  # the tile level of the search picked a later tile (fails with probability 0.41^14 < 4e-6)
         assert bool((resampled >= 8192).any())
 
 
