@@ -73,14 +73,17 @@ struct BlockSamplingEngine {
     }
     return r;
   }
-  // The block as floats, `absent` past the vocabulary. Flags an invalid entry (block_max propagates NaN;
-  // probabilities are checked by magnitude).
+  // The block as floats, `absent` past the vocabulary. Flags an invalid entry of the row (block_max
+  // propagates NaN; probabilities are checked by magnitude; entries past the vocabulary are not checked).
   SPECDEC_DEVICE void to_floats(const RawBlock& r, int v0, float absent, bool target, float* x) {
-#pragma unroll
-    for (int j = 0; j < kLaneEntries; ++j) x[j] = v0 + j < vocab() ? to_float(r.h[j / kPerVec].v[j % kPerVec]) : absent;
     float a[kLaneEntries];
 #pragma unroll
-    for (int j = 0; j < kLaneEntries; ++j) a[j] = P.logits || x[j] >= 0.0f ? x[j] : -x[j];
+    for (int j = 0; j < kLaneEntries; ++j) {
+      const bool in_row = v0 + j < vocab();
+      const float f = to_float(r.h[j / kPerVec].v[j % kPerVec]);
+      x[j] = in_row ? f : absent;
+      a[j] = !in_row ? 0.0f : (P.logits || f >= 0.0f ? f : -f);
+    }
     if (!(block_max(a) < -kNegInf)) errors |= bad_bit(target);
   }
 
