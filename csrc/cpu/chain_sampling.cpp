@@ -1,7 +1,6 @@
 // Chain speculative sampling on the CPU: requests in parallel (at::parallel_for), each row scanned tile by
-// tile with lane arrays in the canonical order of sampling_math.h. A tile is stored transposed (entry j of
-// every lane together), so the loops over the 1024 lanes run over contiguous memory and vectorise, and every
-// sum comes out bit for bit as on the GPU.
+// tile with lane arrays in the canonical order of sampling_math.h. The loops over the 1024 lanes vectorise
+// (GCC loads the 8-entry blocks interleaved), and every sum comes out bit for bit as on the GPU.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -20,43 +19,35 @@ namespace {
 // computes the same bits: the arithmetic is the correctly rounded operations of sampling_math.h, never
 // contracted (-ffp-contract=off), and std::fma is exact with or without FMA units.
 
-// Converts tile t of a row to float, transposed: xt[j * kLanes + l] = row[t * kTile + l * kLaneEntries + j],
-// `absent` past the vocabulary. Returns whether any entry is invalid (probabilities: not finite; logits: NaN,
-// +inf).
+// Converts tile t of a row to float, `absent` past the vocabulary: lane l's block is x[8 l .. 8 l + 7].
+// Returns whether any entry is invalid (probabilities: not finite; logits: NaN, +inf).
 template <typename T>
-SPECDEC_CPU_CLONES bool convert_tile(const T* row, int64_t vocab, int64_t t, float absent, bool logits, float* xt) {
+SPECDEC_CPU_CLONES bool convert_tile(const T* row, int64_t vocab, int64_t t, float absent, bool logits, float* x) {
   const float lowest_valid = logits ? kNegInf : -__FLT_MAX__;  // logits may be -inf, probabilities not
   const T* src = row + t * kTile;
   const int n = static_cast<int>(std::min<int64_t>(kTile, vocab - t * kTile));
   int bad = 0;
-  if (n == kTile) {
-    for (int l = 0; l < kLanes; ++l) {
-      for (int j = 0; j < kLaneEntries; ++j) {
-        const float x = static_cast<float>(src[l * kLaneEntries + j]);
-        xt[j * kLanes + l] = x;
-        bad |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));  // also true for NaN
-      }
-    }
-  } else {
-    for (int i = 0; i < kTile; ++i) {
-      const float x = i < n ? static_cast<float>(src[i]) : absent;
-      xt[i % kLaneEntries * kLanes + i / kLaneEntries] = x;
-      if (i < n) bad |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));
-    }
+  for (int i = 0; i < n; ++i) {
+    const float v = static_cast<float>(src[i]);
+    x[i] = v;
+    bad |= static_cast<int>(!(v >= lowest_valid) | !(v <= __FLT_MAX__));  // also true for NaN
   }
+  for (int i = n; i < kTile; ++i) x[i] = absent;
   return bad != 0;
 }
 
-// Folds one transposed tile of logits into the lanes' (max, sum) states (maxsum_push_block).
-SPECDEC_CPU_CLONES void push_tile(const float* xt, float scale, float* m, float* s) {
+// Folds one tile of logits into the lanes' (max, sum) states (maxsum_push_block). The loop over lanes
+// vectorises with interleaved loads of the 8-entry blocks.
+SPECDEC_CPU_CLONES void push_tile(const float* x, float scale, float* m, float* s) {
   for (int l = 0; l < kLanes; ++l) {
-    const MaxSum r = maxsum_push_block(MaxSum{m[l], s[l]}, xt + l, kLanes, block_max(xt + l, kLanes), scale);
+    const float* block = x + l * kLaneEntries;
+    const MaxSum r = maxsum_push_block(MaxSum{m[l], s[l]}, block, block_max(block), scale);
     m[l] = r.m;
     s[l] = r.s;
   }
 }
 
-// Each lane's block sum of one transposed tile of masses, into sums[l]. The masses are entry_mass of entries
+// Each lane's block sum of one tile of masses, into sums[l]. The masses are entry_mass of entries
 // t * kTile + l * kLaneEntries + j; past the vocabulary the tile holds -inf logits or zero probabilities, whose
 // mass is 0. The mode flags are made constants so that each mode's loop vectorises.
 template <bool kLogits, bool kPOnly, bool kHasQ>
@@ -65,8 +56,10 @@ SPECDEC_HD void tile_block_sums_for(MassSpec spec, int64_t t, const float* pt, c
   spec.p_only = kPOnly;
   for (int l = 0; l < kLanes; ++l) {
     const int32_t v0 = static_cast<int32_t>(t * kTile + l * kLaneEntries);
+    const float* p = pt + l * kLaneEntries;
+    const float* q = kHasQ ? qt + l * kLaneEntries : nullptr;
     const auto m = [&](int j) __attribute__((always_inline)) {
-      return entry_mass(spec, v0 + j, pt[j * kLanes + l], kHasQ ? qt[j * kLanes + l] : 0.0f, kHasQ);
+      return entry_mass(spec, v0 + j, p[j], kHasQ ? q[j] : 0.0f, kHasQ);
     };
     // block_sum spelled out over the 8 masses (no local array, no inner loop), so that the loop vectorises.
     sums[l] = fadd(fadd(fadd(m(0), m(1)), fadd(m(2), m(3))), fadd(fadd(m(4), m(5)), fadd(m(6), m(7))));
@@ -120,7 +113,7 @@ template <typename T>
 struct CpuSamplingEngine {
   const ChainSamplingParams& P;
   int32_t errors = 0;
-  // Per-request scratch, reused across rows: transposed tiles, lane states, totals.
+  // Per-request scratch, reused across rows: tiles as floats, lane states, totals.
   std::vector<float> tile_p, tile_q, lane_a, lane_b, lane_c, lane_d;
   float group_totals[kMaxTiles * kGroups], tile_totals[kMaxTiles];
 
@@ -142,8 +135,8 @@ struct CpuSamplingEngine {
     return x;
   }
   int64_t tiles() const { return (P.vocab + kTile - 1) / kTile; }
-  void load_tile(const T* row, int64_t t, float absent, bool target, float* xt) {
-    if (convert_tile(row, P.vocab, t, absent, P.logits, xt)) errors |= bad_bit(target);
+  void load_tile(const T* row, int64_t t, float absent, bool target, float* x) {
+    if (convert_tile(row, P.vocab, t, absent, P.logits, x)) errors |= bad_bit(target);
   }
 
   int32_t argmax(const T* row) {

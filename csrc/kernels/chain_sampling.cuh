@@ -130,10 +130,10 @@ struct BlockSamplingEngine {
       const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
       float x[kLaneEntries];
       to_floats(rp, v0, kNegInf, true, x);
-      lp = maxsum_push_block(lp, x, 1, block_max(x), scale);
+      lp = maxsum_push_block(lp, x, block_max(x), scale);
       if (has_q) {
         to_floats(rq, v0, kNegInf, false, x);
-        lq = maxsum_push_block(lq, x, 1, block_max(x), scale);
+        lq = maxsum_push_block(lq, x, block_max(x), scale);
       }
     }
     *sp = reduce_lanes(lp, MaxSumCombine{}, ms_scratch);

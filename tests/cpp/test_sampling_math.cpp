@@ -70,7 +70,7 @@ TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^
   }
   for (int l = 0; l < 64; ++l) {
     lanes[l] = maxsum_identity();
-    for (auto& block : x[l]) lanes[l] = maxsum_push_block(lanes[l], block, 1, block_max(block), scale);
+    for (auto& block : x[l]) lanes[l] = maxsum_push_block(lanes[l], block, block_max(block), scale);
   }
   for (int width = 1; width < 64; width *= 2) {
     for (int l = 0; l < 64; l += 2 * width) lanes[l] = maxsum_combine(lanes[l], lanes[l + width]);
@@ -88,7 +88,7 @@ TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^
   // A block of masked entries leaves a state unchanged, bit for bit.
   float masked[kLaneEntries];
   for (float& v : masked) v = kNegInf;
-  const MaxSum same = maxsum_push_block(lanes[0], masked, 1, block_max(masked), scale);
+  const MaxSum same = maxsum_push_block(lanes[0], masked, block_max(masked), scale);
   CHECK_EQ(same.m, lanes[0].m);
   CHECK_EQ(same.s, lanes[0].s);
 }

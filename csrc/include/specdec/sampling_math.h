@@ -129,10 +129,9 @@ SPECDEC_HD float max_propagate_nan(float a, float b) {
 SPECDEC_HD float block_sum(const float* x) {
   return fadd(fadd(fadd(x[0], x[1]), fadd(x[2], x[3])), fadd(fadd(x[4], x[5]), fadd(x[6], x[7])));
 }
-// The block's entries are x[0], x[stride], ..., x[7 * stride] (the CPU kernel keeps tiles transposed).
-SPECDEC_HD float block_max(const float* x, int stride = 1) {
-  const float a = max_propagate_nan(max_propagate_nan(x[0], x[stride]), max_propagate_nan(x[2 * stride], x[3 * stride]));
-  const float b = max_propagate_nan(max_propagate_nan(x[4 * stride], x[5 * stride]), max_propagate_nan(x[6 * stride], x[7 * stride]));
+SPECDEC_HD float block_max(const float* x) {
+  const float a = max_propagate_nan(max_propagate_nan(x[0], x[1]), max_propagate_nan(x[2], x[3]));
+  const float b = max_propagate_nan(max_propagate_nan(x[4], x[5]), max_propagate_nan(x[6], x[7]));
   return max_propagate_nan(a, b);
 }
 
@@ -142,18 +141,18 @@ struct MaxSum {
   float s;
 };
 SPECDEC_HD MaxSum maxsum_identity() { return MaxSum{kNegInf, 0.0f}; }
-// Folds one block of raw logits x (entries x[j * stride]; scaled by `scale` = log2(e) / temperature > 0)
-// into a lane's state; x_max = block_max(x, stride). The block's terms are summed as block_sum does. The scaled max is fmul(x_max, scale) (rounding is monotonic), each term
+// Folds one block of raw logits x[0..7] (scaled by `scale` = log2(e) / temperature > 0) into a lane's
+// state; x_max = block_max(x). The block's terms are summed as block_sum does. The scaled max is fmul(x_max, scale) (rounding is monotonic), each term
 // 2^ffma(x, scale, -m). -inf (a masked token, or an entry past the vocabulary) adds 0; NaN adds 0 and does
 // not move the max (callers detect it through x_max).
-SPECDEC_HD MaxSum maxsum_push_block(MaxSum a, const float* x, int stride, float x_max, float scale) {
+SPECDEC_HD MaxSum maxsum_push_block(MaxSum a, const float* x, float x_max, float scale) {
   const float bm = fmul(x_max, scale);
   const float m = bm > a.m ? bm : a.m;
   const float n = -m;  // spelled out, not a loop, so that a CPU loop over lanes around it vectorises
-  const float e0 = det_exp2(ffma(x[0], scale, n)), e1 = det_exp2(ffma(x[stride], scale, n));
-  const float e2 = det_exp2(ffma(x[2 * stride], scale, n)), e3 = det_exp2(ffma(x[3 * stride], scale, n));
-  const float e4 = det_exp2(ffma(x[4 * stride], scale, n)), e5 = det_exp2(ffma(x[5 * stride], scale, n));
-  const float e6 = det_exp2(ffma(x[6 * stride], scale, n)), e7 = det_exp2(ffma(x[7 * stride], scale, n));
+  const float e0 = det_exp2(ffma(x[0], scale, n)), e1 = det_exp2(ffma(x[1], scale, n));
+  const float e2 = det_exp2(ffma(x[2], scale, n)), e3 = det_exp2(ffma(x[3], scale, n));
+  const float e4 = det_exp2(ffma(x[4], scale, n)), e5 = det_exp2(ffma(x[5], scale, n));
+  const float e6 = det_exp2(ffma(x[6], scale, n)), e7 = det_exp2(ffma(x[7], scale, n));
   const float block = fadd(fadd(fadd(e0, e1), fadd(e2, e3)), fadd(fadd(e4, e5), fadd(e6, e7)));  // block_sum's order
   static_assert(kLaneEntries == 8, "blocks of 8");
   return MaxSum{m, fadd(fmul(a.s, det_exp2(fadd(a.m, -m))), block)};
