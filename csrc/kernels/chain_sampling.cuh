@@ -7,7 +7,7 @@
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
 // rejected rows. Rows after the first rejection are never read.
 // Instructions per logit in the statistics pass: det_exp2 (13), the fma that scales and shifts it, the
-// block sum, and an eighth of the block's max, rescale and check: about 18, against ~40 for an online
+// block sum, and an eighth of the block's max, rescale and check: about 19, against ~40 for an online
 // softmax that rescales at every entry.
 #pragma once
 #include "specdec/chain_sampling.h"

@@ -42,7 +42,11 @@ def run(c, device, logits, with_draft):
 def test_cuda_matches_cpu_exactly(dtype, logits, with_draft, batch, k, vocab):
     c = case(batch, k, vocab, dtype, batch * 7 + k + vocab)
     cpu = run(c, "cpu", logits, with_draft)
-    gpu = run(c, "cuda", logits, with_draft)
+    specdec_ext.set_strict(True)  # valid input: the kernel must not record an error
+    try:
+        gpu = run(c, "cuda", logits, with_draft)
+    finally:
+        specdec_ext.set_strict(False)
     assert torch.equal(gpu.num_accepted.cpu(), cpu.num_accepted)
     assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
 
