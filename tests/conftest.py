@@ -5,6 +5,8 @@ import zlib
 import pytest
 import torch
 
+import specdec_ext
+
 # Random inputs are drawn fresh on every run; the run's seed is printed in the header and can be replayed
 # with SPECDEC_TEST_SEED=<seed>.
 RUN_SEED = int(os.environ.get("SPECDEC_TEST_SEED", random.SystemRandom().randrange(2**31)))
@@ -18,6 +20,16 @@ def pytest_report_header(config):
 def gen(request) -> torch.Generator:
     """A CPU generator seeded from the run seed and the test's id (fresh inputs per run, replayable)."""
     return torch.Generator().manual_seed(RUN_SEED ^ zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def strict():
+    """specdec_ext.set_strict(True) for the test: device-side error checks raise (and synchronise)."""
+    specdec_ext.set_strict(True)
+    try:
+        yield
+    finally:
+        specdec_ext.set_strict(False)
 
 
 def pytest_collection_modifyitems(config, items):

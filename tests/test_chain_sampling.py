@@ -1,6 +1,5 @@
 """chain_speculative_sampling(_from_logits): the CPU kernel and the CUDA kernel under the emulator, against
 the reference, the exact law of the emitted tokens, and their error handling."""
-import contextlib
 import math
 
 import pytest
@@ -147,15 +146,15 @@ def misaligned_copy(t):
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "point"])
 @pytest.mark.parametrize("batch,vocab", [(24, 2500), (16, 20000)], ids=["one_tile", "three_tiles"])
-def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_draft, batch, vocab, gen):
+def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_draft, batch, vocab, gen, strict):
     # Both sum in the canonical order with the same exp, so even resampled tokens agree bit for bit. 20000 is a
     # multiple of 8 (16-byte loads on the GPU) and spans three tiles; 2500 is not (scalar loads); the misaligned
     # copy takes the scalar path with the same values and must give the same tokens.
     k = 4
     inp = make_inputs(gen, batch, k, vocab, dtype, with_draft, sharpness=1.0)
     shifted = {key: misaligned_copy(val) if key.endswith(("probs", "logits")) else val for key, val in inp.items()}
-    with strict_mode():  # valid input: the emulated kernel must not record an error either
-        cpu, emu, emu_shifted = run_all_backends(inp, shifted, logits, batch, gen)
+    # Strict mode (the fixture): valid input, so the emulated kernel must not record an error either.
+    cpu, emu, emu_shifted = run_all_backends(inp, shifted, logits, batch, gen)
     for out in (emu, emu_shifted):
         assert torch.equal(cpu.output_token_ids, out.output_token_ids)
         assert torch.equal(cpu.num_accepted, out.num_accepted)
@@ -163,15 +162,6 @@ def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_d
     assert bool((resampled >= 0).all())
     if vocab > 8192:  # the tile level of the search picked a later tile (fails with probability 0.41^14 < 4e-6)
         assert bool((resampled >= 8192).any())
-
-
-@contextlib.contextmanager
-def strict_mode():
-    specdec_ext.set_strict(True)
-    try:
-        yield
-    finally:
-        specdec_ext.set_strict(False)
 
 
 def run_all_backends(inp, shifted, logits, batch, gen):

@@ -23,14 +23,13 @@ namespace {
 // Returns whether any entry is invalid (probabilities: not finite; logits: NaN, +inf).
 template <typename T>
 SPECDEC_CPU_CLONES bool convert_tile(const T* row, int64_t vocab, int64_t t, float absent, bool logits, float* x) {
-  const float lowest_valid = logits ? kNegInf : -__FLT_MAX__;  // logits may be -inf, probabilities not
   const T* src = row + t * kTile;
   const int n = static_cast<int>(std::min<int64_t>(kTile, vocab - t * kTile));
   int bad = 0;
   for (int i = 0; i < n; ++i) {
     const float v = static_cast<float>(src[i]);
     x[i] = v;
-    bad |= static_cast<int>(!(v >= lowest_valid) | !(v <= __FLT_MAX__));  // also true for NaN
+    bad |= static_cast<int>(invalid_entry(v, logits));
   }
   for (int i = n; i < kTile; ++i) x[i] = absent;
   return bad != 0;
@@ -93,13 +92,12 @@ SPECDEC_CPU_CLONES void group_totals_of_lanes(const float* lane, float* totals) 
 // Greedy rows: the first index of the row's maximum (NaN never wins; it is reported by the caller's check).
 template <typename T>
 SPECDEC_CPU_CLONES int32_t argmax_row(const T* row, int64_t vocab, bool logits, bool* bad) {
-  const float lowest_valid = logits ? kNegInf : -__FLT_MAX__;
   float best = kNegInf;
   int64_t index = 0;
   int invalid = 0;
   for (int64_t v = 0; v < vocab; ++v) {
     const float x = static_cast<float>(row[v]);
-    invalid |= static_cast<int>(!(x >= lowest_valid) | !(x <= __FLT_MAX__));
+    invalid |= static_cast<int>(invalid_entry(x, logits));
     if (x > best) {
       best = x;
       index = v;
@@ -130,8 +128,7 @@ struct CpuSamplingEngine {
   int32_t bad_bit(bool target) const { return target ? kErrTargetNonFinite : kErrDraftNonFinite; }
   float load(const T* row, int64_t v, bool target) {
     const float x = static_cast<float>(row[v]);
-    const bool bad = P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x);
-    if (bad) errors |= bad_bit(target);
+    if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
     return x;
   }
   int64_t tiles() const { return (P.vocab + kTile - 1) / kTile; }

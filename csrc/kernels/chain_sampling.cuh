@@ -24,7 +24,7 @@ struct BlockSamplingEngine {
   float* group_totals;  // [kMaxTiles * kGroups]
   float* tile_totals;   // [kMaxTiles]
   float* lane_sums;     // [kGroup]
-  MaxSum* ms_scratch;   // [2 * kGroups]
+  MaxSum* ms_scratch;   // [kGroups]
   ArgMax* am_scratch;   // [kGroups]
   int32_t* int_scratch;  // [2]
   float* float_scratch;  // [2]
@@ -38,11 +38,9 @@ struct BlockSamplingEngine {
   }
   SPECDEC_DEVICE void flag(int32_t bits) { errors |= bits; }
   SPECDEC_DEVICE int32_t bad_bit(bool target) const { return target ? kErrTargetNonFinite : kErrDraftNonFinite; }
-  // Probabilities must be finite; logits may be -inf (masked), never NaN or +inf.
   SPECDEC_DEVICE float load(const T* row, int64_t v, bool target) {
     const float x = to_float(row[v]);
-    const bool bad = P.logits ? (is_nan(x) || x == -kNegInf) : !is_finite(x);
-    if (bad) errors |= bad_bit(target);
+    if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
     return x;
   }
   SPECDEC_DEVICE int tiles() const { return static_cast<int>((P.vocab + kTile - 1) / kTile); }
@@ -73,22 +71,22 @@ struct BlockSamplingEngine {
     }
     return r;
   }
-  // The block as floats, `absent` past the vocabulary. Flags an invalid entry of the row (block_max
-  // propagates NaN; probabilities are checked by magnitude; entries past the vocabulary are not checked).
-  SPECDEC_DEVICE void to_floats(const RawBlock& r, int v0, float absent, bool target, float* x) {
+  // The block as floats. Past the vocabulary an entry reads as a masked logit (-inf) or a zero probability:
+  // mass 0, and valid. Flags an invalid entry of the row: invalid_entry's rule for the whole block at once
+  // (the NaN-propagating max of the logits, or of the probabilities' magnitudes, is below +inf), cheaper per
+  // entry on this hot path.
+  SPECDEC_DEVICE void to_floats(const RawBlock& r, int v0, bool target, float* x) {
+    const float absent = P.logits ? kNegInf : 0.0f;
+#pragma unroll
+    for (int j = 0; j < kLaneEntries; ++j) x[j] = v0 + j < vocab() ? to_float(r.h[j / kPerVec].v[j % kPerVec]) : absent;
     float a[kLaneEntries];
 #pragma unroll
-    for (int j = 0; j < kLaneEntries; ++j) {
-      const bool in_row = v0 + j < vocab();
-      const float f = to_float(r.h[j / kPerVec].v[j % kPerVec]);
-      x[j] = in_row ? f : absent;
-      a[j] = !in_row ? 0.0f : (P.logits || f >= 0.0f ? f : -f);
-    }
+    for (int j = 0; j < kLaneEntries; ++j) a[j] = P.logits || x[j] >= 0.0f ? x[j] : -x[j];
     if (!(block_max(a) < -kNegInf)) errors |= bad_bit(target);
   }
 
   // Combines the 1024 lane values by the pairwise tree: within each warp, then over the warps. Every
-  // thread returns the result.
+  // thread returns the result; scratch may be reused as soon as it returns.
   template <typename V, typename Op>
   SPECDEC_DEVICE V reduce_lanes(V lane, Op op, V* scratch) {
     const V g = group_reduce<kGroup>(lane, op);
@@ -107,7 +105,7 @@ struct BlockSamplingEngine {
     for (int t = 0; t < tiles(); ++t) {
       const int v0 = block_start(t, threadIdx.x);
       float x[kLaneEntries];
-      to_floats(load_block(row, vec, v0), v0, kNegInf, true, x);
+      to_floats(load_block(row, vec, v0), v0, true, x);
 #pragma unroll
       for (int j = 0; j < kLaneEntries; ++j) {
         if (v0 + j < vocab()) best = argmax_combine(best, ArgMax{x[j], v0 + j});
@@ -129,28 +127,27 @@ struct BlockSamplingEngine {
       const int v0 = block_start(t, threadIdx.x);
       const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
       float x[kLaneEntries];
-      to_floats(rp, v0, kNegInf, true, x);
+      to_floats(rp, v0, true, x);
       lp = maxsum_push_block(lp, x, block_max(x), scale);
       if (has_q) {
-        to_floats(rq, v0, kNegInf, false, x);
+        to_floats(rq, v0, false, x);
         lq = maxsum_push_block(lq, x, block_max(x), scale);
       }
     }
     *sp = reduce_lanes(lp, MaxSumCombine{}, ms_scratch);
-    *sq = has_q ? reduce_lanes(lq, MaxSumCombine{}, ms_scratch + kGroups) : maxsum_identity();
+    *sq = has_q ? reduce_lanes(lq, MaxSumCombine{}, ms_scratch) : maxsum_identity();
   }
 
   // The block sum of the masses of the block at v0 (0 past the vocabulary), from its raw target and draft
   // values; the masses themselves into m if given.
   SPECDEC_DEVICE float block_mass(const RawBlock& rp, const RawBlock& rq, bool has_q, const MassSpec& spec, int v0,
                                   float* m = nullptr) {
-    const float absent = P.logits ? kNegInf : 0.0f;
     float xp[kLaneEntries], xq[kLaneEntries], mass[kLaneEntries];
-    to_floats(rp, v0, absent, true, xp);
-    if (has_q) to_floats(rq, v0, absent, false, xq);
+    to_floats(rp, v0, true, xp);
+    if (has_q) to_floats(rq, v0, false, xq);
 #pragma unroll
     for (int j = 0; j < kLaneEntries; ++j) {
-      mass[j] = v0 + j < vocab() ? entry_mass(spec, v0 + j, xp[j], has_q ? xq[j] : 0.0f, has_q) : 0.0f;
+      mass[j] = entry_mass(spec, v0 + j, xp[j], has_q ? xq[j] : 0.0f, has_q);  // 0 past the vocabulary (to_floats)
       if (m != nullptr) m[j] = mass[j];
     }
     return block_sum(mass);
@@ -240,7 +237,7 @@ __global__ void __launch_bounds__(kSamplingThreads, 1) chain_sampling_kernel(con
   SPECDEC_SHARED(float, group_totals, kMaxTiles * kGroups);
   SPECDEC_SHARED(float, tile_totals, kMaxTiles);
   SPECDEC_SHARED(float, lane_sums, kGroup);
-  SPECDEC_SHARED(MaxSum, ms_scratch, 2 * kGroups);
+  SPECDEC_SHARED(MaxSum, ms_scratch, kGroups);
   SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
   SPECDEC_SHARED(int32_t, int_scratch, 2);
   SPECDEC_SHARED(float, float_scratch, 2);

@@ -71,7 +71,6 @@ SPECDEC_HD float ffma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 SPECDEC_HD float fdiv(float a, float b) { return __fdiv_rn(a, b); }
 SPECDEC_HD float bits_as_float(uint32_t u) { return __uint_as_float(u); }
 SPECDEC_HD uint32_t float_as_bits(float f) { return __float_as_uint(f); }
-SPECDEC_HD bool is_nan(float x) { return isnan(x); }
 SPECDEC_HD bool is_finite(float x) { return isfinite(x); }
 #else
 SPECDEC_HD float fadd(float a, float b) { return a + b; }
@@ -88,10 +87,10 @@ SPECDEC_HD uint32_t float_as_bits(float f) {
   std::memcpy(&u, &f, 4);
   return u;
 }
-SPECDEC_HD bool is_nan(float x) { return x != x; }
 SPECDEC_HD bool is_finite(float x) { return x - x == 0.0f; }
 #endif
 constexpr float kNegInf = -__builtin_huge_valf();
+constexpr float kFloatMax = 3.40282347e+38f;
 
 // 2^d for d <= 64, the same bits on every backend; relative error ~2 ulp (a minimax polynomial on
 // [-1/2, 1/2]). Returns 0 for d <= -124 (2^d below 2^-124 is dropped: softmax terms are relative to the
@@ -112,6 +111,12 @@ SPECDEC_HD float det_exp2(float d) {
   // and then CPU loops do not vectorise.
   const uint32_t keep = 0u - static_cast<uint32_t>(d > -124.0f);
   return bits_as_float((float_as_bits(p) + (float_as_bits(t) << 23)) & keep);
+}
+
+// An input value the kernels reject: logits may be -inf (a masked token) but not NaN or +inf; probabilities
+// must be finite. Written without branches, so that CPU loops vectorise.
+SPECDEC_HD bool invalid_entry(float x, bool logits) {
+  return !(x >= (logits ? kNegInf : -kFloatMax)) | !(x <= kFloatMax);  // NaN fails both comparisons
 }
 
 // max(a, b) that returns NaN if either is NaN (a NaN input must not hide behind a max).
