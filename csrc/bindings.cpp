@@ -3,6 +3,9 @@
 #include <Python.h>
 
 #include "specdec/library.h"
+#if defined(SPECDEC_SIM)
+#include "sim/sim.h"
+#endif
 #if defined(SPECDEC_WITH_CUDA) && !defined(SPECDEC_SIM)
 #include <cuda_runtime_api.h>
 #endif
@@ -66,8 +69,20 @@ PyObject* build_info(PyObject*, PyObject*) {
   return d;
 }
 
+#if defined(SPECDEC_SIM)
+// The shape of the last kernel launch on the calling thread, for tests of the launchers' choices.
+PyObject* last_launch(PyObject*, PyObject*) {
+  const specdec::sim::LaunchStats s = specdec::sim::last_launch_stats();
+  return Py_BuildValue("{s:K,s:I,s:I}", "blocks", static_cast<unsigned long long>(s.blocks), "threads_per_block",
+                       s.threads_per_block, "cluster_blocks", s.cluster_blocks);
+}
+#endif
+
 PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS, "What this build of the extension contains."},
+#if defined(SPECDEC_SIM)
+    {"last_launch", last_launch, METH_NOARGS, "The shape of the last kernel launch on this thread."},
+#endif
     {nullptr, nullptr, 0, nullptr},
 };
 

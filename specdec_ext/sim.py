@@ -16,6 +16,11 @@ def build_info() -> dict:
     return _sim.build_info()
 
 
+def last_launch() -> dict:
+    """The shape of the last kernel launch on this thread: blocks, threads_per_block, cluster_blocks."""
+    return _sim.last_launch()
+
+
 def philox_uniform(seed, offset, n: int, stream: int = 0) -> torch.Tensor:
     """specdec_ext.philox_uniform under the emulator."""
     return ops._philox_uniform(torch.ops.specdec_sim, seed, offset, n, stream)

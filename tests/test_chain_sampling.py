@@ -164,6 +164,30 @@ def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_d
         assert bool((resampled >= 8192).any())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
+@pytest.mark.parametrize("batch,cluster_blocks", [(1, 4), (2, 2), (3, 1)])
+def test_lanes_split_over_a_cluster_change_no_bit(dtype, logits, batch, cluster_blocks, gen, strict):
+    # The emulated device has 4 SMs, so the launcher splits each request's 1024 lanes over a cluster of 4 blocks
+    # of 256 threads at batch 1, of 2 blocks at batch 2, and runs one block of 1024 threads at batch 3. The
+    # cluster's blocks combine their lanes through distributed shared memory and keep 4 / 2 / 1 tiles of loads
+    # in flight; the tokens must be the CPU kernel's. Several rounds, so that acceptance, residual and bonus
+    # sampling, and (round 0) greedy rows all occur; 20000 entries span three tiles.
+    for round_ in range(4):
+        inp = make_inputs(gen, batch, 4, 20000, dtype, with_draft=round_ != 3, sharpness=1.0)
+        inp["num_draft_tokens"][0] = 4
+        if logits:
+            t = torch.zeros(batch) if round_ == 0 else torch.rand(batch, generator=gen) + 0.3
+            cpu, emu = run_logits("cpu", inp, t), run_logits("sim", inp, t)
+        else:
+            greedy = torch.full((batch,), round_ == 0)
+            cpu, emu = run_probs("cpu", inp, greedy), run_probs("sim", inp, greedy)
+        assert sim.last_launch() == {"blocks": batch * cluster_blocks, "threads_per_block": 1024 // cluster_blocks,
+                                     "cluster_blocks": cluster_blocks}
+        assert torch.equal(cpu.output_token_ids, emu.output_token_ids), round_
+        assert torch.equal(cpu.num_accepted, emu.num_accepted), round_
+
+
 def run_all_backends(inp, shifted, logits, batch, gen):
     """The CPU kernel, the emulated CUDA kernel, and the emulated kernel on misaligned rows; rows 0 and 1 greedy."""
     if logits:

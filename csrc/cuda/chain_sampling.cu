@@ -5,6 +5,44 @@
 namespace specdec {
 namespace {
 
+// Blocks per cluster for a batch: the largest C in {1, 2, 4} with batch * C <= SMs, so that a small batch
+// still spreads over the GPU; 1 where the device or the compiled kernel has no clusters (before sm_90).
+int sampling_cluster_blocks(int64_t batch, int sms, bool clusters) {
+  if (!clusters) return 1;
+  int c = kMaxSamplingClusterBlocks;
+  while (c > 1 && batch * c > sms) c /= 2;
+  return c;
+}
+
+#if defined(SPECDEC_SIM)
+bool has_clusters(const at::Tensor&, const void*) { return true; }
+#else
+bool has_clusters(const at::Tensor& t, const void* kernel) {
+  if (at::cuda::getDeviceProperties(t.device().index())->major < 9) return false;
+  cudaFuncAttributes attributes{};
+  check_cuda(cudaFuncGetAttributes(&attributes, kernel), "chain sampling: cudaFuncGetAttributes");
+  return attributes.binaryVersion >= 90;  // the machine code that runs was compiled for sm_90 or later
+}
+#endif
+
+template <typename T>
+void launch_for_type(const char* name, const ChainSamplingParams& P, const at::Tensor& target, Stream stream) {
+  const int c = sampling_cluster_blocks(P.batch, multiprocessor_count(target),
+                                        has_clusters(target, reinterpret_cast<const void*>(chain_sampling_kernel<T, 2>)));
+  // One cluster per request; a grid-stride loop covers batches beyond the grid limit.
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(P.batch, 1 << 28) * c));
+  switch (c) {
+    case 4:
+      launch_cluster_kernel(name, chain_sampling_kernel<T, 4>, grid, dim3(kLanes / 4), 4, 0, stream, P);
+      break;
+    case 2:
+      launch_cluster_kernel(name, chain_sampling_kernel<T, 2>, grid, dim3(kLanes / 2), 2, 0, stream, P);
+      break;
+    default:
+      launch_kernel(name, chain_sampling_kernel<T, 1>, grid, dim3(kLanes), 0, stream, P);
+  }
+}
+
 void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& target, const std::optional<at::Tensor>& draft,
                            const at::Tensor& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
                            const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
@@ -14,18 +52,16 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "chain sampling: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
-  // One block per request; a grid-stride loop covers batches beyond the grid limit.
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(P.batch, 1 << 30)));
   const Stream stream = current_stream(target);
   switch (target.scalar_type()) {
     case at::kFloat:
-      launch_kernel("chain_sampling_kernel<float>", chain_sampling_kernel<float>, grid, dim3(kSamplingThreads), 0, stream, P);
+      launch_for_type<float>("chain_sampling_kernel<float>", P, target, stream);
       break;
     case at::kHalf:
-      launch_kernel("chain_sampling_kernel<half>", chain_sampling_kernel<half_t>, grid, dim3(kSamplingThreads), 0, stream, P);
+      launch_for_type<half_t>("chain_sampling_kernel<half>", P, target, stream);
       break;
     default:
-      launch_kernel("chain_sampling_kernel<bf16>", chain_sampling_kernel<bf16_t>, grid, dim3(kSamplingThreads), 0, stream, P);
+      launch_for_type<bf16_t>("chain_sampling_kernel<bf16>", P, target, stream);
   }
 }
 

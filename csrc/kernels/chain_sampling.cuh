@@ -1,7 +1,15 @@
-// Chain speculative sampling on the GPU: one block of 1024 threads per request, thread t being canonical
-// lane t (sampling_math.h). In every tile of 8192 entries a lane owns the 8 contiguous entries at 8t: one
-// 16-byte load for fp16/bf16 (two for fp32), so each load instruction of a warp reads 512 contiguous bytes.
-// A group of 32 lanes is a warp, and the pairwise tree over a group is the warp's butterfly.
+// Chain speculative sampling on the GPU: the 1024 canonical lanes of one request (sampling_math.h) are the
+// threads of a thread block cluster of C blocks of 1024 / C threads (C = 1 is a plain block; clusters need
+// sm_90): thread t of the block of cluster rank r is lane r * 1024 / C + t. In every tile of 8192 entries a
+// lane owns the 8 contiguous entries at 8 * lane: one 16-byte load for fp16/bf16 (two for fp32), so each load
+// instruction of a warp reads 512 contiguous bytes. A group of 32 lanes is a warp, and the pairwise tree over
+// a group is the warp's butterfly; the tree over the 32 groups reads the warps' results across the cluster
+// (distributed shared memory). Every bit of the result depends on the lanes only, so C changes none.
+//
+// Why clusters: a request's rows are read one after another, so with one block per request a batch of B
+// uses B SMs. The launcher picks the largest C in {1, 2, 4} with B * C <= SMs; a smaller block has the
+// registers to keep C tiles of loads in flight per thread, so an SM has as many bytes in flight as with
+// 1024 threads.
 //
 // Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
@@ -15,12 +23,18 @@
 
 namespace specdec {
 
-constexpr int kSamplingThreads = kLanes;
 static_assert(kGroup == kWarpSize && kGroups == kWarpSize, "a group is a warp, and the groups fill one warp");
+constexpr int kMaxSamplingClusterBlocks = 4;
 
-template <typename T>
-struct BlockSamplingEngine {
+template <typename T, int kClusterBlocks>
+struct ClusterSamplingEngine {
+  static_assert(kClusterBlocks >= 1 && kClusterBlocks <= kMaxSamplingClusterBlocks && kLanes % (kClusterBlocks * kWarpSize) == 0);
+  static constexpr int kThreads = kLanes / kClusterBlocks;
+  static constexpr int kWarps = kThreads / kWarpSize;
+  static constexpr int kTilesInFlight = kClusterBlocks;  // per thread: the registers a smaller block has
+
   const ChainSamplingParams P;  // a copy: a reference to the kernel parameter would put it in local memory
+  unsigned rank;        // of this block in the cluster
   float* group_totals;  // [kMaxTiles * kGroups]
   float* tile_totals;   // [kMaxTiles]
   float* lane_sums;     // [kGroup]
@@ -29,6 +43,24 @@ struct BlockSamplingEngine {
   int32_t* int_scratch;  // [2]
   float* float_scratch;  // [2]
   int32_t errors;       // this thread's error bits, published once at the end
+
+  // A barrier for everything the blocks of the cluster share; with one block, the block barrier.
+  SPECDEC_DEVICE void sync_all() {
+    if constexpr (kClusterBlocks == 1) {
+      sync_threads();
+    } else {
+      sync_cluster();
+    }
+  }
+  // Shared array `p` of the block of cluster rank `r`.
+  template <typename V>
+  SPECDEC_DEVICE V* of_rank(V* p, unsigned r) {
+    if constexpr (kClusterBlocks == 1) {
+      return p;
+    } else {
+      return map_cluster_shared(p, r);
+    }
+  }
 
   SPECDEC_DEVICE const T* row_target(int64_t b, int64_t i) const {
     return static_cast<const T*>(P.target) + b * P.target_stride_b + i * P.target_stride_k;
@@ -51,6 +83,8 @@ struct BlockSamplingEngine {
     return row != nullptr && reinterpret_cast<uintptr_t>(row) % 16 == 0 && P.vocab % kLaneEntries == 0;
   }
 
+  // This thread's canonical lane. With one block, threadIdx.x itself: a special register costs no register.
+  SPECDEC_DEVICE unsigned lane() const { return kClusterBlocks == 1 ? threadIdx.x : rank * kThreads + threadIdx.x; }
   SPECDEC_DEVICE int block_start(int t, unsigned lane) const { return t * kTile + static_cast<int>(lane) * kLaneEntries; }
 
   // A lane's block as loaded: one 16-byte load for 16-bit types, two for fp32 (element by element when the
@@ -85,55 +119,72 @@ struct BlockSamplingEngine {
     if (!(block_max(a) < -kNegInf)) errors |= bad_bit(target);
   }
 
-  // Combines the 1024 lane values by the pairwise tree: within each warp, then over the warps. Every
-  // thread returns the result; scratch may be reused as soon as it returns.
+  // Combines the 1024 lane values by the pairwise tree: within each warp, then over the 32 warps of the
+  // cluster (group g's result is in scratch[g % kWarps] of rank g / kWarps). Every thread of the cluster
+  // returns the result; scratch may be reused as soon as it returns.
   template <typename V, typename Op>
-  SPECDEC_DEVICE V reduce_lanes(V lane, Op op, V* scratch) {
-    const V g = group_reduce<kGroup>(lane, op);
+  SPECDEC_DEVICE V reduce_lanes(V value, Op op, V* scratch) {
+    const V g = group_reduce<kGroup>(value, op);
     if (lane_id() == 0) scratch[threadIdx.x / kGroup] = g;
-    sync_threads();
-    const V r = group_reduce<kGroups>(scratch[lane_id()], op);
-    sync_threads();
+    sync_all();
+    const V r = group_reduce<kGroups>(of_rank(scratch, lane_id() / kWarps)[lane_id() % kWarps], op);
+    sync_all();
     return r;
+  }
+
+  // The row loops load kTilesInFlight tiles, then use them in order. With 1024-thread blocks that is one:
+  // two, or loading the next tile before using the current one, made ptxas spill two to three times as much
+  // under their 64-register limit (sm_90a, nvcc 13.0); smaller blocks have 128 or 255 registers per thread.
+  //
+  // Calls f(p, q, t, v0) with this lane's raw blocks of tile t of the target row and (if row_q) the draft
+  // row, v0 being the block's first entry, for every tile in order. Nothing is read past the vocabulary.
+  template <typename F>
+  SPECDEC_DEVICE void for_each_tile(const T* row_p, bool vec_p, const T* row_q, bool vec_q, F&& f) const {
+    const int tiles = this->tiles();
+    for (int t0 = 0; t0 < tiles; t0 += kTilesInFlight) {
+      RawBlock p[kTilesInFlight], q[kTilesInFlight];
+#pragma unroll
+      for (int d = 0; d < kTilesInFlight; ++d) {
+        const int v0 = block_start(t0 + d, lane());
+        p[d] = load_block(row_p, vec_p, v0);
+        q[d] = row_q != nullptr ? load_block(row_q, vec_q, v0) : RawBlock{};
+      }
+#pragma unroll
+      for (int d = 0; d < kTilesInFlight; ++d) {
+        if (t0 + d >= tiles) break;  // uniform over the warp (f may reduce over it)
+        f(p[d], q[d], t0 + d, block_start(t0 + d, lane()));
+      }
+    }
   }
 
   // The row operations are kept out of line: chain_sampling_request calls each from several places, and
   // inlining them all made one kernel body that ptxas could only fit in 64 registers with kilobytes of spills.
   SPECDEC_DEVICE_NOINLINE int32_t argmax(const T* row) {
-    const bool vec = vector_row(row);
     ArgMax best = argmax_identity();
-    for (int t = 0; t < tiles(); ++t) {
-      const int v0 = block_start(t, threadIdx.x);
+    for_each_tile(row, vector_row(row), nullptr, false, [&](const RawBlock& p, const RawBlock&, int, int v0) {
       float x[kLaneEntries];
-      to_floats(load_block(row, vec, v0), v0, true, x);
+      to_floats(p, v0, true, x);
 #pragma unroll
       for (int j = 0; j < kLaneEntries; ++j) {
         if (v0 + j < vocab()) best = argmax_combine(best, ArgMax{x[j], v0 + j});
       }
-    }
+    });
     const ArgMax r = reduce_lanes(best, ArgMaxCombine{}, am_scratch);
     return r.index < P.vocab ? r.index : 0;
   }
 
-  // The row loops take one tile per iteration: 32 warps per SM keep the loads in flight. Unrolling two tiles,
-  // or loading the next tile before using the current one, made ptxas spill two to three times as much under
-  // the 64-register limit of 1024-thread blocks (sm_90a, nvcc 13.0); which is faster is for a GPU to say.
-
   SPECDEC_DEVICE_NOINLINE void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {
-    const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
-    const int tiles = this->tiles();
+    const bool has_q = row_q != nullptr;
     MaxSum lp = maxsum_identity(), lq = maxsum_identity();
-    for (int t = 0; t < tiles; ++t) {
-      const int v0 = block_start(t, threadIdx.x);
-      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+    for_each_tile(row_p, vector_row(row_p), row_q, vector_row(row_q), [&](const RawBlock& p, const RawBlock& q, int, int v0) {
       float x[kLaneEntries];
-      to_floats(rp, v0, true, x);
+      to_floats(p, v0, true, x);
       lp = maxsum_push_block(lp, x, block_max(x), scale);
       if (has_q) {
-        to_floats(rq, v0, false, x);
+        to_floats(q, v0, false, x);
         lq = maxsum_push_block(lq, x, block_max(x), scale);
       }
-    }
+    });
     *sp = reduce_lanes(lp, MaxSumCombine{}, ms_scratch);
     *sq = has_q ? reduce_lanes(lq, MaxSumCombine{}, ms_scratch) : maxsum_identity();
   }
@@ -155,21 +206,29 @@ struct BlockSamplingEngine {
 
   // Pass 1 of sampling: every group's total in every tile (the pairwise tree over its lanes' block sums)
   // into group_totals[t * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
+  // This block's groups only: group g's totals are in group_totals of cluster rank g / kWarps.
   SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const MassSpec& spec) {
     const bool has_q = row_q != nullptr;
-    for (int t = 0; t < tiles(); ++t) {
-      const int v0 = block_start(t, threadIdx.x);
-      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
-      const float group_total = group_reduce<kGroup>(block_mass(rp, rq, has_q, spec, v0), FloatSum{});
-      if (lane_id() == 0) group_totals[t * kGroups + threadIdx.x / kGroup] = group_total;
-    }
+    for_each_tile(row_p, vec_p, row_q, vec_q, [&](const RawBlock& p, const RawBlock& q, int t, int v0) {
+      const float group_total = group_reduce<kGroup>(block_mass(p, q, has_q, spec, v0), FloatSum{});
+      if (lane_id() == 0) group_totals[t * kGroups + lane() / kGroup] = group_total;
+    });
   }
 
   SPECDEC_DEVICE_NOINLINE int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
     const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
     const int tiles = this->tiles();
     tile_group_totals(row_p, row_q, vec_p, vec_q, spec);
-    sync_threads();
+    sync_all();
+    if constexpr (kClusterBlocks > 1) {
+      // Every block takes the other blocks' group totals; from here on each block searches on its own, and
+      // all find the same token. Each block writes only entries the others do not read.
+      for (int i = static_cast<int>(threadIdx.x); i < tiles * kGroups; i += kThreads) {
+        const unsigned owner = static_cast<unsigned>(i % kGroups / kWarps);
+        if (owner != rank) group_totals[i] = of_rank(group_totals, owner)[i];
+      }
+      sync_all();  // no block writes its totals again before all have read them
+    }
     // Tile totals (groups in order), one thread per tile; then the tile and the group, by one thread.
     if (static_cast<int>(threadIdx.x) < tiles) {
       float total = 0.0f;
@@ -224,15 +283,19 @@ struct BlockSamplingEngine {
   }
 
   SPECDEC_DEVICE void write(int64_t b, int32_t accepted, int32_t token) {
-    for (int64_t j = threadIdx.x; j <= P.num_draft; j += kSamplingThreads) {
+    if (rank != 0) return;  // every block of the cluster knows the outcome; one writes it
+    for (int64_t j = threadIdx.x; j <= P.num_draft; j += kThreads) {
       P.output_token_ids[b * (P.num_draft + 1) + j] = output_id(P, b, j, accepted, token);
     }
     if (threadIdx.x == 0) P.num_accepted[b] = accepted;
   }
 };
 
-template <typename T>
-__global__ void __launch_bounds__(kSamplingThreads, 1) chain_sampling_kernel(const ChainSamplingParams params) {
+// A grid of clusters of kClusterBlocks blocks, each of kLanes / kClusterBlocks threads; cluster c handles
+// requests c, c + clusters, ...
+template <typename T, int kClusterBlocks>
+__global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) chain_sampling_kernel(const ChainSamplingParams params) {
+  using Engine = ClusterSamplingEngine<T, kClusterBlocks>;
   const ChainSamplingParams P = params;
   SPECDEC_SHARED(float, group_totals, kMaxTiles * kGroups);
   SPECDEC_SHARED(float, tile_totals, kMaxTiles);
@@ -241,8 +304,11 @@ __global__ void __launch_bounds__(kSamplingThreads, 1) chain_sampling_kernel(con
   SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
   SPECDEC_SHARED(int32_t, int_scratch, 2);
   SPECDEC_SHARED(float, float_scratch, 2);
-  BlockSamplingEngine<T> engine{P, group_totals, tile_totals, lane_sums, ms_scratch, am_scratch, int_scratch, float_scratch, 0};
-  for (int64_t b = blockIdx.x; b < P.batch; b += gridDim.x) chain_sampling_request(engine, P, b);
+  const unsigned rank = kClusterBlocks == 1 ? 0u : cluster_rank();
+  Engine engine{P, rank, group_totals, tile_totals, lane_sums, ms_scratch, am_scratch,
+                int_scratch, float_scratch, 0};
+  const int64_t clusters = gridDim.x / kClusterBlocks;
+  for (int64_t b = blockIdx.x / kClusterBlocks; b < P.batch; b += clusters) chain_sampling_request(engine, P, b);
   if (engine.errors != 0 && P.error_flags != nullptr) atomic_or(P.error_flags, engine.errors);
 }
 

@@ -74,7 +74,7 @@ constexpr size_t kStackBytes = 512 * 1024;  // instrumented frames are several t
 constexpr size_t kStackBytes = 256 * 1024;
 #endif
 
-enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtWarp, kDone, kFailed };
+enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCluster, kAtWarp, kDone, kFailed };
 
 struct FiberStack {
   char* base = nullptr;  // guard page first, then kStackBytes of stack
@@ -101,7 +101,9 @@ struct Fiber {
 #endif
   FiberState state = FiberState::kRunnable;
   uint3 tid{};
-  unsigned linear = 0;
+  unsigned linear = 0;  // index within its block
+  unsigned rank = 0;    // its block's rank in the cluster
+  unsigned slot = 0;    // index among the fibers of the running cluster (and of its stack)
   // The pending warp collective (valid in kAtWarp).
   WarpOp op = WarpOp::kSync;
   unsigned mask = 0;
@@ -119,14 +121,23 @@ struct SharedAlloc {
   size_t bytes;
 };
 
+// A running block: its identity and its shared memory.
+struct Block {
+  uint3 id{};
+  uint64_t serial = 0;
+  std::unordered_map<const void*, SharedAlloc> static_shared;
+  size_t static_shared_bytes = 0;
+  void* dynamic_shared = nullptr;
+};
+
 struct Launch {
   const char* name = "";
-  dim3 grid, block;
-  uint3 block_id{};
-  uint64_t block_serial = 0;
+  dim3 grid, block, cluster;
   const std::function<void()>* body = nullptr;
-  unsigned nthreads = 0;
-  std::vector<Fiber> fibers;
+  unsigned nthreads = 0;         // per block
+  unsigned cluster_blocks = 1;   // blocks per cluster
+  std::vector<Block> blocks;     // the running cluster's, by rank
+  std::vector<Fiber> fibers;     // block rank r's thread i is fibers[r * nthreads + i]
   Fiber* current = nullptr;
 #ifdef SPECDEC_SIM_FAST_SWITCH
   void* scheduler_sp = nullptr;
@@ -135,13 +146,12 @@ struct Launch {
 #endif
   const void* scheduler_stack_bottom = nullptr;
   size_t scheduler_stack_size = 0;
-  std::unordered_map<const void*, SharedAlloc> static_shared;
-  size_t static_shared_bytes = 0;
   size_t dynamic_shared_bytes = 0;
-  void* dynamic_shared = nullptr;
   bool failed = false;
   std::string error;
   LaunchStats stats;
+
+  Block& block_of(const Fiber& f) { return blocks[f.rank]; }
 };
 
 thread_local Launch* tls_launch = nullptr;
@@ -179,7 +189,7 @@ void switch_to_fiber(Launch& L, Fiber& f) {
   ++L.stats.switches;
 #ifdef SPECDEC_SIM_ASAN
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, tls_stacks[f.linear]->base, kStackBytes);
+  __sanitizer_start_switch_fiber(&fake, tls_stacks[f.slot]->base, kStackBytes);
   raw_switch_to_fiber(L, f);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
@@ -213,9 +223,10 @@ void fiber_entry() {
   std::abort();  // a finished fiber is never resumed
 }
 
-std::string where(const Launch& L) {
+std::string where(const Launch& L, unsigned rank) {
+  const uint3 id = L.blocks[rank].id;
   std::ostringstream s;
-  s << "kernel " << L.name << ", block (" << L.block_id.x << "," << L.block_id.y << "," << L.block_id.z << ")";
+  s << "kernel " << L.name << ", block (" << id.x << "," << id.y << "," << id.z << ")";
   return s.str();
 }
 
@@ -230,7 +241,15 @@ std::string thread_name(const Fiber& f) {
 void record_failure(Launch& L, const std::string& message) {
   if (!L.failed) {
     L.failed = true;
-    L.error = "specdec sim: " + where(L) + ", " + thread_name(*L.current) + ": " + message;
+    L.error = "specdec sim: " + where(L, L.current->rank) + ", " + thread_name(*L.current) + ": " + message;
+  }
+}
+
+// Records a failure found by the scheduler (no fiber running) in block `rank`.
+void record_block_failure(Launch& L, unsigned rank, const std::string& message) {
+  if (!L.failed) {
+    L.failed = true;
+    L.error = "specdec sim: " + where(L, rank) + ": " + message;
   }
 }
 
@@ -277,9 +296,10 @@ int shuffle_source(const Fiber& f, int lane) {
 bool release_warp_collectives(Launch& L) {
   bool released = false;
   const unsigned nwarps = (L.nthreads + kWarpSize - 1) / kWarpSize;
-  for (unsigned w = 0; w < nwarps; ++w) {
-    const unsigned first = w * kWarpSize;
-    const unsigned lanes = std::min<unsigned>(kWarpSize, L.nthreads - first);
+  for (unsigned w = 0; w < nwarps * L.cluster_blocks; ++w) {
+    const unsigned rank = w / nwarps;
+    const unsigned first = rank * L.nthreads + w % nwarps * kWarpSize;
+    const unsigned lanes = std::min<unsigned>(kWarpSize, L.nthreads - w % nwarps * kWarpSize);
     for (unsigned l = 0; l < lanes; ++l) {
       Fiber& leader = L.fibers[first + l];
       if (leader.state != FiberState::kAtWarp) continue;
@@ -288,34 +308,29 @@ bool release_warp_collectives(Launch& L) {
       for (unsigned j = 0; j < kWarpSize && ready; ++j) {
         if (!(mask >> j & 1u)) continue;
         if (j >= lanes) {
-          L.failed = true;
-          L.error = "specdec sim: " + where(L) + ": " + op_name(leader.op) + " at " + leader.file + ":" +
-                    std::to_string(leader.line) + " has mask 0x" + [&] {
-                      std::ostringstream s;
-                      s << std::hex << mask;
-                      return s.str();
-                    }() + " naming lane " + std::to_string(j) + " of warp " + std::to_string(w) +
-                    ", which does not exist in a block of " + std::to_string(L.nthreads) + " threads";
+          std::ostringstream s;
+          s << op_name(leader.op) << " at " << leader.file << ":" << leader.line << " has mask 0x" << std::hex << mask
+            << std::dec << " naming lane " << j << " of warp " << w % nwarps << ", which does not exist in a block of "
+            << L.nthreads << " threads";
+          record_block_failure(L, rank, s.str());
           return false;
         }
         const Fiber& g = L.fibers[first + j];
         if (g.state == FiberState::kDone) {
-          L.failed = true;
-          L.error = "specdec sim: " + where(L) + ": " + op_name(leader.op) + " at " + leader.file + ":" +
-                    std::to_string(leader.line) + " waits for lane " + std::to_string(j) + " of warp " +
-                    std::to_string(w) + ", which has exited";
+          record_block_failure(L, rank, std::string(op_name(leader.op)) + " at " + leader.file + ":" +
+                                            std::to_string(leader.line) + " waits for lane " + std::to_string(j) +
+                                            " of warp " + std::to_string(w % nwarps) + ", which has exited");
           return false;
         }
         if (g.state != FiberState::kAtWarp) {
           ready = false;
         } else if (g.op != leader.op || g.mask != mask || g.width != leader.width) {
           std::ostringstream s;
-          s << "specdec sim: " << where(L) << ": warp collective mismatch in warp " << w << ": lane " << l
+          s << "warp collective mismatch in warp " << w % nwarps << ": lane " << l
             << " calls " << op_name(leader.op) << "(mask 0x" << std::hex << mask << std::dec << ") at "
             << leader.file << ":" << leader.line << ", lane " << j << " calls " << op_name(g.op)
             << "(mask 0x" << std::hex << g.mask << std::dec << ") at " << g.file << ":" << g.line;
-          L.failed = true;
-          L.error = s.str();
+          record_block_failure(L, rank, s.str());
           return false;
         }
       }
@@ -336,10 +351,9 @@ bool release_warp_collectives(Launch& L) {
           default: {
             const int src = shuffle_source(g, static_cast<int>(j));
             if (!(mask >> src & 1u)) {
-              L.failed = true;
-              L.error = "specdec sim: " + where(L) + ": " + op_name(g.op) + " at " + g.file + ":" +
-                        std::to_string(g.line) + ": lane " + std::to_string(j) + " reads lane " +
-                        std::to_string(src) + ", which is not in the mask";
+              record_block_failure(L, rank, std::string(op_name(g.op)) + " at " + g.file + ":" +
+                                                std::to_string(g.line) + ": lane " + std::to_string(j) +
+                                                " reads lane " + std::to_string(src) + ", which is not in the mask");
               return false;
             }
             g.result = L.fibers[first + src].value;
@@ -353,16 +367,22 @@ bool release_warp_collectives(Launch& L) {
   return released;
 }
 
-std::string describe_states(const Launch& L) {
+// The states of fibers [first, first + count), for a barrier or deadlock message.
+std::string describe_states(const Launch& L, unsigned first, unsigned count) {
   std::ostringstream s;
-  unsigned at_barrier = 0, at_warp = 0, done = 0;
+  unsigned at_barrier = 0, at_cluster = 0, at_warp = 0, done = 0;
   const Fiber* barrier_example = nullptr;
+  const Fiber* cluster_example = nullptr;
   const Fiber* warp_example = nullptr;
   const Fiber* done_example = nullptr;
-  for (const Fiber& f : L.fibers) {
+  for (unsigned i = first; i < first + count; ++i) {
+    const Fiber& f = L.fibers[i];
     if (f.state == FiberState::kAtBarrier) {
       ++at_barrier;
       if (!barrier_example) barrier_example = &f;
+    } else if (f.state == FiberState::kAtCluster) {
+      ++at_cluster;
+      if (!cluster_example) cluster_example = &f;
     } else if (f.state == FiberState::kAtWarp) {
       ++at_warp;
       if (!warp_example) warp_example = &f;
@@ -371,8 +391,12 @@ std::string describe_states(const Launch& L) {
       if (!done_example) done_example = &f;
     }
   }
-  s << at_barrier << " of " << L.nthreads << " threads wait at __syncthreads";
+  s << at_barrier << " of " << count << " threads wait at __syncthreads";
   if (barrier_example) s << " (e.g. " << thread_name(*barrier_example) << " at " << barrier_example->file << ":" << barrier_example->line << ")";
+  if (at_cluster > 0) {
+    s << ", " << at_cluster << " at cluster.sync() (e.g. block rank " << cluster_example->rank << " "
+      << thread_name(*cluster_example) << " at " << cluster_example->file << ":" << cluster_example->line << ")";
+  }
   s << ", " << at_warp << " at a warp collective";
   if (warp_example) s << " (e.g. " << thread_name(*warp_example) << " in " << op_name(warp_example->op) << " at " << warp_example->file << ":" << warp_example->line << ")";
   s << ", " << done << " have exited";
@@ -381,29 +405,45 @@ std::string describe_states(const Launch& L) {
 }
 
 void free_shared(Launch& L) {
-  for (auto& [site, alloc] : L.static_shared) std::free(alloc.ptr);
-  L.static_shared.clear();
-  L.static_shared_bytes = 0;
-  std::free(L.dynamic_shared);
-  L.dynamic_shared = nullptr;
+  for (Block& b : L.blocks) {
+    for (auto& [site, alloc] : b.static_shared) std::free(alloc.ptr);
+    b.static_shared.clear();
+    b.static_shared_bytes = 0;
+    std::free(b.dynamic_shared);
+    b.dynamic_shared = nullptr;
+  }
 }
 
-void run_block(Launch& L) {
-  free_shared(L);
-  if (L.dynamic_shared_bytes > 0) {
-    L.dynamic_shared = std::malloc(L.dynamic_shared_bytes);
-    std::memset(L.dynamic_shared, 0xFF, L.dynamic_shared_bytes);
-  }
+bool block_exited(const Launch& L, unsigned rank) {
   for (unsigned i = 0; i < L.nthreads; ++i) {
-    Fiber& f = L.fibers[i];
+    if (L.fibers[rank * L.nthreads + i].state != FiberState::kDone) return false;
+  }
+  return true;
+}
+
+// Runs the blocks of one cluster (L.blocks, ids set) to completion or to the first error.
+void run_cluster(Launch& L) {
+  free_shared(L);
+  for (Block& b : L.blocks) {
+    if (L.dynamic_shared_bytes > 0) {
+      b.dynamic_shared = std::malloc(L.dynamic_shared_bytes);
+      std::memset(b.dynamic_shared, 0xFF, L.dynamic_shared_bytes);
+    }
+  }
+  const unsigned total = L.nthreads * L.cluster_blocks;
+  for (unsigned slot = 0; slot < total; ++slot) {
+    Fiber& f = L.fibers[slot];
+    const unsigned i = slot % L.nthreads;
     f = Fiber{};
     f.linear = i;
+    f.rank = slot / L.nthreads;
+    f.slot = slot;
     f.tid = uint3{i % L.block.x, i / L.block.x % L.block.y, i / (L.block.x * L.block.y)};
 #ifdef SPECDEC_SIM_FAST_SWITCH
     // The frame specdec_sim_switch pops on the first switch: FP control words, six callee-saved registers,
     // then fiber_entry as the return address, above it a null "return address" of fiber_entry itself, so
     // that fiber_entry starts with the stack alignment of a call.
-    uint64_t* top = reinterpret_cast<uint64_t*>(tls_stacks[i]->base + kStackBytes);
+    uint64_t* top = reinterpret_cast<uint64_t*>(tls_stacks[slot]->base + kStackBytes);
     *--top = 0;
     *--top = reinterpret_cast<uint64_t>(&fiber_entry);
     for (int r = 0; r < 6; ++r) *--top = 0;
@@ -411,7 +451,7 @@ void run_block(Launch& L) {
     f.sp = top;
 #else
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = tls_stacks[i]->base;
+    f.ctx.uc_stack.ss_sp = tls_stacks[slot]->base;
     f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_entry, 0);
@@ -423,25 +463,40 @@ void run_block(Launch& L) {
       switch_to_fiber(L, f);
       if (L.failed) return;
     }
-    unsigned done = 0, at_barrier = 0;
+    unsigned done = 0, at_cluster = 0;
     for (const Fiber& f : L.fibers) {
       done += f.state == FiberState::kDone;
-      at_barrier += f.state == FiberState::kAtBarrier;
+      at_cluster += f.state == FiberState::kAtCluster;
     }
-    if (done == L.nthreads) return;
+    if (done == total) return;
     if (release_warp_collectives(L)) continue;
     if (L.failed) return;
-    if (at_barrier + done == L.nthreads) {
+    bool released = false;
+    for (unsigned rank = 0; rank < L.cluster_blocks; ++rank) {
+      const unsigned first = rank * L.nthreads;
+      unsigned block_done = 0, at_barrier = 0;
+      for (unsigned i = first; i < first + L.nthreads; ++i) {
+        block_done += L.fibers[i].state == FiberState::kDone;
+        at_barrier += L.fibers[i].state == FiberState::kAtBarrier;
+      }
+      if (at_barrier == 0 || at_barrier + block_done < L.nthreads) continue;
+      if (block_done > 0) {
+        record_block_failure(L, rank, "barrier divergence: " + describe_states(L, first, L.nthreads));
+        return;
+      }
+      for (unsigned i = first; i < first + L.nthreads; ++i) L.fibers[i].state = FiberState::kRunnable;
+      released = true;
+    }
+    if (at_cluster > 0 && at_cluster + done == total) {
       if (done > 0) {
-        L.failed = true;
-        L.error = "specdec sim: " + where(L) + ": barrier divergence: " + describe_states(L);
+        record_block_failure(L, 0, "cluster barrier divergence: " + describe_states(L, 0, total));
         return;
       }
       for (Fiber& f : L.fibers) f.state = FiberState::kRunnable;
-      continue;
+      released = true;
     }
-    L.failed = true;
-    L.error = "specdec sim: " + where(L) + ": deadlock: " + describe_states(L);
+    if (released) continue;
+    record_block_failure(L, 0, "deadlock: " + describe_states(L, 0, total));
     return;
   }
 }
@@ -453,7 +508,7 @@ const DeviceLimits& device_limits() {
   return limits;
 }
 
-void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_shared_bytes,
+void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t dynamic_shared_bytes,
             const std::function<void()>& body) {
   const DeviceLimits& lim = device_limits();
   auto reject = [&](const std::string& why) {
@@ -461,13 +516,22 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_share
   };
   const unsigned bd[3] = {block.x, block.y, block.z};
   const unsigned gd[3] = {grid.x, grid.y, grid.z};
+  const unsigned cd[3] = {cluster.x, cluster.y, cluster.z};
   for (int i = 0; i < 3; ++i) {
-    if (bd[i] == 0 || bd[i] > lim.max_block_dim[i]) reject("blockDim." + std::string(1, "xyz"[i]) + " = " + std::to_string(bd[i]));
-    if (gd[i] == 0 || gd[i] > lim.max_grid_dim[i]) reject("gridDim." + std::string(1, "xyz"[i]) + " = " + std::to_string(gd[i]));
+    const std::string axis(1, "xyz"[i]);
+    if (bd[i] == 0 || bd[i] > lim.max_block_dim[i]) reject("blockDim." + axis + " = " + std::to_string(bd[i]));
+    if (gd[i] == 0 || gd[i] > lim.max_grid_dim[i]) reject("gridDim." + axis + " = " + std::to_string(gd[i]));
+    if (cd[i] == 0 || gd[i] % cd[i] != 0) {
+      reject("gridDim." + axis + " = " + std::to_string(gd[i]) + " is not a multiple of the cluster's " + std::to_string(cd[i]));
+    }
   }
   const uint64_t nthreads = uint64_t{block.x} * block.y * block.z;
   if (nthreads > lim.max_threads_per_block) {
     reject(std::to_string(nthreads) + " threads per block, the device allows " + std::to_string(lim.max_threads_per_block));
+  }
+  const uint64_t cluster_blocks = uint64_t{cluster.x} * cluster.y * cluster.z;
+  if (cluster_blocks > lim.max_cluster_blocks) {
+    reject(std::to_string(cluster_blocks) + " blocks per cluster, the portable limit is " + std::to_string(lim.max_cluster_blocks));
   }
   if (dynamic_shared_bytes > lim.max_shared_optin) {
     reject(std::to_string(dynamic_shared_bytes) + " bytes of dynamic shared memory, the device allows " +
@@ -479,11 +543,16 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_share
   L.name = kernel_name;
   L.grid = grid;
   L.block = block;
+  L.cluster = cluster;
   L.body = &body;
   L.nthreads = static_cast<unsigned>(nthreads);
+  L.cluster_blocks = static_cast<unsigned>(cluster_blocks);
   L.dynamic_shared_bytes = dynamic_shared_bytes;
-  L.fibers.resize(L.nthreads);
-  while (tls_stacks.size() < L.nthreads) tls_stacks.push_back(std::make_unique<FiberStack>());
+  L.stats.threads_per_block = L.nthreads;
+  L.stats.cluster_blocks = L.cluster_blocks;
+  L.blocks.resize(L.cluster_blocks);
+  L.fibers.resize(L.nthreads * L.cluster_blocks);
+  while (tls_stacks.size() < L.fibers.size()) tls_stacks.push_back(std::make_unique<FiberStack>());
 
   tls_launch = &L;
   struct Reset {
@@ -494,13 +563,17 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_share
       tls_launch = nullptr;
     }
   } reset{L};
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
-        L.block_id = uint3{x, y, z};
-        L.block_serial = ++tls_blocks_run;
-        ++L.stats.blocks;
-        run_block(L);
+  for (unsigned z = 0; z < grid.z; z += cluster.z) {
+    for (unsigned y = 0; y < grid.y; y += cluster.y) {
+      for (unsigned x = 0; x < grid.x; x += cluster.x) {
+        // CUDA's block rank within a cluster: x fastest, then y, then z.
+        for (unsigned rank = 0; rank < L.cluster_blocks; ++rank) {
+          Block& b = L.blocks[rank];
+          b.id = uint3{x + rank % cluster.x, y + rank / cluster.x % cluster.y, z + rank / (cluster.x * cluster.y)};
+          b.serial = ++tls_blocks_run;
+        }
+        L.stats.blocks += L.cluster_blocks;
+        run_cluster(L);
         if (L.failed) throw SimError(L.error);
       }
     }
@@ -508,19 +581,33 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_share
 }
 
 const uint3& thread_idx() { return active("threadIdx").current->tid; }
-const uint3& block_idx() { return active("blockIdx").block_id; }
+const uint3& block_idx() {
+  Launch& L = active("blockIdx");
+  return L.block_of(*L.current).id;
+}
 const dim3& block_dim() { return active("blockDim").block; }
 const dim3& grid_dim() { return active("gridDim").grid; }
-uint64_t block_serial() { return active("block_serial").block_serial; }
+uint64_t block_serial() {
+  Launch& L = active("block_serial");
+  return L.block_of(*L.current).serial;
+}
+unsigned cluster_block_rank() { return active("cluster.block_rank()").current->rank; }
+unsigned cluster_num_blocks() { return active("cluster.num_blocks()").cluster_blocks; }
 
-void sync_block(const char* file, unsigned line) {
-  Launch& L = active("__syncthreads");
+namespace {
+// Suspends the calling fiber at a block (kAtBarrier) or cluster (kAtCluster) barrier.
+void wait_at_barrier(const char* what, FiberState barrier, const char* file, unsigned line) {
+  Launch& L = active(what);
   Fiber& f = *L.current;
-  f.state = FiberState::kAtBarrier;
+  f.state = barrier;
   f.file = file;
   f.line = line;
   yield(L, f);
 }
+}  // namespace
+
+void sync_block(const char* file, unsigned line) { wait_at_barrier("__syncthreads", FiberState::kAtBarrier, file, line); }
+void sync_cluster(const char* file, unsigned line) { wait_at_barrier("cluster.sync()", FiberState::kAtCluster, file, line); }
 
 uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width, const char* file,
                          unsigned line) {
@@ -551,15 +638,16 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
 
 void* static_shared(const void* site, size_t bytes, size_t align) {
   Launch& L = active("__shared__");
-  auto it = L.static_shared.find(site);
-  if (it != L.static_shared.end()) return it->second.ptr;
+  Block& B = L.block_of(*L.current);
+  auto it = B.static_shared.find(site);
+  if (it != B.static_shared.end()) return it->second.ptr;
   const DeviceLimits& lim = device_limits();
-  if (L.static_shared_bytes + bytes > lim.max_static_shared) {
-    record_failure(L, "static __shared__ memory of " + std::to_string(L.static_shared_bytes + bytes) +
+  if (B.static_shared_bytes + bytes > lim.max_static_shared) {
+    record_failure(L, "static __shared__ memory of " + std::to_string(B.static_shared_bytes + bytes) +
                           " bytes exceeds the device's " + std::to_string(lim.max_static_shared));
     abandon(L);
   }
-  if (L.static_shared_bytes + bytes + L.dynamic_shared_bytes > lim.max_shared_optin) {
+  if (B.static_shared_bytes + bytes + L.dynamic_shared_bytes > lim.max_shared_optin) {
     record_failure(L, "static plus dynamic shared memory exceeds the device's " + std::to_string(lim.max_shared_optin) +
                           " bytes");
     abandon(L);
@@ -571,14 +659,52 @@ void* static_shared(const void* site, size_t bytes, size_t align) {
     abandon(L);
   }
   std::memset(p, 0xFF, bytes);
-  L.static_shared.emplace(site, SharedAlloc{p, bytes});
-  L.static_shared_bytes += bytes;
+  B.static_shared.emplace(site, SharedAlloc{p, bytes});
+  B.static_shared_bytes += bytes;
   return p;
 }
 
 void* dynamic_shared() {
   Launch& L = active("extern __shared__");
-  return L.dynamic_shared;
+  return L.block_of(*L.current).dynamic_shared;
+}
+
+// " at file:line", for messages built in the full expression that records them (see record_failure).
+std::string call_site(const char* file, unsigned line) { return std::string(" at ") + file + ":" + std::to_string(line); }
+
+void* map_shared_rank(const void* p, unsigned rank, const char* file, unsigned line) {
+  Launch& L = active("cluster.map_shared_rank()");
+  if (rank >= L.cluster_blocks) {
+    record_failure(L, "cluster.map_shared_rank" + call_site(file, line) + ": rank " + std::to_string(rank) + " of a cluster of " +
+                          std::to_string(L.cluster_blocks) + " blocks");
+    abandon(L);
+  }
+  if (block_exited(L, rank)) {
+    record_failure(L, "cluster.map_shared_rank" + call_site(file, line) + ": block rank " + std::to_string(rank) +
+                          " has exited, and its shared memory with it");
+    abandon(L);
+  }
+  const Block& mine = L.block_of(*L.current);
+  const Block& other = L.blocks[rank];
+  const auto* q = static_cast<const char*>(p);
+  if (mine.dynamic_shared != nullptr && q >= static_cast<const char*>(mine.dynamic_shared) &&
+      q < static_cast<const char*>(mine.dynamic_shared) + L.dynamic_shared_bytes) {
+    return static_cast<char*>(other.dynamic_shared) + (q - static_cast<const char*>(mine.dynamic_shared));
+  }
+  for (const auto& [site, alloc] : mine.static_shared) {
+    const auto* base = static_cast<const char*>(alloc.ptr);
+    if (q < base || q >= base + alloc.bytes) continue;
+    const auto it = other.static_shared.find(site);
+    if (it == other.static_shared.end()) {
+      record_failure(L, "cluster.map_shared_rank" + call_site(file, line) + ": block rank " + std::to_string(rank) +
+                            " has not declared this __shared__ variable yet (a cluster.sync() before remote accesses "
+                            "guarantees it)");
+      abandon(L);
+    }
+    return static_cast<char*>(it->second.ptr) + (q - base);
+  }
+  record_failure(L, "cluster.map_shared_rank" + call_site(file, line) + ": the pointer is not in this block's shared memory");
+  abandon(L);
 }
 
 void fail(const char* message, const char* file, unsigned line) {

@@ -1,10 +1,11 @@
 // The SIMT emulator: runs the CUDA kernels of csrc/kernels on the CPU (DESIGN.md §6).
 //
-// Execution model: each CUDA thread of a block is a fiber; a fiber runs until it reaches a block
-// barrier or a warp collective, or returns. Blocks run one after another on the calling OS thread, so
-// atomics are plain read-modify-writes. A barrier that not every live thread of the block reaches,
-// a warp collective whose mask names a lane that does not take part, and a launch the device would
-// reject all end the launch with SimError instead of hanging or silently continuing.
+// Execution model: each CUDA thread of a block is a fiber; a fiber runs until it reaches a block or
+// cluster barrier or a warp collective, or returns. Thread block clusters (sm_90) run one after another
+// on the calling OS thread, the blocks of a cluster together (a launch without clusters has clusters of
+// one block), so atomics are plain read-modify-writes. A barrier that not every live thread of the block
+// (or cluster) reaches, a warp collective whose mask names a lane that does not take part, and a launch
+// the device would reject all end the launch with SimError instead of hanging or silently continuing.
 //
 // Kernels never include this header directly: they use csrc/include/specdec/device.cuh, which maps
 // each helper to CUDA or to the functions below.
@@ -44,14 +45,16 @@ struct DeviceLimits {
   unsigned max_grid_dim[3] = {2147483647u, 65535u, 65535u};
   size_t max_static_shared = 48 * 1024;
   size_t max_shared_optin = 227 * 1024;  // sm_90; the launch helper opts in above 48 KiB
+  unsigned max_cluster_blocks = 8;        // the portable cluster size
 };
 const DeviceLimits& device_limits();
 
 struct Stream {};  // launches are synchronous
 
-// Runs `body` once per thread of every block of `grid`; returns when all blocks are done.
+// Runs `body` once per thread of every block of `grid`, in clusters of `cluster` blocks (each dimension
+// of the grid a multiple of the cluster's); returns when all blocks are done.
 // Throws SimError on an invalid configuration or on an error raised inside the kernel.
-void launch(const char* kernel_name, dim3 grid, dim3 block, size_t dynamic_shared_bytes,
+void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t dynamic_shared_bytes,
             const std::function<void()>& body);
 
 // Built-in variables of the calling fiber.
@@ -65,6 +68,16 @@ uint64_t block_serial();
 
 // __syncthreads: `file`/`line` name the call site in error messages.
 void sync_block(const char* file, unsigned line);
+
+// Thread block clusters: the calling block's rank in its cluster and the cluster's size in blocks;
+// cluster.sync() (every thread of every block of the cluster); and cluster.map_shared_rank, the address of
+// the same shared-memory byte in block `rank` of the cluster. `p` must point into the caller's shared
+// memory, and the other block must have declared that variable (on a GPU: be running, which the cluster
+// barrier before a remote access guarantees).
+unsigned cluster_block_rank();
+unsigned cluster_num_blocks();
+void sync_cluster(const char* file, unsigned line);
+void* map_shared_rank(const void* p, unsigned rank, const char* file, unsigned line);
 
 enum class WarpOp : uint8_t { kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
 // One warp collective: every lane named in `mask` must call it with the same op, mask and width.
@@ -82,10 +95,12 @@ void* dynamic_shared();
 // Takes no owning arguments: the calling fiber is abandoned without unwinding its stack.
 [[noreturn]] void fail(const char* message, const char* file, unsigned line);
 
-// Counters for tests: how many fiber switches and blocks the last launch on this thread ran.
+// For tests: the shape of the last launch on this thread, and how many blocks and fiber switches it ran.
 struct LaunchStats {
   uint64_t blocks = 0;
   uint64_t switches = 0;
+  unsigned threads_per_block = 0;
+  unsigned cluster_blocks = 0;
 };
 LaunchStats last_launch_stats();
 

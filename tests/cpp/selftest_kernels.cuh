@@ -179,4 +179,62 @@ __global__ void async_copy_kernel(const Words4* in, Words4* out) {
   out[64 + t] = second[neighbour];
 }
 
+// Thread block clusters: each block sums its slice of `in` into shared memory, then every thread reads all
+// blocks' sums through distributed shared memory. Then `rounds` rounds of passing a token around the ring
+// of blocks: in round i block r reads block r - 1's value and adds its rank, which only works if the blocks
+// of a cluster run together and the cluster barrier orders each round. One output row per thread:
+// rank, size, cluster total, ring value, blockIdx.x.
+constexpr int kClusterOutputs = 5;
+template <int kBlock>
+__global__ void cluster_kernel(const int* in, int rounds, int* out) {
+  SPECDEC_SHARED(int, partial, kBlock / kWarpSize);
+  SPECDEC_SHARED(int, block_total, 1);
+  SPECDEC_SHARED(int, ring, 2);
+  const unsigned rank = cluster_rank(), size = cluster_size();
+  const int i = blockIdx.x * kBlock + threadIdx.x;
+  const int s = block_reduce<kBlock>(in[i], Sum{}, partial);
+  if (threadIdx.x == 0) {
+    *block_total = s;
+    ring[0] = static_cast<int>(rank);
+  }
+  sync_cluster();
+  int total = 0;
+  for (unsigned r = 0; r < size; ++r) total += *map_cluster_shared(block_total, r);
+  for (int round = 0; round < rounds; ++round) {
+    const int from = round % 2, to = 1 - from;
+    if (threadIdx.x == 0) ring[to] = *map_cluster_shared(&ring[from], (rank + size - 1) % size) + static_cast<int>(rank);
+    sync_cluster();
+  }
+  const int ring_value = ring[rounds % 2];
+  sync_cluster();  // no block exits while another may still read its shared memory
+  int* o = out + static_cast<size_t>(i) * kClusterOutputs;
+  o[0] = static_cast<int>(rank);
+  o[1] = static_cast<int>(size);
+  o[2] = total;
+  o[3] = ring_value;
+  o[4] = static_cast<int>(blockIdx.x);
+}
+
+// Misuses: 0 block rank 1 exits before the cluster barrier; 1 maps a pointer that is not shared memory;
+// 2 maps a rank outside the cluster; 3 reads a block's shared memory after that block has exited.
+__global__ void cluster_misuse_kernel(int mode, int* out) {
+  SPECDEC_SHARED(int, value, 1);
+  *value = 1;
+  if (mode == 0) {
+    if (cluster_rank() == 1) return;
+    sync_cluster();
+  } else if (mode == 1) {
+    sync_cluster();
+    out[threadIdx.x] = *map_cluster_shared(out, 0);
+  } else if (mode == 2) {
+    sync_cluster();
+    out[threadIdx.x] = *map_cluster_shared(value, cluster_size());
+  } else {
+    sync_cluster();
+    if (cluster_rank() == 0) return;
+    for (int i = 0; i < 3; ++i) sync_threads();  // block 0 runs to its end meanwhile
+    out[threadIdx.x] = *map_cluster_shared(value, 0);
+  }
+}
+
 }  // namespace selftest

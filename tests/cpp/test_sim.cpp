@@ -275,6 +275,55 @@ TEST_CASE("launches the device would reject are reported") {
                     "static __shared__ memory");
 }
 
+TEST_CASE("thread block clusters: rank, size, distributed shared memory and the cluster barrier") {
+  constexpr int kBlock = 64;
+  for (const unsigned cluster : {1u, 2u, 4u, 8u}) {
+    const int clusters = 3, blocks = static_cast<int>(cluster) * clusters, rounds = 5;
+    const std::vector<int> in = random_ints(blocks * kBlock, -100, 100, 7 + cluster);
+    std::vector<int> out(in.size() * selftest::kClusterOutputs, -999);
+    launch_cluster_kernel("cluster", selftest::cluster_kernel<kBlock>, dim3(blocks), dim3(kBlock), cluster, 0, Stream{},
+                          in.data(), rounds, out.data());
+    CHECK_EQ(sim::last_launch_stats().cluster_blocks, cluster);
+    for (int b = 0; b < blocks; ++b) {
+      const int rank = b % static_cast<int>(cluster), first = b - rank;
+      const int total = std::accumulate(in.begin() + first * kBlock, in.begin() + (first + static_cast<int>(cluster)) * kBlock, 0);
+      // The ring: value_r(0) = r, value_r(i + 1) = value_{r-1}(i) + r.
+      std::vector<int> ring(cluster);
+      std::iota(ring.begin(), ring.end(), 0);
+      for (int round = 0; round < rounds; ++round) {
+        std::vector<int> next(cluster);
+        for (unsigned r = 0; r < cluster; ++r) next[r] = ring[(r + cluster - 1) % cluster] + static_cast<int>(r);
+        ring = next;
+      }
+      for (int t = 0; t < kBlock; ++t) {
+        const int* o = &out[(static_cast<size_t>(b) * kBlock + t) * selftest::kClusterOutputs];
+        CHECK_EQ(o[0], rank);
+        CHECK_EQ(o[1], static_cast<int>(cluster));
+        CHECK_EQ(o[2], total);
+        CHECK_EQ(o[3], ring[rank]);
+        CHECK_EQ(o[4], b);
+      }
+    }
+  }
+}
+
+TEST_CASE("cluster misuses are reported") {
+  std::vector<int> out(64, 0);
+  auto run = [&](int mode) {
+    launch_cluster_kernel("cluster_misuse", selftest::cluster_misuse_kernel, dim3(4), dim3(32), 2, 0, Stream{}, mode, out.data());
+  };
+  CHECK_THROWS_WITH(run(0), "cluster barrier divergence");
+  CHECK_THROWS_WITH(run(1), "not in this block's shared memory");
+  CHECK_THROWS_WITH(run(2), "rank 2 of a cluster of 2 blocks");
+  CHECK_THROWS_WITH(run(3), "has exited");
+  CHECK_THROWS_WITH(launch_cluster_kernel("cluster", selftest::cluster_kernel<64>, dim3(6), dim3(64), 4, 0, Stream{},
+                                          out.data(), 1, out.data()),
+                    "not a multiple of the cluster");
+  CHECK_THROWS_WITH(launch_cluster_kernel("cluster", selftest::cluster_kernel<64>, dim3(16), dim3(64), 16, 0, Stream{},
+                                          out.data(), 1, out.data()),
+                    "portable limit");
+}
+
 TEST_CASE("a kernel after a failed launch runs normally") {
   std::vector<int> out(128, 0);
   CHECK_THROWS_WITH(launch_kernel("divergent", selftest::divergent_barrier_kernel, dim3(1), dim3(128), 0, Stream{}, out.data()),

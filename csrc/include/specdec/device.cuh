@@ -2,9 +2,9 @@
 // this header, and each primitive here has an emulated twin (csrc/sim) selected by SPECDEC_SIM, so the
 // same kernel source runs on a GPU and under the emulator.
 //
-// Primitives (twinned): built-in variables, sync_threads/sync_warp, shuffles, votes, atomics, shared
-// memory declarations, 16-byte vector loads/stores, half/bfloat16 conversions, tensor-core MMA, ldmatrix
-// and asynchronous global -> shared copies.
+// Primitives (twinned): built-in variables, sync_threads/sync_warp, thread block clusters (rank, barrier,
+// distributed shared memory), shuffles, votes, atomics, shared memory declarations, 16-byte vector
+// loads/stores, half/bfloat16 conversions, tensor-core MMA, ldmatrix and asynchronous global -> shared copies.
 // Compound helpers (warp/block reductions and scans) are written once, on top of the primitives.
 #pragma once
 #include <stdint.h>
@@ -44,6 +44,7 @@
 #else
 // ---------------------------------------------------------------------------------------------------
 // CUDA.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -75,6 +76,35 @@ inline void sync_warp(unsigned mask = kFullMask, std::source_location loc = std:
 #else
 SPECDEC_DEVICE void sync_threads() { __syncthreads(); }
 SPECDEC_DEVICE void sync_warp(unsigned mask = kFullMask) { __syncwarp(mask); }
+#endif
+
+// ----- thread block clusters (sm_90) ---------------------------------------------------------------
+// A launch without clusters runs clusters of one block. Code compiled for an architecture without clusters
+// (before sm_90) sees clusters of one block, so a launcher must not request more there.
+// map_cluster_shared(p, rank): the same shared-memory element in block `rank` of the cluster (distributed
+// shared memory); valid between two sync_cluster() calls that every block of the cluster makes.
+#if defined(SPECDEC_SIM)
+inline unsigned cluster_rank() { return sim::cluster_block_rank(); }
+inline unsigned cluster_size() { return sim::cluster_num_blocks(); }
+inline void sync_cluster(std::source_location loc = std::source_location::current()) {
+  sim::sync_cluster(loc.file_name(), loc.line());
+}
+template <typename T>
+T* map_cluster_shared(T* p, unsigned rank, std::source_location loc = std::source_location::current()) {
+  return static_cast<T*>(sim::map_shared_rank(p, rank, loc.file_name(), loc.line()));
+}
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+SPECDEC_DEVICE unsigned cluster_rank() { return cooperative_groups::this_cluster().block_rank(); }
+SPECDEC_DEVICE unsigned cluster_size() { return cooperative_groups::this_cluster().num_blocks(); }
+SPECDEC_DEVICE void sync_cluster() { cooperative_groups::this_cluster().sync(); }
+template <typename T>
+SPECDEC_DEVICE T* map_cluster_shared(T* p, unsigned rank) { return cooperative_groups::this_cluster().map_shared_rank(p, rank); }
+#else
+SPECDEC_DEVICE unsigned cluster_rank() { return 0; }
+SPECDEC_DEVICE unsigned cluster_size() { return 1; }
+SPECDEC_DEVICE void sync_cluster() { __syncthreads(); }
+template <typename T>
+SPECDEC_DEVICE T* map_cluster_shared(T* p, unsigned) { return p; }
 #endif
 
 // Kernels using the helpers below run 1-D blocks, so the lane is threadIdx.x % 32.

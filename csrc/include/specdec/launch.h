@@ -18,12 +18,19 @@ namespace specdec {
 #if defined(SPECDEC_SIM)
 using Stream = sim::Stream;
 
+// Launches thread block clusters of `cluster_blocks` blocks along x (grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
-                   Stream, Args&&... args) {
+void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, unsigned cluster_blocks,
+                           size_t dynamic_smem, Stream, Args&&... args) {
   // Arguments are converted to the kernel's parameter types once, as cudaLaunchKernel does.
   const std::tuple<KernelArgs...> params(std::forward<Args>(args)...);
-  sim::launch(name, grid, block, dynamic_smem, [&] { std::apply(kernel, params); });
+  sim::launch(name, grid, block, dim3(cluster_blocks), dynamic_smem, [&] { std::apply(kernel, params); });
+}
+
+template <typename... KernelArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                   Stream stream, Args&&... args) {
+  launch_cluster_kernel(name, kernel, grid, block, 1, dynamic_smem, stream, std::forward<Args>(args)...);
 }
 #else
 using Stream = cudaStream_t;
@@ -41,6 +48,33 @@ void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, d
   }
   kernel<<<grid, block, dynamic_smem, stream>>>(std::forward<Args>(args)...);
   check_cuda(cudaGetLastError(), name);
+}
+
+// Launches thread block clusters of `cluster_blocks` blocks along x (sm_90 and later; grid.x a multiple of it).
+template <typename... KernelArgs, typename... Args>
+void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, unsigned cluster_blocks,
+                           size_t dynamic_smem, Stream stream, Args&&... args) {
+  if (cluster_blocks == 1) {
+    launch_kernel(name, kernel, grid, block, dynamic_smem, stream, std::forward<Args>(args)...);
+    return;
+  }
+  if (dynamic_smem > 48 * 1024) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_smem)),
+               name);
+  }
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_blocks;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = dynamic_smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
 }
 #endif
 

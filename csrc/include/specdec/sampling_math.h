@@ -26,7 +26,8 @@
 //     their totals (base 0), the tile's groups by their totals, the group's lanes by their block sums, the
 //     block's 8 masses.
 // With that, CPU, CUDA and the emulator return the same tokens, resampled ones included. The order depends on
-// the lanes only, not on how they are spread over threads or blocks.
+// the lanes only, not on how they are spread over threads or blocks (the CUDA kernel splits them over a
+// cluster of 1, 2 or 4 blocks).
 #pragma once
 #include <stdint.h>
 
