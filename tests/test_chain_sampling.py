@@ -172,20 +172,32 @@ def test_lanes_split_over_a_cluster_change_no_bit(dtype, logits, batch, cluster_
     # of 256 threads at batch 1, of 2 blocks at batch 2, and runs one block of 1024 threads at batch 3. The
     # cluster's blocks combine their lanes through distributed shared memory and keep 4 / 2 / 1 tiles of loads
     # in flight; the tokens must be the CPU kernel's. Several rounds, so that acceptance, residual and bonus
-    # sampling, and (round 0) greedy rows all occur; 20000 entries span three tiles.
-    for round_ in range(4):
+    # sampling, and (round 0) greedy rows all occur; 20000 entries span three tiles. Round 1 also runs on
+    # misaligned rows (scalar loads); round 4 has p == q with p(x) = q(x) = 0, whose residual has no mass, so the
+    # token is resampled from p after a search that found nothing.
+    for round_ in range(5):
         inp = make_inputs(gen, batch, 4, 20000, dtype, with_draft=round_ != 3, sharpness=1.0)
         inp["num_draft_tokens"][0] = 4
+        if round_ == 4:
+            inp["target_logits"][:, :, 7] = -math.inf
+            inp["target_probs"][:, :, 7] = 0.0
+            inp["draft_logits"], inp["draft_probs"] = inp["target_logits"][:, :4], inp["target_probs"][:, :4]
+            inp["ids"][:, 0] = 7
+        inputs = [inp, {key: misaligned_copy(val) if key.endswith(("probs", "logits")) else val
+                        for key, val in inp.items()}] if round_ == 1 else [inp]
         if logits:
             t = torch.zeros(batch) if round_ == 0 else torch.rand(batch, generator=gen) + 0.3
-            cpu, emu = run_logits("cpu", inp, t), run_logits("sim", inp, t)
+            cpu, emus = run_logits("cpu", inp, t), [run_logits("sim", x, t) for x in inputs]
         else:
             greedy = torch.full((batch,), round_ == 0)
-            cpu, emu = run_probs("cpu", inp, greedy), run_probs("sim", inp, greedy)
+            cpu, emus = run_probs("cpu", inp, greedy), [run_probs("sim", x, greedy) for x in inputs]
         assert sim.last_launch() == {"blocks": batch * cluster_blocks, "threads_per_block": 1024 // cluster_blocks,
                                      "cluster_blocks": cluster_blocks}
-        assert torch.equal(cpu.output_token_ids, emu.output_token_ids), round_
-        assert torch.equal(cpu.num_accepted, emu.num_accepted), round_
+        if round_ == 4:
+            assert bool((cpu.num_accepted == 0).all()) and bool((cpu.output_token_ids[:, 0] != 7).all())
+        for emu in emus:
+            assert torch.equal(cpu.output_token_ids, emu.output_token_ids), round_
+            assert torch.equal(cpu.num_accepted, emu.num_accepted), round_
 
 
 def run_all_backends(inp, shifted, logits, batch, gen):
@@ -507,21 +519,23 @@ def test_invalid_values_raise_on_cpu(gen):
         specdec_ext.chain_speculative_sampling_from_logits(inp["ids"], nan_logits, None, temperature=1.0, seed=1)
 
 
-def test_device_side_checks_under_the_emulator(gen):
-    # Like CUDA: no host sync by default (a defined, in-range output), a ValueError in strict mode.
-    inp = make_inputs(gen, 4, 3, 40)
+@pytest.mark.parametrize("batch", [4, 1], ids=["one_block", "cluster_of_4"])
+def test_device_side_checks_under_the_emulator(batch, gen):
+    # Like CUDA: no host sync by default (a defined, in-range output), a ValueError in strict mode. At batch 1
+    # the request's lanes are a cluster of 4 blocks, which all record the errors.
+    inp = make_inputs(gen, batch, 3, 40)
     tp = inp["target_probs"].clone()
-    tp[1, :, :] = float("nan")
+    tp[batch // 4, :, :] = float("nan")
     ids = inp["ids"].clone()
-    ids[2, 0] = -5
+    ids[batch // 2, 0] = -5
     out = sim.chain_speculative_sampling(ids, tp, inp["draft_probs"], seed=inp["seed"])
-    check_well_formed(out, 3, torch.full((4,), 3), 40)
+    check_well_formed(out, 3, torch.full((batch,), 3), 40)
     specdec_ext.set_strict(True)
     try:
         with pytest.raises(ValueError, match="target_probs holds NaN or inf; draft_token_ids holds ids outside"):
             sim.chain_speculative_sampling(ids, tp, inp["draft_probs"], seed=inp["seed"])
         ok = sim.chain_speculative_sampling(inp["ids"], inp["target_probs"], inp["draft_probs"], seed=inp["seed"])
-        check_well_formed(ok, 3, torch.full((4,), 3), 40)
+        check_well_formed(ok, 3, torch.full((batch,), 3), 40)
     finally:
         specdec_ext.set_strict(False)
 

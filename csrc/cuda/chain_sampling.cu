@@ -1,3 +1,5 @@
+#include <atomic>
+
 #include "checks.h"
 #include "cuda/launcher.h"
 #include "kernels/chain_sampling.cuh"
@@ -5,30 +7,36 @@
 namespace specdec {
 namespace {
 
-// Blocks per cluster for a batch: the largest C in {1, 2, 4} with batch * C <= SMs, so that a small batch
-// still spreads over the GPU; 1 where the device or the compiled kernel has no clusters (before sm_90).
-int sampling_cluster_blocks(int64_t batch, int sms, bool clusters) {
-  if (!clusters) return 1;
-  int c = kMaxSamplingClusterBlocks;
-  while (c > 1 && batch * c > sms) c /= 2;
-  return c;
+// How many clusters of chain_sampling_kernel<T, C> run at once on the tensor's device (0 without clusters),
+// cached per device: it does not change, and the launch path must stay cheap.
+template <typename T, int C>
+int sampling_clusters_at_once(const at::Tensor& t) {
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // 0: unknown, else clusters + 1
+  const int device = std::max<int>(0, t.device().index());
+  if (device < kCachedDevices) {
+    const int cached = cache[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached - 1;
+  }
+  const int clusters = max_active_clusters(chain_sampling_kernel<T, C>, dim3(kLanes / C), C, 0);
+  if (device < kCachedDevices) cache[device].store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
 }
 
-#if defined(SPECDEC_SIM)
-bool has_clusters(const at::Tensor&, const void*) { return true; }
-#else
-bool has_clusters(const at::Tensor& t, const void* kernel) {
-  if (at::cuda::getDeviceProperties(t.device().index())->major < 9) return false;
-  cudaFuncAttributes attributes{};
-  check_cuda(cudaFuncGetAttributes(&attributes, kernel), "chain sampling: cudaFuncGetAttributes");
-  return attributes.binaryVersion >= 90;  // the machine code that runs was compiled for sm_90 or later
+// Blocks per cluster: the largest C in {4, 2} with batch * C <= SMs and all batch clusters running at once
+// (a cluster must fit in one GPC, so fewer may fit than SMs / C), else 1. More SMs per request while the
+// batch leaves SMs idle; one wave, so a split never adds a second.
+template <typename T>
+int sampling_cluster_blocks(int64_t batch, const at::Tensor& t) {
+  const int sms = multiprocessor_count(t);
+  if (batch * 4 <= sms && batch <= sampling_clusters_at_once<T, 4>(t)) return 4;
+  if (batch * 2 <= sms && batch <= sampling_clusters_at_once<T, 2>(t)) return 2;
+  return 1;
 }
-#endif
 
 template <typename T>
 void launch_for_type(const char* name, const ChainSamplingParams& P, const at::Tensor& target, Stream stream) {
-  const int c = sampling_cluster_blocks(P.batch, multiprocessor_count(target),
-                                        has_clusters(target, reinterpret_cast<const void*>(chain_sampling_kernel<T, 2>)));
+  const int c = sampling_cluster_blocks<T>(P.batch, target);
   // One cluster per request; a grid-stride loop covers batches beyond the grid limit.
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(P.batch, 1 << 28) * c));
   switch (c) {

@@ -151,7 +151,7 @@ struct ClusterSamplingEngine {
       }
 #pragma unroll
       for (int d = 0; d < kTilesInFlight; ++d) {
-        if (t0 + d >= tiles) break;  // uniform over the warp (f may reduce over it)
+        if (t0 + d >= tiles) break;  // uniform over the cluster (f may reduce over the warp)
         f(p[d], q[d], t0 + d, block_start(t0 + d, lane()));
       }
     }
@@ -304,6 +304,9 @@ __global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) chain_sampling_ker
   SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
   SPECDEC_SHARED(int32_t, int_scratch, 2);
   SPECDEC_SHARED(float, float_scratch, 2);
+  // Code compiled for an architecture without clusters sees clusters of one block (device.cuh); the launcher
+  // never asks it for more (max_active_clusters), and this stops the kernel if it ever did.
+  if (kClusterBlocks > 1 && cluster_size() != kClusterBlocks) invariant_failed("chain_sampling_kernel: wrong cluster shape");
   const unsigned rank = kClusterBlocks == 1 ? 0u : cluster_rank();
   Engine engine{P, rank, group_totals, tile_totals, lane_sums, ms_scratch, am_scratch,
                 int_scratch, float_scratch, 0};

@@ -489,7 +489,9 @@ void run_cluster(Launch& L) {
     }
     if (at_cluster > 0 && at_cluster + done == total) {
       if (done > 0) {
-        record_block_failure(L, 0, "cluster barrier divergence: " + describe_states(L, 0, total));
+        const auto waiting = std::find_if(L.fibers.begin(), L.fibers.end(),
+                                          [](const Fiber& f) { return f.state == FiberState::kAtCluster; });
+        record_block_failure(L, waiting->rank, "cluster barrier divergence: " + describe_states(L, 0, total));
         return;
       }
       for (Fiber& f : L.fibers) f.state = FiberState::kRunnable;

@@ -1,5 +1,7 @@
 """Chain speculative sampling on CUDA: the same tokens as the CPU kernel (bit-exact, by the canonical
 order), no host synchronisation, capturable in a CUDA graph, defined output on invalid input."""
+import re
+
 import pytest
 import torch
 
@@ -46,6 +48,24 @@ def test_cuda_matches_cpu_exactly(dtype, logits, with_draft, batch, k, vocab, st
     cpu = run(c, "cpu", logits, with_draft)
     gpu = run(c, "cuda", logits, with_draft)  # strict mode (the fixture): valid input records no error
     assert torch.equal(gpu.num_accepted.cpu(), cpu.num_accepted)
+    assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
+
+
+@pytest.mark.parametrize("batch", [1, 50, 300])
+def test_small_batches_split_each_request_over_a_cluster(batch):
+    # Which instantiation ran, from the profiler's kernel names: chain_sampling_kernel<T, blocks per cluster>.
+    # sm_90 with >= 100 SMs: 4 at batch 1, 2 at batch 50, 1 at batch 300; before sm_90 always 1.
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    expected = 1 if not sm90 else next(c for c in (4, 2, 1) if batch * c <= sms or c == 1)
+    c = case(batch, 4, 20000, torch.bfloat16, batch)
+    cpu = run(c, "cpu", True, True)
+    run(c, "cuda", True, True)  # warm-up: module load, cluster occupancy query
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        gpu = run(c, "cuda", True, True)
+        torch.cuda.synchronize()
+    launched = [re.search(r"chain_sampling_kernel<[^<>]+, (\d)>", e.name) for e in prof.events()]
+    assert [int(m.group(1)) for m in launched if m] == [expected]
     assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
 
 

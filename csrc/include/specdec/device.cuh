@@ -107,6 +107,16 @@ template <typename T>
 SPECDEC_DEVICE T* map_cluster_shared(T* p, unsigned) { return p; }
 #endif
 
+// Ends the launch when an invariant that the launcher guarantees is broken (never for bad input, which
+// kernels record and survive): a trap on the GPU (the launch fails), SimError with `message` in the emulator.
+#if defined(SPECDEC_SIM)
+inline void invariant_failed(const char* message, std::source_location loc = std::source_location::current()) {
+  sim::fail(message, loc.file_name(), loc.line());
+}
+#else
+SPECDEC_DEVICE void invariant_failed(const char*) { __trap(); }
+#endif
+
 // Kernels using the helpers below run 1-D blocks, so the lane is threadIdx.x % 32.
 SPECDEC_DEVICE unsigned lane_id() { return threadIdx.x % kWarpSize; }
 

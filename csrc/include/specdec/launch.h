@@ -32,6 +32,10 @@ void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, d
                    Stream stream, Args&&... args) {
   launch_cluster_kernel(name, kernel, grid, block, 1, dynamic_smem, stream, std::forward<Args>(args)...);
 }
+
+// How many clusters of `cluster_blocks` blocks of `kernel` run at once: the emulator runs any number.
+template <typename... KernelArgs>
+int max_active_clusters(void (*)(KernelArgs...), dim3, unsigned, size_t) { return 1 << 30; }
 #else
 using Stream = cudaStream_t;
 
@@ -50,6 +54,25 @@ void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, d
   check_cuda(cudaGetLastError(), name);
 }
 
+// A launch configuration for thread block clusters of `cluster_blocks` blocks along x.
+struct ClusterLaunchConfig {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+  ClusterLaunchConfig(dim3 grid, dim3 block, unsigned cluster_blocks, size_t dynamic_smem, Stream stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = cluster_blocks;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = dynamic_smem;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+  ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;  // config points into the object
+};
+
 // Launches thread block clusters of `cluster_blocks` blocks along x (sm_90 and later; grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
 void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, unsigned cluster_blocks,
@@ -62,19 +85,26 @@ void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_smem)),
                name);
   }
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = cluster_blocks;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = dynamic_smem;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+  ClusterLaunchConfig c(grid, block, cluster_blocks, dynamic_smem, stream);
+  check_cuda(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...), name);
+}
+
+// How many clusters of `cluster_blocks` blocks of `kernel` the current device runs at once; 0 where the
+// running code has no clusters: a device before sm_90, or code compiled for an older architecture (PTX
+// compiled by the driver for a newer device keeps its own __CUDA_ARCH__, so cluster_rank() there is 0).
+template <typename... KernelArgs>
+int max_active_clusters(void (*kernel)(KernelArgs...), dim3 block, unsigned cluster_blocks, size_t dynamic_smem) {
+  cudaFuncAttributes attributes{};
+  check_cuda(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
+  if (attributes.ptxVersion < 90) return 0;
+  int device = 0, major = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+  if (major < 9) return 0;
+  ClusterLaunchConfig c(dim3(cluster_blocks), block, cluster_blocks, dynamic_smem, nullptr);
+  int clusters = 0;
+  check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.config), "cudaOccupancyMaxActiveClusters");
+  return clusters;
 }
 #endif
 
