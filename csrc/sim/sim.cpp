@@ -292,14 +292,13 @@ int shuffle_source(const Fiber& f, int lane) {
   }
 }
 
-// Completes every warp collective whose lanes have all arrived. Returns whether any completed.
-bool release_warp_collectives(Launch& L) {
+// Completes every warp collective of block `rank` whose lanes have all arrived. Returns whether any completed.
+bool release_warp_collectives(Launch& L, unsigned rank) {
   bool released = false;
   const unsigned nwarps = (L.nthreads + kWarpSize - 1) / kWarpSize;
-  for (unsigned w = 0; w < nwarps * L.cluster_blocks; ++w) {
-    const unsigned rank = w / nwarps;
-    const unsigned first = rank * L.nthreads + w % nwarps * kWarpSize;
-    const unsigned lanes = std::min<unsigned>(kWarpSize, L.nthreads - w % nwarps * kWarpSize);
+  for (unsigned w = 0; w < nwarps; ++w) {
+    const unsigned first = rank * L.nthreads + w * kWarpSize;
+    const unsigned lanes = std::min<unsigned>(kWarpSize, L.nthreads - w * kWarpSize);
     for (unsigned l = 0; l < lanes; ++l) {
       Fiber& leader = L.fibers[first + l];
       if (leader.state != FiberState::kAtWarp) continue;
@@ -310,7 +309,7 @@ bool release_warp_collectives(Launch& L) {
         if (j >= lanes) {
           std::ostringstream s;
           s << op_name(leader.op) << " at " << leader.file << ":" << leader.line << " has mask 0x" << std::hex << mask
-            << std::dec << " naming lane " << j << " of warp " << w % nwarps << ", which does not exist in a block of "
+            << std::dec << " naming lane " << j << " of warp " << w << ", which does not exist in a block of "
             << L.nthreads << " threads";
           record_block_failure(L, rank, s.str());
           return false;
@@ -319,14 +318,14 @@ bool release_warp_collectives(Launch& L) {
         if (g.state == FiberState::kDone) {
           record_block_failure(L, rank, std::string(op_name(leader.op)) + " at " + leader.file + ":" +
                                             std::to_string(leader.line) + " waits for lane " + std::to_string(j) +
-                                            " of warp " + std::to_string(w % nwarps) + ", which has exited");
+                                            " of warp " + std::to_string(w) + ", which has exited");
           return false;
         }
         if (g.state != FiberState::kAtWarp) {
           ready = false;
         } else if (g.op != leader.op || g.mask != mask || g.width != leader.width) {
           std::ostringstream s;
-          s << "warp collective mismatch in warp " << w % nwarps << ": lane " << l
+          s << "warp collective mismatch in warp " << w << ": lane " << l
             << " calls " << op_name(leader.op) << "(mask 0x" << std::hex << mask << std::dec << ") at "
             << leader.file << ":" << leader.line << ", lane " << j << " calls " << op_name(g.op)
             << "(mask 0x" << std::hex << g.mask << std::dec << ") at " << g.file << ":" << g.line;
@@ -421,8 +420,8 @@ bool block_exited(const Launch& L, unsigned rank) {
   return true;
 }
 
-// Runs the blocks of one cluster (L.blocks, ids set) to completion or to the first error.
-void run_cluster(Launch& L) {
+// Runs the blocks of cluster number `cluster_index` (L.blocks, ids set) to completion or to the first error.
+void run_cluster(Launch& L, uint64_t cluster_index) {
   free_shared(L);
   for (Block& b : L.blocks) {
     if (L.dynamic_shared_bytes > 0) {
@@ -457,11 +456,37 @@ void run_cluster(Launch& L) {
     makecontext(&f.ctx, fiber_entry, 0);
 #endif
   }
+  // Each block runs as far as it can (to the cluster barrier, or to its end) before the next one starts, in
+  // rank order in even clusters and in reverse in odd ones. A legal schedule, and an adversarial one for
+  // distributed shared memory: a block that runs ahead overwrites its shared memory before a slower block
+  // reads it unless a cluster barrier orders the two.
+  const bool reverse = cluster_index % 2 == 1;
   for (;;) {
-    for (Fiber& f : L.fibers) {
-      if (f.state != FiberState::kRunnable) continue;
-      switch_to_fiber(L, f);
-      if (L.failed) return;
+    bool progress = false;
+    for (unsigned k = 0; k < L.cluster_blocks; ++k) {
+      const unsigned rank = reverse ? L.cluster_blocks - 1 - k : k;
+      const unsigned first = rank * L.nthreads;
+      for (;;) {
+        for (unsigned i = first; i < first + L.nthreads; ++i) {
+          if (L.fibers[i].state != FiberState::kRunnable) continue;
+          switch_to_fiber(L, L.fibers[i]);
+          progress = true;
+          if (L.failed) return;
+        }
+        if (release_warp_collectives(L, rank)) continue;
+        if (L.failed) return;
+        unsigned block_done = 0, at_barrier = 0;
+        for (unsigned i = first; i < first + L.nthreads; ++i) {
+          block_done += L.fibers[i].state == FiberState::kDone;
+          at_barrier += L.fibers[i].state == FiberState::kAtBarrier;
+        }
+        if (at_barrier == 0 || at_barrier + block_done < L.nthreads) break;  // done, or waiting for the cluster
+        if (block_done > 0) {
+          record_block_failure(L, rank, "barrier divergence: " + describe_states(L, first, L.nthreads));
+          return;
+        }
+        for (unsigned i = first; i < first + L.nthreads; ++i) L.fibers[i].state = FiberState::kRunnable;
+      }
     }
     unsigned done = 0, at_cluster = 0;
     for (const Fiber& f : L.fibers) {
@@ -469,24 +494,6 @@ void run_cluster(Launch& L) {
       at_cluster += f.state == FiberState::kAtCluster;
     }
     if (done == total) return;
-    if (release_warp_collectives(L)) continue;
-    if (L.failed) return;
-    bool released = false;
-    for (unsigned rank = 0; rank < L.cluster_blocks; ++rank) {
-      const unsigned first = rank * L.nthreads;
-      unsigned block_done = 0, at_barrier = 0;
-      for (unsigned i = first; i < first + L.nthreads; ++i) {
-        block_done += L.fibers[i].state == FiberState::kDone;
-        at_barrier += L.fibers[i].state == FiberState::kAtBarrier;
-      }
-      if (at_barrier == 0 || at_barrier + block_done < L.nthreads) continue;
-      if (block_done > 0) {
-        record_block_failure(L, rank, "barrier divergence: " + describe_states(L, first, L.nthreads));
-        return;
-      }
-      for (unsigned i = first; i < first + L.nthreads; ++i) L.fibers[i].state = FiberState::kRunnable;
-      released = true;
-    }
     if (at_cluster > 0 && at_cluster + done == total) {
       if (done > 0) {
         const auto waiting = std::find_if(L.fibers.begin(), L.fibers.end(),
@@ -495,9 +502,9 @@ void run_cluster(Launch& L) {
         return;
       }
       for (Fiber& f : L.fibers) f.state = FiberState::kRunnable;
-      released = true;
+      continue;
     }
-    if (released) continue;
+    if (progress) continue;
     record_block_failure(L, 0, "deadlock: " + describe_states(L, 0, total));
     return;
   }
@@ -574,8 +581,8 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t
           b.id = uint3{x + rank % cluster.x, y + rank / cluster.x % cluster.y, z + rank / (cluster.x * cluster.y)};
           b.serial = ++tls_blocks_run;
         }
+        run_cluster(L, L.stats.blocks / L.cluster_blocks);
         L.stats.blocks += L.cluster_blocks;
-        run_cluster(L);
         if (L.failed) throw SimError(L.error);
       }
     }

@@ -215,6 +215,20 @@ __global__ void cluster_kernel(const int* in, int rounds, int* out) {
   o[4] = static_cast<int>(blockIdx.x);
 }
 
+// A race the emulator's schedule exposes: each block publishes 10 + rank, reads its neighbour's value after
+// a cluster barrier, then publishes 20 + rank with no barrier in between (the bug). out[block] = what it read.
+__global__ void cluster_race_kernel(int* out) {
+  SPECDEC_SHARED(int, value, 1);
+  const unsigned rank = cluster_rank();
+  if (threadIdx.x == 0) *value = 10 + static_cast<int>(rank);
+  sync_cluster();
+  if (threadIdx.x == 0) {
+    out[blockIdx.x] = *map_cluster_shared(value, (rank + 1) % cluster_size());
+    *value = 20 + static_cast<int>(rank);  // needs a cluster barrier before it
+  }
+  sync_cluster();
+}
+
 // Misuses: 0 block rank 1 exits before the cluster barrier; 1 maps a pointer that is not shared memory;
 // 2 maps a rank outside the cluster; 3 reads a block's shared memory after that block has exited.
 __global__ void cluster_misuse_kernel(int mode, int* out) {

@@ -307,6 +307,18 @@ TEST_CASE("thread block clusters: rank, size, distributed shared memory and the 
   }
 }
 
+TEST_CASE("blocks of a cluster run ahead of each other: a missing cluster barrier changes the result") {
+  // Each block runs as far as it can before the next starts, in rank order in even clusters and in reverse in
+  // odd ones: in cluster 0 rank 1 reads rank 0's second value, in cluster 1 rank 0 reads rank 1's. A correct
+  // kernel (a barrier before the overwrite) reads 10 + the neighbour's rank everywhere.
+  std::vector<int> out(4, -1);
+  launch_cluster_kernel("cluster_race", selftest::cluster_race_kernel, dim3(4), dim3(32), 2, 0, Stream{}, out.data());
+  CHECK_EQ(out[0], 11);
+  CHECK_EQ(out[1], 20);
+  CHECK_EQ(out[2], 21);
+  CHECK_EQ(out[3], 10);
+}
+
 TEST_CASE("cluster misuses are reported") {
   std::vector<int> out(64, 0);
   auto run = [&](int mode) {
