@@ -169,9 +169,6 @@ SPECDEC_HD MaxSum maxsum_combine(MaxSum a, MaxSum b) {
   if (!(m > kNegInf)) return maxsum_identity();
   return MaxSum{m, fadd(fmul(a.s, det_exp2(fadd(a.m, -m))), fmul(b.s, det_exp2(fadd(b.m, -m))))};
 }
-struct MaxSumCombine {
-  SPECDEC_HD MaxSum operator()(MaxSum a, MaxSum b) const { return maxsum_combine(a, b); }
-};
 
 // Argmax with ties to the lowest index; NaN never wins.
 struct ArgMax {
