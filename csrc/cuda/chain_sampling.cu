@@ -23,20 +23,11 @@ int sampling_clusters_at_once(const at::Tensor& t) {
   return clusters;
 }
 
-// Blocks per cluster: the largest C in {4, 2} with batch * C <= SMs and all batch clusters running at once
-// (a cluster must fit in one GPC, so fewer may fit than SMs / C), else 1. More SMs per request while the
-// batch leaves SMs idle; one wave, so a split never adds a second.
-template <typename T>
-int sampling_cluster_blocks(int64_t batch, const at::Tensor& t) {
-  const int sms = multiprocessor_count(t);
-  if (batch * 4 <= sms && batch <= sampling_clusters_at_once<T, 4>(t)) return 4;
-  if (batch * 2 <= sms && batch <= sampling_clusters_at_once<T, 2>(t)) return 2;
-  return 1;
-}
-
 template <typename T>
 void launch_for_type(const char* name, const ChainSamplingParams& P, const at::Tensor& target, Stream stream) {
-  const int c = sampling_cluster_blocks<T>(P.batch, target);
+  const int c = sampling_cluster_blocks(P.batch, multiprocessor_count(target), [&](int blocks) {
+    return blocks == 4 ? sampling_clusters_at_once<T, 4>(target) : sampling_clusters_at_once<T, 2>(target);
+  });
   // One cluster per request; a grid-stride loop covers batches beyond the grid limit.
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(P.batch, 1 << 28) * c));
   switch (c) {

@@ -24,7 +24,6 @@
 namespace specdec {
 
 static_assert(kGroup == kWarpSize && kGroups == kWarpSize, "a group is a warp, and the groups fill one warp");
-constexpr int kMaxSamplingClusterBlocks = 4;
 
 // The target's and the draft's statistics, reduced together: one pass of barriers instead of two, and each
 // half by the same tree as alone.

@@ -457,11 +457,12 @@ void run_cluster(Launch& L, uint64_t cluster_index) {
 #endif
   }
   // Each block runs as far as it can (to the cluster barrier, or to its end) before the next one starts, in
-  // rank order in even clusters and in reverse in odd ones. A legal schedule, and an adversarial one for
-  // distributed shared memory: a block that runs ahead overwrites its shared memory before a slower block
-  // reads it unless a cluster barrier orders the two.
-  const bool reverse = cluster_index % 2 == 1;
+  // rank order or in reverse, alternating at each cluster barrier and between clusters. A legal schedule, and
+  // an adversarial one for distributed shared memory: a block that runs ahead overwrites its shared memory
+  // before a slower block reads it unless a cluster barrier orders the two.
+  uint64_t phase = cluster_index;
   for (;;) {
+    const bool reverse = phase % 2 == 1;
     bool progress = false;
     for (unsigned k = 0; k < L.cluster_blocks; ++k) {
       const unsigned rank = reverse ? L.cluster_blocks - 1 - k : k;
@@ -496,12 +497,14 @@ void run_cluster(Launch& L, uint64_t cluster_index) {
     if (done == total) return;
     if (at_cluster > 0 && at_cluster + done == total) {
       if (done > 0) {
-        const auto waiting = std::find_if(L.fibers.begin(), L.fibers.end(),
-                                          [](const Fiber& f) { return f.state == FiberState::kAtCluster; });
-        record_block_failure(L, waiting->rank, "cluster barrier divergence: " + describe_states(L, 0, total));
+        const auto exited = std::find_if(L.fibers.begin(), L.fibers.end(),
+                                         [](const Fiber& f) { return f.state == FiberState::kDone; });
+        record_block_failure(L, exited->rank, "cluster barrier divergence, this block's " + thread_name(*exited) +
+                                                  " has exited: " + describe_states(L, 0, total));
         return;
       }
       for (Fiber& f : L.fibers) f.state = FiberState::kRunnable;
+      ++phase;
       continue;
     }
     if (progress) continue;

@@ -4,8 +4,8 @@
 // cluster barrier or a warp collective, or returns. Thread block clusters (sm_90) run one after another
 // on the calling OS thread, the blocks of a cluster together (a launch without clusters has clusters of
 // one block), so atomics are plain read-modify-writes. Within a cluster each block runs as far as it can
-// before the next starts (rank order in even clusters, reverse in odd ones), so a read of another block's
-// shared memory that no cluster barrier orders sees that block's later writes. A barrier that not every live thread of the block
+// before the next starts (rank order or reverse, alternating at each cluster barrier), so a read of another
+// block's shared memory that no cluster barrier orders sees that block's later writes. A barrier that not every live thread of the block
 // (or cluster) reaches, a warp collective whose mask names a lane that does not take part, and a launch
 // the device would reject all end the launch with SimError instead of hanging or silently continuing.
 //

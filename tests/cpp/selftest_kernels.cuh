@@ -216,16 +216,15 @@ __global__ void cluster_kernel(const int* in, int rounds, int* out) {
 }
 
 // A race the emulator's schedule exposes: each block publishes 10 + rank, reads its neighbour's value after
-// a cluster barrier, then publishes 20 + rank with no barrier in between (the bug). out[block] = what it read.
+// a cluster barrier, then, after only a block barrier (the bug), publishes 20 + rank. out[block] = what it read.
 __global__ void cluster_race_kernel(int* out) {
   SPECDEC_SHARED(int, value, 1);
   const unsigned rank = cluster_rank();
   if (threadIdx.x == 0) *value = 10 + static_cast<int>(rank);
   sync_cluster();
-  if (threadIdx.x == 0) {
-    out[blockIdx.x] = *map_cluster_shared(value, (rank + 1) % cluster_size());
-    *value = 20 + static_cast<int>(rank);  // needs a cluster barrier before it
-  }
+  if (threadIdx.x == 0) out[blockIdx.x] = *map_cluster_shared(value, (rank + 1) % cluster_size());
+  sync_threads();  // needs to be sync_cluster()
+  if (threadIdx.x == 0) *value = 20 + static_cast<int>(rank);
   sync_cluster();
 }
 

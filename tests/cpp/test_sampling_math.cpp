@@ -93,6 +93,20 @@ TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^
   CHECK_EQ(same.s, lanes[0].s);
 }
 
+TEST_CASE("sampling_cluster_blocks: the largest cluster with batch x blocks <= SMs whose clusters all fit at once") {
+  auto fits = [](int four, int two) { return [=](int blocks) { return blocks == 4 ? four : two; }; };
+  CHECK_EQ(sampling_cluster_blocks(1, 132, fits(32, 66)), 4);
+  CHECK_EQ(sampling_cluster_blocks(32, 132, fits(32, 66)), 4);
+  CHECK_EQ(sampling_cluster_blocks(33, 132, fits(32, 66)), 2);  // 33 x 4 <= 132, but only 32 clusters of 4 fit
+  CHECK_EQ(sampling_cluster_blocks(64, 132, fits(32, 66)), 2);
+  CHECK_EQ(sampling_cluster_blocks(66, 132, fits(32, 60)), 1);  // 66 x 2 <= 132, but only 60 clusters of 2 fit
+  CHECK_EQ(sampling_cluster_blocks(67, 132, fits(32, 66)), 1);
+  CHECK_EQ(sampling_cluster_blocks(1, 132, fits(0, 0)), 1);     // no clusters (before sm_90)
+  CHECK_EQ(sampling_cluster_blocks(1, 4, fits(1 << 30, 1 << 30)), 4);  // the emulated device
+  CHECK_EQ(sampling_cluster_blocks(2, 4, fits(1 << 30, 1 << 30)), 2);
+  CHECK_EQ(sampling_cluster_blocks(3, 4, fits(1 << 30, 1 << 30)), 1);
+}
+
 TEST_CASE("first_crossing: the first cumulative mass above the threshold, else the last positive part") {
   const float parts[5] = {0.25f, 0.0f, 0.5f, 0.25f, 0.0f};
   float before = -1.0f;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "check.h"
+#include "kernels/chain_sampling.cuh"
 #include "selftest_kernels.cuh"
 #include "specdec/launch.h"
 
@@ -308,15 +309,24 @@ TEST_CASE("thread block clusters: rank, size, distributed shared memory and the 
 }
 
 TEST_CASE("blocks of a cluster run ahead of each other: a missing cluster barrier changes the result") {
-  // Each block runs as far as it can before the next starts, in rank order in even clusters and in reverse in
-  // odd ones: in cluster 0 rank 1 reads rank 0's second value, in cluster 1 rank 0 reads rank 1's. A correct
-  // kernel (a barrier before the overwrite) reads 10 + the neighbour's rank everywhere.
+  // Each block runs as far as it can, past block barriers, before the next starts; the order alternates at each
+  // cluster barrier and between clusters. After the first cluster barrier, cluster 0 runs rank 1 first, so
+  // rank 0 reads rank 1's second value; cluster 1 runs rank 0 first, so rank 1 reads rank 0's. A correct
+  // kernel (a cluster barrier before the overwrite) reads 10 + the neighbour's rank everywhere; so did the
+  // schedule that interleaved the blocks between block barriers.
   std::vector<int> out(4, -1);
   launch_cluster_kernel("cluster_race", selftest::cluster_race_kernel, dim3(4), dim3(32), 2, 0, Stream{}, out.data());
-  CHECK_EQ(out[0], 11);
-  CHECK_EQ(out[1], 20);
-  CHECK_EQ(out[2], 21);
-  CHECK_EQ(out[3], 10);
+  CHECK_EQ(out[0], 21);
+  CHECK_EQ(out[1], 10);
+  CHECK_EQ(out[2], 11);
+  CHECK_EQ(out[3], 20);
+}
+
+TEST_CASE("the sampling kernel stops on a cluster shape it was not compiled for") {
+  const ChainSamplingParams params{};
+  CHECK_THROWS_WITH(launch_kernel("chain_sampling_kernel<float, 4>", chain_sampling_kernel<float, 4>, dim3(4),
+                                  dim3(kLanes / 4), 0, Stream{}, params),
+                    "wrong cluster shape");
 }
 
 TEST_CASE("cluster misuses are reported") {

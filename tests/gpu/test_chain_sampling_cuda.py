@@ -54,18 +54,24 @@ def test_cuda_matches_cpu_exactly(dtype, logits, with_draft, batch, k, vocab, st
 @pytest.mark.parametrize("batch", [1, 50, 300])
 def test_small_batches_split_each_request_over_a_cluster(batch):
     # Which instantiation ran, from the profiler's kernel names: chain_sampling_kernel<T, blocks per cluster>.
-    # sm_90 with >= 100 SMs: 4 at batch 1, 2 at batch 50, 1 at batch 300; before sm_90 always 1.
-    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    # With sm_90 code on an sm_90 device of 100-132 SMs: 4 at batch 1, 2 at batch 50, 1 at batch 300 (all
+    # of those clusters fit at once on an H100/H200); otherwise always 1.
+    archs = specdec_ext.build_info()["cuda_archs"].replace(";", " ").split()
+    clusters = torch.cuda.get_device_capability() >= (9, 0) and any(a.replace(".", "").startswith("90") for a in archs)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    expected = 1 if not sm90 else next(c for c in (4, 2, 1) if batch * c <= sms or c == 1)
+    expected = next(c for c in (4, 2, 1) if c == 1 or (clusters and batch * c <= sms))
     c = case(batch, 4, 20000, torch.bfloat16, batch)
     cpu = run(c, "cpu", True, True)
     run(c, "cuda", True, True)  # warm-up: module load, cluster occupancy query
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         gpu = run(c, "cuda", True, True)
         torch.cuda.synchronize()
-    launched = [re.search(r"chain_sampling_kernel<[^<>]+, (\d)>", e.name) for e in prof.events()]
-    assert [int(m.group(1)) for m in launched if m] == [expected]
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        pytest.skip("the profiler recorded no kernels (CUPTI in use by another tool?)")
+    launched = [re.search(r"chain_sampling_kernel<[^<>]+, (\d)>", name) for name in kernels]
+    assert [int(m.group(1)) for m in launched if m] == [expected], kernels
     assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
 
 

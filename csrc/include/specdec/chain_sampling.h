@@ -46,6 +46,19 @@ SPECDEC_HD int32_t output_id(const ChainSamplingParams& P, int64_t b, int64_t j,
   return j == accepted ? token : -1;
 }
 
+// The CUDA kernel's blocks per request (a thread block cluster on sm_90; the launcher's rule, kept here so
+// that it is tested without a GPU): the largest C in {4, 2} with batch * C <= sms and all `batch` clusters
+// resident at once, clusters_at_once(C) (a cluster must fit in one GPC, so fewer than sms / C may; 0 without
+// clusters), else 1. More SMs per request while the batch leaves SMs idle, never a second wave.
+constexpr int kMaxSamplingClusterBlocks = 4;
+template <typename ClustersAtOnce>
+int sampling_cluster_blocks(int64_t batch, int sms, ClustersAtOnce&& clusters_at_once) {
+  for (int c = kMaxSamplingClusterBlocks; c > 1; c /= 2) {
+    if (batch * c <= sms && batch <= clusters_at_once(c)) return c;
+  }
+  return 1;
+}
+
 // One level of the inverse CDF: the first i whose cumulative mass fadd(base, c_i), c_i the left-to-right
 // sum parts[0] + ... + parts[i], exceeds `threshold`; or, should rounding let none, the last i with a
 // positive part (n - 1 if none is). *before = c_{i-1} (0 for i = 0). Parts are masses, >= 0. A pick by crossing always has a

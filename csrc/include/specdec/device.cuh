@@ -108,7 +108,8 @@ SPECDEC_DEVICE T* map_cluster_shared(T* p, unsigned) { return p; }
 #endif
 
 // Ends the launch when an invariant that the launcher guarantees is broken (never for bad input, which
-// kernels record and survive): a trap on the GPU (the launch fails), SimError with `message` in the emulator.
+// kernels record and survive): a trap on the GPU, which leaves the process's CUDA context unusable, so it is
+// for states no input can reach; SimError with `message` in the emulator.
 #if defined(SPECDEC_SIM)
 inline void invariant_failed(const char* message, std::source_location loc = std::source_location::current()) {
   sim::fail(message, loc.file_name(), loc.line());

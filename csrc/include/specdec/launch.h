@@ -71,6 +71,7 @@ struct ClusterLaunchConfig {
     config.numAttrs = 1;
   }
   ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;  // config points into the object
+  ClusterLaunchConfig& operator=(const ClusterLaunchConfig&) = delete;
 };
 
 // Launches thread block clusters of `cluster_blocks` blocks along x (sm_90 and later; grid.x a multiple of it).
@@ -90,20 +91,24 @@ void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3
 }
 
 // How many clusters of `cluster_blocks` blocks of `kernel` the current device runs at once; 0 where the
-// running code has no clusters: a device before sm_90, or code compiled for an older architecture (PTX
-// compiled by the driver for a newer device keeps its own __CUDA_ARCH__, so cluster_rank() there is 0).
+// running code has no clusters (a device before sm_90, or code compiled for an older architecture: PTX
+// compiled by the driver for a newer device keeps its own __CUDA_ARCH__, so cluster_rank() there is 0), or
+// where a query fails (its error is cleared, so that it is not blamed on a later launch).
 template <typename... KernelArgs>
 int max_active_clusters(void (*kernel)(KernelArgs...), dim3 block, unsigned cluster_blocks, size_t dynamic_smem) {
   cudaFuncAttributes attributes{};
-  check_cuda(cudaFuncGetAttributes(&attributes, kernel), "cudaFuncGetAttributes");
-  if (attributes.ptxVersion < 90) return 0;
-  int device = 0, major = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-  if (major < 9) return 0;
+  int device = 0, major = 0, clusters = 0;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (attributes.ptxVersion < 90 || major < 9) return 0;
   ClusterLaunchConfig c(dim3(cluster_blocks), block, cluster_blocks, dynamic_smem, nullptr);
-  int clusters = 0;
-  check_cuda(cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.config), "cudaOccupancyMaxActiveClusters");
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.config) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
   return clusters;
 }
 #endif
