@@ -70,7 +70,7 @@ def residual_cdf(p, q):
     return r.cumsum(0)
 
 
-def assert_tokens_match_reference(out, ref, p_rows, q_rows, ids, u_resample, max_boundary_rows):
+def assert_tokens_match_reference(out, ref, p_rows, q_rows, ids, num_draft_tokens, u_resample, max_boundary_rows):
     """Acceptance must agree exactly; the last token may differ only where the reference's threshold lies
     within float32 rounding of a CDF boundary at the kernel's token."""
     assert torch.equal(out.num_accepted, ref[1])
@@ -82,7 +82,7 @@ def assert_tokens_match_reference(out, ref, p_rows, q_rows, ids, u_resample, max
         assert torch.equal(out.output_token_ids[b, :j], ref[0][b, :j])
         p = p_rows[b, j].double()
         q = None
-        if j < ids.shape[1]:
+        if j < int(num_draft_tokens[b]):  # a rejected draft: the residual; else the bonus token, from p itself
             if q_rows is not None:
                 q = q_rows[b, j].double()
             else:
@@ -112,7 +112,7 @@ def test_probs_match_reference(backend, with_draft, dtype, batch, k, vocab, gen)
                                                seed=inp["seed"], offset=inp["offset"])
     u = reference.philox_uniform(inp["seed"], inp["offset"], 1, stream=1)[:, 0]
     assert_tokens_match_reference(out, ref, inp["target_probs"].float(), None if not with_draft else inp["draft_probs"].float(),
-                                  inp["ids"], u, max_boundary_rows=max(1, batch // 50))
+                                  inp["ids"], inp["num_draft_tokens"], u, max_boundary_rows=max(1, batch // 50))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
