@@ -7,7 +7,7 @@
 // (distributed shared memory). Every bit of the result depends on the lanes only, so C changes none.
 //
 // Why clusters: a request's rows are read one after another, so with one block per request a batch of B
-// uses B SMs. The launcher picks the largest C in {1, 2, 4} with B * C <= SMs; a smaller block has the
+// uses B SMs. The launcher picks C by sampling_cluster_blocks (chain_sampling.h); a smaller block has the
 // registers to keep C tiles of loads in flight per thread, so an SM has as many bytes in flight as with
 // 1024 threads.
 //

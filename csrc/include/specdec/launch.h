@@ -43,13 +43,19 @@ inline void check_cuda(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("specdec: ") + what + ": " + cudaGetErrorString(err));
 }
 
-template <typename... KernelArgs, typename... Args>
-void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
-                   Stream stream, Args&&... args) {
+// Above 48 KiB, dynamic shared memory needs the kernel's opt-in.
+template <typename... KernelArgs>
+void opt_in_dynamic_smem(const char* name, void (*kernel)(KernelArgs...), size_t dynamic_smem) {
   if (dynamic_smem > 48 * 1024) {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_smem)),
                name);
   }
+}
+
+template <typename... KernelArgs, typename... Args>
+void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                   Stream stream, Args&&... args) {
+  opt_in_dynamic_smem(name, kernel, dynamic_smem);
   kernel<<<grid, block, dynamic_smem, stream>>>(std::forward<Args>(args)...);
   check_cuda(cudaGetLastError(), name);
 }
@@ -82,10 +88,7 @@ void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3
     launch_kernel(name, kernel, grid, block, dynamic_smem, stream, std::forward<Args>(args)...);
     return;
   }
-  if (dynamic_smem > 48 * 1024) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_smem)),
-               name);
-  }
+  opt_in_dynamic_smem(name, kernel, dynamic_smem);
   ClusterLaunchConfig c(grid, block, cluster_blocks, dynamic_smem, stream);
   check_cuda(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...), name);
 }
