@@ -9,6 +9,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ ! -x .venv/bin/python ]; then
+  # A fresh setup takes about 6 GiB (the CUDA build of torch is 5.7 GiB installed); say so up front
+  # rather than fail halfway through pip with ENOSPC.
+  free_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
+  if [ "$free_kib" -lt $(( 7 * 1024 * 1024 )) ]; then
+    echo "setup_env.sh: $(( free_kib / 1024 / 1024 )) GiB free under $PWD; a fresh .venv and build need about 7 GiB" >&2
+    exit 1
+  fi
   "${PYTHON:-python3}" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
