@@ -30,15 +30,18 @@ void launch_for_type(const char* name, const ChainSamplingParams& P, const at::T
   });
   // One cluster per request; a grid-stride loop covers batches beyond the grid limit.
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(P.batch, 1 << 28) * c));
+  const auto launch = [&](auto kernel, unsigned blocks) {
+    launch_cluster_kernel(name, kernel, grid, dim3(kLanes / blocks), blocks, 0, stream, P);
+  };
   switch (c) {
     case 4:
-      launch_cluster_kernel(name, chain_sampling_kernel<T, 4>, grid, dim3(kLanes / 4), 4, 0, stream, P);
+      launch(chain_sampling_kernel<T, 4>, 4);
       break;
     case 2:
-      launch_cluster_kernel(name, chain_sampling_kernel<T, 2>, grid, dim3(kLanes / 2), 2, 0, stream, P);
+      launch(chain_sampling_kernel<T, 2>, 2);
       break;
     default:
-      launch_kernel(name, chain_sampling_kernel<T, 1>, grid, dim3(kLanes), 0, stream, P);
+      launch(chain_sampling_kernel<T, 1>, 1);
   }
 }
 
