@@ -2,8 +2,8 @@
 the SIMT emulator's twin of the CUDA kernels (specdec_ext._sim).
 
 Environment:
-  TORCH_CUDA_ARCH_LIST   CUDA architectures (default "8.0;8.6;8.9;9.0a", the release wheel set);
-                         developers iterate with one, e.g. TORCH_CUDA_ARCH_LIST=9.0a
+  TORCH_CUDA_ARCH_LIST   CUDA architectures (default: cuda_archs of build_settings.json, the release wheel
+                         set); developers iterate with one (scripts/setup_env.sh: dev_cuda_archs)
   SPECDEC_CPU_ONLY=1     build without CUDA even where it is available
   SPECDEC_SIM_ASAN=1     build the emulator extension with AddressSanitizer (run it with libasan preloaded)
   SPECDEC_NO_SIM=1       skip the emulator extension (release wheels)
@@ -11,6 +11,7 @@ Environment:
                          once, then compiles in place with `setup.py build_ext --inplace` (incremental)
   CUDA_HOME              the CUDA toolkit (default /usr/local/cuda when it exists)
 """
+import json
 import os
 import re
 import shutil
@@ -21,7 +22,11 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0a"
+# Shared with CMakeLists.txt and the scripts. -ffp-contract=off (host_cxx_flags) is what the bit-exactness of
+# the CPU kernels, the CUDA kernels and the emulator rests on (sampling_math.h).
+SETTINGS = json.loads((ROOT / "build_settings.json").read_text())
+DEFAULT_CUDA_ARCHS = SETTINGS["cuda_archs"]
+HOST_CXX_FLAGS = SETTINGS["host_cxx_flags"]
 
 # torch.utils.cpp_extension reads CUDA_HOME when imported; a wrapper nvcc on PATH must not win.
 if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
@@ -63,7 +68,7 @@ def rel(paths):
 
 
 INCLUDES = [str(ROOT / "csrc"), str(ROOT / "csrc" / "include")]
-CXX_FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off", "-Wall", "-Wno-unused-function", f'-DSPECDEC_VERSION="{VERSION}"']
+CXX_FLAGS = ["-O3", *HOST_CXX_FLAGS, "-Wall", "-Wno-unused-function", f'-DSPECDEC_VERSION="{VERSION}"']
 
 # at::parallel_for runs its OpenMP loop only when the caller is compiled with OpenMP (the pragma is in ATen's
 # header); the runtime is torch's own libgomp, already loaded when the extension is.
@@ -93,7 +98,7 @@ def extensions() -> list:
                                    extra_compile_args={"cxx": CXX_FLAGS + OPENMP}, extra_link_args=OPENMP))
 
     if not flag("SPECDEC_NO_SIM"):
-        sim_flags = ["-std=c++20", "-O1", "-g", "-ffp-contract=off", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
+        sim_flags = [*HOST_CXX_FLAGS, "-O1", "-g", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
         sim_link = []
         if flag("SPECDEC_SIM_ASAN"):
             sim_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]

@@ -2,6 +2,7 @@
 // runs the TORCH_LIBRARY registrations; build_info() says what was compiled in.
 #include <Python.h>
 
+#include "checks.h"
 #include "specdec/library.h"
 #if defined(SPECDEC_SIM)
 #include "sim/sim.h"
@@ -69,6 +70,39 @@ PyObject* build_info(PyObject*, PyObject*) {
   return d;
 }
 
+// {bit: message} of an op's device-side error word (the message may hold "{target}" and "{draft}").
+template <size_t N>
+PyObject* error_bit_dict(const specdec::ErrorBit (&table)[N]) {
+  PyObject* d = PyDict_New();
+  for (const specdec::ErrorBit& e : table) {
+    PyObject* key = PyLong_FromLong(e.bit);
+    PyObject* value = PyUnicode_FromString(e.message);
+    PyDict_SetItem(d, key, value);
+    Py_DECREF(key);
+    Py_DECREF(value);
+  }
+  return d;
+}
+
+// The constants the Python layer checks against and reports with, defined once in C++: the ops' limits and
+// the meaning of each error bit.
+PyObject* constants(PyObject*, PyObject*) {
+  PyObject* limits = Py_BuildValue("{s:i,s:i,s:i,s:L,s:i,s:i}", "max_draft_tokens", specdec::kMaxDraftTokens,
+                                   "max_verify_queries", specdec::kMaxVerifyQueries, "max_head_dim",
+                                   specdec::kMaxHeadDim, "max_vocab", static_cast<long long>(specdec::kMaxVocab),
+                                   "max_block_len", specdec::kMaxBlockLen, "max_cache_layers", specdec::kMaxCacheLayers);
+  PyObject* errors = PyDict_New();
+  auto add = [errors](const char* op, PyObject* table) {
+    PyDict_SetItemString(errors, op, table);
+    Py_DECREF(table);
+  };
+  add("chain_speculative_sampling", error_bit_dict(specdec::kSamplingErrorBits));
+  add("truncate_kv_cache", error_bit_dict(specdec::kTruncateErrorBits));
+  add("verify_attention", error_bit_dict(specdec::kAttentionErrorBits));
+  PyObject* d = Py_BuildValue("{s:N,s:N}", "limits", limits, "error_bits", errors);
+  return d;
+}
+
 #if defined(SPECDEC_SIM)
 // The shape of the last kernel launch on the calling thread, for tests of the launchers' choices.
 PyObject* last_launch(PyObject*, PyObject*) {
@@ -80,6 +114,7 @@ PyObject* last_launch(PyObject*, PyObject*) {
 
 PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS, "What this build of the extension contains."},
+    {"constants", constants, METH_NOARGS, "The ops' limits and the meaning of their error bits."},
 #if defined(SPECDEC_SIM)
     {"last_launch", last_launch, METH_NOARGS, "The shape of the last kernel launch on this thread."},
 #endif

@@ -5,6 +5,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <utility>
+
 namespace specdec {
 
 inline void check_philox_args(const at::Tensor& seed, const at::Tensor& offset, int64_t n, int64_t stream) {
@@ -27,6 +32,50 @@ inline int32_t* error_flags_pointer(const char* op, const std::optional<at::Tens
                     ": error_flags must be a one-element int32 tensor");
   TORCH_CHECK_VALUE(error_flags->device() == device, op, ": error_flags is on ", error_flags->device(), ", expected ", device);
   return error_flags->data_ptr<int32_t>();
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}) with the backend's element type for `dtype`: Float for float32, Half for float16,
+// BFloat16 for bfloat16, `void` where the kernel does not take that dtype. Every other dtype throws naming
+// the op, so that a dtype added to the Python checks is never reinterpreted as one of these.
+template <typename Float, typename Half, typename BFloat16, typename F>
+void dispatch_float_types(at::ScalarType dtype, const char* op, F&& f) {
+  if (dtype == at::kFloat) {
+    if constexpr (!std::is_void_v<Float>) return f(TypeTag<Float>{});
+  } else if (dtype == at::kHalf) {
+    if constexpr (!std::is_void_v<Half>) return f(TypeTag<Half>{});
+  } else if (dtype == at::kBFloat16) {
+    if constexpr (!std::is_void_v<BFloat16>) return f(TypeTag<BFloat16>{});
+  }
+  TORCH_CHECK_VALUE(false, op, ": no kernel for dtype ", dtype);
+}
+
+// What an error bit of a kernel's device-side error word means: the one table per op, used by the C++
+// messages and exported to Python (specdec_ext._C.constants()). "{target}" and "{draft}" stand for the
+// names of the op's inputs (target_probs or target_logits, ...).
+struct ErrorBit {
+  int32_t bit;
+  const char* message;
+};
+
+// Joins the messages of the bits set in `bits`, with the input names filled in.
+template <size_t N>
+std::string describe_error_bits(int32_t bits, const ErrorBit (&table)[N], const std::string& target = "",
+                                const std::string& draft = "") {
+  std::string joined;
+  for (const ErrorBit& e : table) {
+    if (!(bits & e.bit)) continue;
+    std::string m = e.message;
+    for (const auto& [key, value] : {std::pair<std::string, std::string>{"{target}", target}, {"{draft}", draft}}) {
+      for (size_t at = m.find(key); at != std::string::npos; at = m.find(key)) m.replace(at, key.size(), value);
+    }
+    joined += (joined.empty() ? "" : "; ") + m;
+  }
+  return joined;
 }
 
 }  // namespace specdec
@@ -117,17 +166,21 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
   return P;
 }
 
+inline constexpr ErrorBit kSamplingErrorBits[] = {
+    {kErrTargetNonFinite, "{target} holds NaN or inf (-inf is allowed in logits)"},
+    {kErrDraftNonFinite, "{draft} holds NaN or inf (-inf is allowed in logits)"},
+    {kErrDraftTokenId, "draft_token_ids holds ids outside [0, V) below num_draft_tokens"},
+    {kErrNumDraftTokens, "num_draft_tokens holds values outside [0, K]"},
+    {kErrTemperature, "temperature must be finite and >= 0"},
+    {kErrTargetNoMass, "{target} has a row to sample from with no mass (every logit -inf, or every probability 0)"},
+};
+
 // The message for error bits raised by the sampling kernels (SamplingError).
 inline std::string sampling_error_message(int32_t bits, bool logits) {
   const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
-  std::string m = std::string(op) + ": invalid input:";
-  if (bits & kErrTargetNonFinite) m += logits ? " target_logits holds NaN or +inf;" : " target_probs holds NaN or inf;";
-  if (bits & kErrDraftNonFinite) m += logits ? " draft_logits holds NaN or +inf;" : " draft_probs holds NaN or inf;";
-  if (bits & kErrDraftTokenId) m += " draft_token_ids holds ids outside [0, V);";
-  if (bits & kErrNumDraftTokens) m += " num_draft_tokens holds values outside [0, K];";
-  if (bits & kErrTemperature) m += " temperature must be finite and >= 0;";
-  m.pop_back();
-  return m;
+  return std::string(op) + ": invalid input: " +
+         describe_error_bits(bits, kSamplingErrorBits, logits ? "target_logits" : "target_probs",
+                             logits ? "draft_logits" : "draft_probs");
 }
 
 }  // namespace specdec
@@ -139,7 +192,8 @@ namespace specdec {
 inline TruncateParams make_truncate_params(const at::Tensor& cache_seqlens, const at::Tensor& num_kept,
                                            const std::optional<at::Tensor>& kept_indices, at::TensorList k_caches,
                                            at::TensorList v_caches, const std::optional<at::Tensor>& block_table,
-                                           int64_t block_len, bool clear, const std::optional<at::Tensor>& error_flags) {
+                                           std::optional<int64_t> block_len, bool clear,
+                                           const std::optional<at::Tensor>& error_flags) {
   const char* op = "truncate_kv_cache";
   TORCH_CHECK_VALUE(cache_seqlens.dim() == 1 && cache_seqlens.scalar_type() == at::kInt && cache_seqlens.is_contiguous(), op,
                     ": cache_seqlens must be a contiguous [B] int32 tensor, got ", cache_seqlens.sizes(), " ",
@@ -154,21 +208,23 @@ inline TruncateParams make_truncate_params(const at::Tensor& cache_seqlens, cons
                     op, ": num_kept must be a contiguous [B] = [", B, "] int32 tensor, got ", num_kept.sizes(), " ",
                     num_kept.scalar_type());
   same_device(num_kept, "num_kept");
-  TORCH_CHECK_VALUE(block_len >= 1 && block_len <= kMaxBlockLen, op, ": block_len must be in [1, ", kMaxBlockLen, "], got ",
-                    block_len);
+  TORCH_CHECK_VALUE(!block_len.has_value() || (*block_len >= 1 && *block_len <= kMaxBlockLen), op,
+                    ": block_len must be in [1, ", kMaxBlockLen, "], got ", block_len.value_or(0));
+  TORCH_CHECK_VALUE(block_len.has_value() || (!kept_indices.has_value() && !clear), op,
+                    ": block_len is needed with kept_indices or clear");
   TruncateParams P{};
   P.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
   P.num_kept = num_kept.data_ptr<int32_t>();
   P.batch = B;
-  P.block_len = block_len;
+  P.block_len = block_len.value_or(0);  // 0: lengths only, no block given
   P.clear = clear;
   P.capacity = INT64_MAX / 2;
   P.page_size = 1;
   if (kept_indices.has_value()) {
     const at::Tensor& t = *kept_indices;
-    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.size(1) == block_len && t.scalar_type() == at::kInt &&
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.size(1) == P.block_len && t.scalar_type() == at::kInt &&
                           t.is_contiguous(),
-                      op, ": kept_indices must be a contiguous [B, block_len] = [", B, ", ", block_len,
+                      op, ": kept_indices must be a contiguous [B, block_len] = [", B, ", ", P.block_len,
                       "] int32 tensor, got ", t.sizes(), " ", t.scalar_type());
     same_device(t, "kept_indices");
     P.kept_indices = t.data_ptr<int32_t>();
@@ -233,14 +289,17 @@ inline TruncateParams make_truncate_params(const at::Tensor& cache_seqlens, cons
   return P;
 }
 
+inline constexpr ErrorBit kTruncateErrorBits[] = {
+    {kErrNumKept, "num_kept must be in [0, block_len] (>= 0 without block_len)"},
+    {kErrKeptIndices, "kept_indices must increase within [0, block_len) for the first num_kept entries"},
+    {kErrBlockRange,
+     "the slots it touches run outside the cache or past 2^31 - 1 ([cache_seqlens, cache_seqlens + block_len) with "
+     "kept_indices or clear, else [cache_seqlens, cache_seqlens + num_kept))"},
+    {kErrPageIndex, "block_table points outside the paged cache for the slots it touches"},
+};
+
 inline std::string truncate_error_message(int32_t bits, int64_t b) {
-  std::string m = "truncate_kv_cache: request " + std::to_string(b) + ":";
-  if (bits & kErrNumKept) m += " num_kept must be in [0, block_len];";
-  if (bits & kErrKeptIndices) m += " kept_indices must increase within [0, block_len) for the first num_kept entries;";
-  if (bits & kErrBlockRange) m += " the block [cache_seqlens, cache_seqlens + block_len) runs outside the cache;";
-  if (bits & kErrPageIndex) m += " block_table points outside the paged cache;";
-  m.pop_back();
-  return m;
+  return "truncate_kv_cache: request " + std::to_string(b) + ": " + describe_error_bits(bits, kTruncateErrorBits);
 }
 
 }  // namespace specdec
@@ -249,13 +308,29 @@ inline std::string truncate_error_message(int32_t bits, int64_t b) {
 
 namespace specdec {
 
+inline constexpr ErrorBit kAttentionErrorBits[] = {
+    {kAttentionBadLength, "cache_seqlens[b] + Q runs outside the cache (or cache_seqlens[b] < 0)"},
+    {kAttentionBadPage, "block_table points outside the paged cache"},
+};
+
+// verify_attention's lse output: [B, Q, Hq] float32 with return_lse, else an empty tensor (never written).
+inline at::Tensor empty_lse(const at::Tensor& q, bool return_lse) {
+  const int64_t rows = q.dim() == 4 ? q.size(0) : 0, queries = q.dim() == 4 ? q.size(1) : 0,
+                heads = q.dim() == 4 ? q.size(2) : 0;
+  return return_lse ? at::empty({rows, queries, heads}, q.options().dtype(at::kFloat))
+                    : at::empty({0}, q.options().dtype(at::kFloat));
+}
+
+// Checks verify_attention's arguments and gathers them into the kernels' parameters. `lse` is written only
+// with return_lse (it is then [B, Q, Hq] float32).
 inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                              const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                              const std::optional<at::Tensor>& v_new,
                                              const std::optional<at::Tensor>& block_table,
-                                             const std::optional<at::Tensor>& tree_mask, double softmax_scale,
+                                             const std::optional<at::Tensor>& tree_mask,
+                                             std::optional<double> softmax_scale,
                                              const std::optional<at::Tensor>& error_flags, const at::Tensor& out,
-                                             const at::Tensor& lse) {
+                                             const at::Tensor& lse, bool return_lse) {
   const char* op = "verify_attention";
   TORCH_CHECK_VALUE(q.dim() == 4 && q.is_contiguous(), op, ": q must be a contiguous [B, Q, Hq, D] tensor, got ", q.sizes());
   const int64_t B = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3);
@@ -265,6 +340,10 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
   TORCH_CHECK_VALUE(Q >= 1 && Q <= kMaxVerifyQueries, op, ": the number of new tokens Q must be in [1, ", kMaxVerifyQueries,
                     "], got ", Q);
   TORCH_CHECK_VALUE(D >= 1 && D <= kMaxHeadDim, op, ": head dim D must be in [1, ", kMaxHeadDim, "], got ", D);
+  TORCH_CHECK_VALUE(Hq >= 1, op, ": q must have at least one head, got Hq = ", Hq);
+  TORCH_CHECK_VALUE(!softmax_scale.has_value() ||
+                        (std::isfinite(static_cast<float>(*softmax_scale)) && static_cast<float>(*softmax_scale) > 0), op,
+                    ": softmax_scale must be finite and > 0, got ", softmax_scale.value_or(0.0));
   const auto device = q.device();
   auto same = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but q is on ", device);
@@ -313,6 +392,7 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
     P.num_pages = k_cache.size(0);
     P.capacity = P.max_pages * P.page_size;
     TORCH_CHECK_VALUE(P.page_size >= 1, op, ": a paged k_cache needs page_size >= 1");
+    TORCH_CHECK_VALUE(P.max_pages >= 1, op, ": block_table has no columns: the paged cache holds no positions");
     P.page_shift = (P.page_size & (P.page_size - 1)) == 0 ? __builtin_ctzll(P.page_size) : -1;
   } else {
     TORCH_CHECK_VALUE(k_cache.size(0) >= B, op, ": k_cache holds ", k_cache.size(0), " requests, q ", B);
@@ -320,6 +400,7 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
     P.cache_stride_s = k_cache.stride(1);
     P.capacity = k_cache.size(1);
     P.page_size = 1;
+    TORCH_CHECK_VALUE(P.capacity >= 1, op, ": k_cache holds no positions (S_max = 0)");
   }
   if (tree_mask.has_value()) {
     const at::Tensor& m = *tree_mask;
@@ -333,21 +414,21 @@ inline AttentionParams make_attention_params(const at::Tensor& q, const at::Tens
     P.mask_per_request = per_request;
   }
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == dtype && out.is_contiguous(), op, ": bad output tensor");
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Q && lse.size(2) == Hq && lse.scalar_type() == at::kFloat &&
-                  lse.is_contiguous(),
+  TORCH_CHECK(!return_lse || (lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Q && lse.size(2) == Hq &&
+                               lse.scalar_type() == at::kFloat && lse.is_contiguous()),
               op, ": bad lse tensor");
   P.q = q.data_ptr();
   P.k_cache = k_cache.data_ptr();
   P.v_cache = v_cache.data_ptr();
   P.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
   P.out = out.data_ptr();
-  P.lse = lse.data_ptr<float>();
+  P.lse = return_lse ? lse.data_ptr<float>() : nullptr;
   P.batch = B;
   P.num_queries = Q;
   P.q_heads = Hq;
   P.kv_heads = Hkv;
   P.head_dim = D;
-  P.scale = softmax_scale > 0 ? static_cast<float>(softmax_scale) : 1.0f / std::sqrt(static_cast<float>(D));
+  P.scale = softmax_scale.has_value() ? static_cast<float>(*softmax_scale) : 1.0f / std::sqrt(static_cast<float>(D));
   P.error_flags = error_flags_pointer(op, error_flags, device);
   return P;
 }

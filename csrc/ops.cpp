@@ -25,16 +25,20 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // KV-cache truncation after verification (DESIGN.md §3.3): cache_seqlens[b] += num_kept[b]; with kept_indices
   // (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the discarded slots
   // of the block are zeroed. Layers are the lists k_caches / v_caches (contiguous or paged with block_table).
+  // block_len (the verified block's Q) is needed with kept_indices or clear; without it, only the lengths
+  // change and num_kept is bounded by the cache. Rejected requests are left untouched; their error bits go to
+  // error_flags when given (the CPU kernel raises instead).
   m.def(
       "truncate_kv_cache(Tensor(a!) cache_seqlens, Tensor num_kept, Tensor? kept_indices, Tensor(b!)[] k_caches, "
-      "Tensor(c!)[] v_caches, Tensor? block_table, int block_len, bool clear, Tensor(d!)? error_flags) -> ()");
+      "Tensor(c!)[] v_caches, Tensor? block_table, int? block_len, bool clear, Tensor(d!)? error_flags) -> ()");
 
   // Attention of Q new tokens per request against the KV cache (DESIGN.md §3.2); k_new/v_new, when given, are
-  // written into the cache at cache_seqlens[b] + i first. Returns (out [B, Q, Hq, D], lse [B, Q, Hq] float32).
-  // softmax_scale <= 0 means 1/sqrt(D). error_flags, when given, collects AttentionError bits of invalid requests
-  // on CUDA (whose outputs are NaN); the CPU kernel raises instead.
+  // written into the cache at cache_seqlens[b] + i first. Returns (out [B, Q, Hq, D], lse): lse is [B, Q, Hq]
+  // float32 with return_lse, else an empty tensor that nothing writes. softmax_scale None means 1/sqrt(D).
+  // error_flags, when given, collects AttentionError bits of invalid requests on CUDA (whose outputs are NaN);
+  // the CPU kernel raises instead.
   m.def(
       "verify_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
-      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float softmax_scale, bool return_lse, "
+      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float? softmax_scale, bool return_lse, "
       "Tensor(c!)? error_flags) -> (Tensor, Tensor)");
 }

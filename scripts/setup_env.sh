@@ -2,7 +2,8 @@
 # From nothing to a built checkout: creates .venv, installs requirements-dev.txt (torch 2.14.1, CUDA build),
 # registers an editable install (the `specdec` command) and compiles the extensions in place, incrementally.
 #
-#   TORCH_CUDA_ARCH_LIST  architectures to compile (default here: 9.0a; release wheels use setup.py's list)
+#   TORCH_CUDA_ARCH_LIST  architectures to compile (default: dev_cuda_archs of build_settings.json; release
+#                         wheels use its cuda_archs)
 #   SPECDEC_SIM_ASAN=1    build the emulator extension with AddressSanitizer (what the tests do)
 #   PYTHON                interpreter that creates the venv (default python3)
 set -euo pipefail
@@ -23,7 +24,8 @@ fi
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
+# One architecture keeps rebuilds short: dev_cuda_archs of build_settings.json.
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(.venv/bin/python -c 'import json; print(json.load(open("build_settings.json"))["dev_cuda_archs"])')}"
 
 if [ ! -x .venv/bin/specdec ]; then
   SPECDEC_NO_EXTENSIONS=1 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .

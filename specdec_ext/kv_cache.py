@@ -72,40 +72,51 @@ class PagedKVCache:
         return self.k[i], self.v[i]
 
     def reserve(self, num_tokens: int, requests=None) -> None:
-        """Makes room for num_tokens more tokens after the current length of each request (all by default)."""
-        requests = range(len(self._table)) if requests is None else requests
+        """Makes room for num_tokens more tokens after the current length of each request (all by default).
+        All or nothing: if any request cannot get its pages, nothing is allocated and it raises."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"PagedKVCache.reserve: num_tokens must be an int >= 0, got {num_tokens!r}")
+        requests = range(len(self._table)) if requests is None else [self._request(b, "reserve") for b in requests]
         max_pages = self.block_table.shape[1]
+        needs = {}
         for b in requests:
             need = -(-(self._lengths[b] + num_tokens) // self.page_size)
             if need > max_pages:
                 raise ValueError(f"PagedKVCache: request {b} needs {need} pages, max_pages_per_seq is {max_pages}")
-            if need - len(self._table[b]) > len(self._free):
-                raise RuntimeError(f"PagedKVCache: out of pages ({len(self._free)} free, request {b} needs "
-                                   f"{need - len(self._table[b])} more)")
-            while len(self._table[b]) < need:
-                self._table[b].append(self._free.pop())
+            needs[b] = max(needs.get(b, 0), need - len(self._table[b]))
+        if sum(needs.values()) > len(self._free):
+            raise RuntimeError(f"PagedKVCache: out of pages ({len(self._free)} free, the requests need "
+                               f"{sum(needs.values())} more)")
+        for b, more in needs.items():
+            self._table[b].extend(self._free.pop() for _ in range(more))
         self._upload()
 
     def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
         """After verifying a block: keep num_kept of its tokens in every layer, then free whole pages past
-        the new lengths."""
+        the new lengths. A request that truncation rejects raises on the CPU (set_strict(True) on CUDA);
+        the host's lengths are read back from the device, so they never disagree with cache_seqlens."""
         truncate_kv_cache(self.cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                           k_caches=self.k, v_caches=self.v, block_table=self.block_table, clear=clear)
-        kept = torch.as_tensor(num_kept).expand(len(self._lengths)).tolist()
-        for b, n in enumerate(kept):
-            self._lengths[b] += int(n)
-            keep_pages = -(-self._lengths[b] // self.page_size)
+        self._lengths = self.cache_seqlens.tolist()  # the round's one host read
+        for b, length in enumerate(self._lengths):
+            keep_pages = -(-length // self.page_size)
             while len(self._table[b]) > keep_pages:
                 self._free.append(self._table[b].pop())
         self._upload()
 
     def release(self, request: int) -> None:
         """Frees every page of a finished request and sets its length to 0."""
+        request = self._request(request, "release")
         self._free.extend(reversed(self._table[request]))
         self._table[request] = []
         self._lengths[request] = 0
         self.cache_seqlens[request] = 0
         self._upload()
+
+    def _request(self, b, what: str) -> int:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < len(self._table):
+            raise ValueError(f"PagedKVCache.{what}: request must be an int in [0, {len(self._table)}), got {b!r}")
+        return b
 
     def _upload(self) -> None:
         table = torch.full(tuple(self.block_table.shape), -1, dtype=torch.int32)

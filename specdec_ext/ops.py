@@ -4,15 +4,55 @@ ops trace under torch.compile and CUDA-graph capture.
 Each op's checks live in a `_<op>(ops, ...)` function that takes the op namespace, so that
 specdec_ext.sim runs exactly the same checks in front of the emulated kernels (torch.ops.specdec_sim).
 """
+import math
 from typing import NamedTuple
 
 import torch
 
 from . import _extension
 
-_extension.load("_C")
+_C = _extension.load("_C")
+# The ops' limits and the meaning of each device-side error bit, defined once in the extension (checks.h).
+_CONSTANTS = _C.constants()
+LIMITS = _CONSTANTS["limits"]
+_ERROR_BITS = _CONSTANTS["error_bits"]
 
 _INT64_MIN, _UINT64_END = -(2**63), 2**64
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_NARROW_INTS = (torch.int8, torch.int16, torch.uint8)  # widen to int32 exactly
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_devices(op: str, device, what: str, **tensors) -> None:
+    """Raises naming the tensor that is not on `device` (what: the name of the tensor that set it). Without this
+    a tensor on another device (meta, say) would send the call to another backend's kernel."""
+    for name, t in tensors.items():
+        ts = t if isinstance(t, (list, tuple)) else [t]
+        for i, x in enumerate(ts):
+            if isinstance(x, torch.Tensor) and x.device != device:
+                label = f"{name}[{i}]" if isinstance(t, (list, tuple)) else name
+                raise ValueError(f"{op}: {label} is on {x.device} but {what} is on {device}")
+
+
+def _as_int32(t: torch.Tensor, name: str, op: str) -> torch.Tensor:
+    """An integer tensor as contiguous int32, never narrowed silently: int32 as it is, int8/int16/uint8 widened,
+    int64 checked to fit (a host read on CUDA: pass int32 there, and always while capturing a CUDA graph)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be an int32 tensor, got {type(t).__name__}")
+    if t.dtype == torch.int32:
+        return t.contiguous()
+    if t.dtype in _NARROW_INTS:
+        return t.to(torch.int32).contiguous()
+    if t.dtype != torch.int64:
+        raise ValueError(f"{op}: {name} must be an integer tensor (int32, or int64 within int32 range), got {t.dtype}")
+    if _capturing():
+        raise ValueError(f"{op}: {name} must be int32 while a CUDA graph is captured (int64 needs a range check)")
+    if t.numel() and not _INT32_MIN <= int(t.min()) <= int(t.max()) <= _INT32_MAX:
+        raise ValueError(f"{op}: {name} holds values outside the int32 range")
+    return t.to(torch.int32).contiguous()
 
 
 def _request_vector(value, name: str, op: str, batch: int | None, device) -> torch.Tensor:
@@ -24,7 +64,7 @@ def _request_vector(value, name: str, op: str, batch: int | None, device) -> tor
             raise ValueError(f"{op}: {name} must fit in 64 bits, got {value}")
         if value >= 2**63:  # a uint64 seed: keep its bits
             value -= _UINT64_END
-        return torch.full((batch or 1,), value, dtype=torch.int64, device=device)
+        return torch.full((1 if batch is None else batch,), value, dtype=torch.int64, device=device)
     if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
     if value.dim() > 1:
@@ -64,6 +104,11 @@ def philox_uniform(seed, offset, n: int, stream: int = 0) -> torch.Tensor:
     return _philox_uniform(torch.ops.specdec, seed, offset, n, stream)
 
 
+def _on_device(t) -> bool:
+    """Whether t's kernels run on a device without host reads (CUDA): they record errors instead of raising."""
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+
+
 class SamplingOutput(NamedTuple):
     output_token_ids: torch.Tensor  # [B, K+1] int32: accepted drafts, the resampled or bonus token, then -1
     num_accepted: torch.Tensor  # [B] int32; tokens emitted = num_accepted + 1
@@ -71,20 +116,14 @@ class SamplingOutput(NamedTuple):
 
 _strict = False
 
-# Error bits of the sampling kernels (SamplingError in csrc/include/specdec/sampling_math.h) -> what they mean.
-_SAMPLING_ERRORS = {
-    1: "{target} holds NaN or inf",
-    2: "{draft} holds NaN or inf",
-    4: "draft_token_ids holds ids outside [0, V)",
-    8: "num_draft_tokens holds values outside [0, K]",
-    16: "temperature must be finite and >= 0",
-}
 
 
 def set_strict(enabled: bool) -> None:
-    """Strict mode: on CUDA (and under the emulator) the sampling ops check their inputs on the device and
-    raise on NaN/Inf, out-of-range ids or counts. The check synchronises with the host, so it is for
-    debugging; without it, invalid rows still get defined, in-range outputs. The CPU kernels always raise."""
+    """Strict mode, for debugging: every op raises on every invalid input, on every backend. On CUDA (and under
+    the emulator) the kernels record what they find on the device and the call then reads it (a host
+    synchronisation); the sampling ops also check every row each request owns, including rows the round
+    never reads (NaN/Inf, target rows with no mass). Without it, CUDA leaves defined outputs for invalid
+    requests (README), and the CPU kernels raise on everything they read."""
     global _strict
     _strict = bool(enabled)
 
@@ -93,42 +132,87 @@ def is_strict() -> bool:
     return _strict
 
 
-def _error_flags(device, records_errors: bool):
+def _error_flags(op: str, device, records_errors: bool):
     """The kernels' device-side error word, when strict mode asks for their device-side checks."""
-    return torch.zeros(1, dtype=torch.int32, device=device) if records_errors and _strict else None
+    if not (records_errors and _strict):
+        return None
+    if _capturing():
+        raise ValueError(f"{op}: strict mode reads the device's error word back, which a CUDA graph capture cannot; "
+                         "call set_strict(False) before capturing")
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def _raise_recorded_errors(op: str, device, flags, messages: dict) -> None:
-    """Raises ValueError naming every error bit the kernel recorded in `flags` (messages: bit -> text)."""
+def _raise_recorded_errors(op: str, device, flags, error_table: str, **names) -> None:
+    """Raises ValueError naming every error bit the kernel recorded in `flags`; the messages are the
+    extension's table for `error_table`, with the input names filled in."""
     if flags is None:
         return
     bits = int(flags.item())  # the host sync that strict mode is for
     if bits:
         raise ValueError(f"{op}: invalid input detected on {device}: " + "; ".join(
-            msg for bit, msg in messages.items() if bits & bit))
+            msg.format(**names) for bit, msg in sorted(_ERROR_BITS[error_table].items()) if bits & bit))
 
 
 def _per_request(value, name: str, op: str, batch: int, device, dtype) -> torch.Tensor:
-    """A [B] tensor of `dtype` on `device` from a Python scalar (broadcast) or a 0-/1-D tensor."""
+    """A [B] tensor of `dtype` (int32, float32 or bool) on `device` from a Python scalar (broadcast) or a 0-/1-D
+    tensor of the same kind: integers for int32 (checked to fit), real numbers for float32, bools for bool."""
+    kind = {torch.int32: "an integer", torch.float32: "a real number", torch.bool: "a bool"}[dtype]
     if isinstance(value, torch.Tensor):
         if value.dim() > 1 or value.numel() not in (1, batch):
             raise ValueError(f"{op}: {name} must be a scalar or have B = {batch} entries, got shape {tuple(value.shape)}")
         if value.device != device:
             raise ValueError(f"{op}: {name} is on {value.device} but the inputs are on {device}")
+        if dtype == torch.int32:
+            value = _as_int32(value, name, op)
+        elif (dtype == torch.bool) != (value.dtype == torch.bool) or value.dtype.is_complex:
+            raise ValueError(f"{op}: {name} must be {kind} tensor, got {value.dtype}")
         return value.reshape(-1).to(dtype).expand(batch).contiguous()
+    ok = {torch.int32: lambda v: isinstance(v, int) and not isinstance(v, bool) and _INT32_MIN <= v <= _INT32_MAX,
+          torch.float32: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          torch.bool: lambda v: isinstance(v, bool)}[dtype]
+    if not ok(value):
+        raise ValueError(f"{op}: {name} must be {kind} (or a tensor of them), got {value!r}")
     return torch.full((batch,), value, dtype=dtype, device=device)
+
+
+def _check_every_row(op: str, tname: str, dname: str, target, draft, num_draft_tokens, logits: bool) -> None:
+    """Strict mode: every row request b owns (target rows 0..num_draft_tokens[b], draft rows below it) holds
+    valid values, and every owned target row has mass, whether or not this round reads it."""
+    k = target.shape[1] - 1
+    counts = num_draft_tokens.clamp(0, k).unsqueeze(-1)
+    owned_target = torch.arange(k + 1, device=target.device) <= counts
+    rows = [(tname, target, owned_target)]
+    if draft is not None:
+        rows.append((dname, draft, torch.arange(k, device=target.device) < counts))
+    for name, x, owned in rows:
+        invalid = (x.isnan() | x.isposinf() if logits else ~x.isfinite()).any(-1)
+        bad = (invalid & owned).nonzero()
+        if len(bad):
+            b, i = bad[0].tolist()
+            raise ValueError(f"{op}: invalid input: {name}[{b}, {i}] holds NaN or +inf" +
+                             ("" if logits else " (or -inf)"))
+    best = target.amax(-1) if target.shape[-1] else torch.full(target.shape[:2], float("-inf"), device=target.device)
+    empty = ~(best > (float("-inf") if logits else 0.0)) & owned_target
+    if empty.any():
+        b, i = empty.nonzero()[0].tolist()
+        raise ValueError(f"{op}: invalid input: {tname}[{b}, {i}] has no mass (every logit -inf, or every "
+                         "probability 0)")
 
 
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
                     offset, generator, out, records_errors) -> SamplingOutput:
     op = "chain_speculative_sampling_from_logits" if logits else "chain_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
+    dname = "draft_logits" if logits else "draft_probs"
     if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 2:
         raise ValueError(f"{op}: draft_token_ids must be a [B, K] tensor")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
+    if draft is not None and not isinstance(draft, torch.Tensor):
+        raise TypeError(f"{op}: {dname} must be a tensor or None, got {type(draft).__name__}")
     batch, k = draft_token_ids.shape
     device = target.device
+    _check_devices(op, device, tname, draft_token_ids=draft_token_ids, **{dname: draft})
     if num_draft_tokens is None:
         num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device)
     else:
@@ -147,20 +231,21 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     else:
         seed = _request_vector(seed, "seed", op, batch, device)
     offset = _request_vector(0 if offset is None else offset, "offset", op, batch, device)
-    if seed.device != device or offset.device != device:
-        raise ValueError(f"{op}: seed and offset must be on {device}")
+    _check_devices(op, device, tname, seed=seed, offset=offset)
     if out is None:
         out = SamplingOutput(torch.empty((batch, k + 1), dtype=torch.int32, device=device),
                              torch.empty((batch,), dtype=torch.int32, device=device))
     elif not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise ValueError(f"{op}: out must be a tuple (output_token_ids [B, K+1] int32, num_accepted [B] int32)")
     out = SamplingOutput(*out)
-    flags = _error_flags(device, records_errors)
+    _check_devices(op, device, tname, output_token_ids=out.output_token_ids, num_accepted=out.num_accepted)
+    flags = _error_flags(op, device, records_errors)
     fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
     fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
        flags)
-    names = {"target": tname, "draft": "draft_logits" if logits else "draft_probs"}
-    _raise_recorded_errors(op, device, flags, {bit: msg.format(**names) for bit, msg in _SAMPLING_ERRORS.items()})
+    _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
+    if _strict and target.dim() == 3 and target.shape[0]:
+        _check_every_row(op, tname, dname, target, draft, num_draft_tokens, logits)
     return out
 
 
@@ -179,7 +264,7 @@ def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, 
     """
     return _chain_sampling(torch.ops.specdec, draft_token_ids, target_probs, draft_probs, logits=False,
                            num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed, offset=offset,
-                           generator=generator, out=out, records_errors=target_probs.device.type != "cpu")
+                           generator=generator, out=out, records_errors=_on_device(target_probs))
 
 
 def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
@@ -190,17 +275,7 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     temperature: a float or [B] float32."""
     return _chain_sampling(torch.ops.specdec, draft_token_ids, target_logits, draft_logits, logits=True,
                            num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
-                           offset=offset, generator=generator, out=out,
-                           records_errors=target_logits.device.type != "cpu")
-
-
-_TRUNCATE_ERRORS = {
-    1: "num_kept must be in [0, block_len]",
-    2: "kept_indices must increase within [0, block_len) for the first num_kept entries",
-    4: "the block [cache_seqlens, cache_seqlens + block_len) runs outside the cache",
-    8: "block_table points outside the paged cache",
-}
-_MAX_BLOCK_LEN = 64
+                           offset=offset, generator=generator, out=out, records_errors=_on_device(target_logits))
 
 
 def _layers(caches, name: str) -> list:
@@ -221,25 +296,27 @@ def _truncate_kv_cache(ops, cache_seqlens, num_kept, *, block_len, kept_indices,
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"{op}: cache_seqlens must be a [B] int32 tensor")
     batch, device = cache_seqlens.numel(), cache_seqlens.device
+    if block_len is not None and (isinstance(block_len, bool) or not isinstance(block_len, int)):
+        raise ValueError(f"{op}: block_len must be an int or None, got {block_len!r}")
     if kept_indices is not None:
         if not isinstance(kept_indices, torch.Tensor) or kept_indices.dim() != 2:
             raise ValueError(f"{op}: kept_indices must be a [B, block_len] int32 tensor")
         if block_len is not None and block_len != kept_indices.shape[1]:
             raise ValueError(f"{op}: block_len {block_len} disagrees with kept_indices' {kept_indices.shape[1]} columns")
         block_len = kept_indices.shape[1]
-        kept_indices = kept_indices.to(torch.int32).contiguous()
-    if block_len is None:
-        if clear:
-            raise ValueError(f"{op}: block_len is needed with clear=True")
-        block_len = _MAX_BLOCK_LEN  # lengths only: bounds num_kept
+        kept_indices = _as_int32(kept_indices, "kept_indices", op)
+    if block_len is None and clear:
+        raise ValueError(f"{op}: block_len is needed with clear=True")
     num_kept = _per_request(num_kept, "num_kept", op, batch, device, torch.int32)
     k_caches, v_caches = _layers(k_caches, "k_caches"), _layers(v_caches, "v_caches")
     if block_table is not None:
-        block_table = block_table.to(torch.int32).contiguous()
-    flags = _error_flags(device, records_errors)
-    ops.truncate_kv_cache(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table, int(block_len),
+        block_table = _as_int32(block_table, "block_table", op)
+    _check_devices(op, device, "cache_seqlens", kept_indices=kept_indices, k_caches=k_caches, v_caches=v_caches,
+                   block_table=block_table)
+    flags = _error_flags(op, device, records_errors)
+    ops.truncate_kv_cache(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table, block_len,
                           bool(clear), flags)
-    _raise_recorded_errors(op, device, flags, _TRUNCATE_ERRORS)
+    _raise_recorded_errors(op, device, flags, "truncate_kv_cache")
 
 
 def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
@@ -253,18 +330,13 @@ def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=N
     k_caches, v_caches: every layer's cache, a list or one stacked [L, ...] tensor; contiguous
     [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table [B, max_pages].
     clear: zero the block's discarded slots. block_len: Q, implied by kept_indices, needed for clear.
+    Without kept_indices and clear only the lengths change, and num_kept[b] may be any count that keeps
+    cache_seqlens[b] + num_kept[b] within the cache (a prefill, a block near the end of the cache).
     Invalid requests raise on the CPU; on CUDA they are left untouched (set_strict(True) raises).
     """
     _truncate_kv_cache(torch.ops.specdec, cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                        k_caches=k_caches, v_caches=v_caches, block_table=block_table, clear=clear,
-                       records_errors=cache_seqlens.device.type != "cpu")
-
-
-# Error bits of verify_attention on CUDA (AttentionError in csrc/include/specdec/attention.h).
-_ATTENTION_ERRORS = {
-    1: "cache_seqlens[b] + Q runs outside the cache (or cache_seqlens[b] < 0)",
-    2: "block_table points outside the paged cache",
-}
+                       records_errors=_on_device(cache_seqlens))
 
 
 def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table, tree_mask, softmax_scale,
@@ -274,15 +346,25 @@ def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, 
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     if tree_mask is not None:
-        tree_mask = tree_mask.to(torch.bool).contiguous()
+        if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool:
+            raise ValueError(f"{op}: tree_mask must be a bool tensor (True: query i sees new token j), got "
+                             f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)}; an additive float mask "
+                             "(0 / -inf) means the inverse: pass mask == 0")
+        tree_mask = tree_mask.contiguous()
     if block_table is not None:
-        block_table = block_table.to(torch.int32).contiguous()
-    if softmax_scale is not None and not softmax_scale > 0:
-        raise ValueError(f"{op}: softmax_scale must be > 0, got {softmax_scale}")
-    flags = _error_flags(q.device, records_errors)
+        block_table = _as_int32(block_table, "block_table", op)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or \
+                not (0 < softmax_scale < math.inf):
+            raise ValueError(f"{op}: softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)), "
+                             f"got {softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
+    _check_devices(op, q.device, "q", k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
+                   v_new=v_new, block_table=block_table, tree_mask=tree_mask)
+    flags = _error_flags(op, q.device, records_errors)
     out, lse = ops.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
-                                    float(softmax_scale or 0.0), bool(return_lse), flags)
-    _raise_recorded_errors(op, q.device, flags, _ATTENTION_ERRORS)
+                                    softmax_scale, bool(return_lse), flags)
+    _raise_recorded_errors(op, q.device, flags, "verify_attention")
     return (out, lse) if return_lse else out
 
 
@@ -300,7 +382,7 @@ def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
     its cache or whose pages are outside the cache gets NaN outputs (set_strict(True) raises)."""
     return _verify_attention(torch.ops.specdec, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                              block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
-                             return_lse=return_lse, records_errors=q.device.type != "cpu")
+                             return_lse=return_lse, records_errors=_on_device(q))
 
 
 def _register_fakes(namespace: str) -> None:
@@ -311,7 +393,7 @@ def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::verify_attention")
     def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, return_lse,
           error_flags):
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return torch.empty_like(q), q.new_empty(q.shape[:3] if return_lse else (0,), dtype=torch.float32)
 
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "truncate_kv_cache"):
         # Both write only their output arguments.

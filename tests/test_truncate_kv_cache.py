@@ -120,7 +120,7 @@ def bad_cases():
         ({"num_kept": torch.tensor([4, 1]), "kept_indices": ok_kept}, "num_kept must be in"),
         ({"num_kept": torch.tensor([2, 1]), "kept_indices": torch.tensor([[1, 1, -1], [0, -1, -1]], dtype=torch.int32)},
          "kept_indices must increase"),
-        ({"num_kept": torch.tensor([2, 1]), "kept_indices": ok_kept, "lengths": [8, 0]}, "runs outside the cache"),
+        ({"num_kept": torch.tensor([2, 1]), "kept_indices": ok_kept, "lengths": [8, 0]}, "outside the cache"),
     ], k, v
 
 

@@ -111,7 +111,7 @@ def test_bad_arguments_are_named(gen):
 
 def test_opcheck(gen):
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 2, 3, 4, 2, 64, torch.bfloat16, [4, 9])
-    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))
+    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, None, True, None))
 
 
 # ----- the CUDA kernel under the emulator (float16/bfloat16, head dim 64/128, small shapes) -----------------
@@ -211,7 +211,7 @@ def test_sim_unsupported_inputs_are_named(gen, sim):
 def test_sim_opcheck(gen, sim):
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 2, 3, 4, 2, 64, torch.bfloat16, [4, 9])
     torch.library.opcheck(torch.ops.specdec_sim.verify_attention.default,
-                          (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))
+                          (q, kc, vc, sl, kn, vn, None, None, None, True, None))
 
 
 @pytest.mark.parametrize("trial", range(8))

@@ -89,7 +89,8 @@ SPECDEC_CPU_CLONES void group_totals_of_lanes(const float* lane, float* totals) 
   for (int i = 0; i < kLanes / 32; ++i) totals[i] = fadd(b[2 * i], b[2 * i + 1]);
 }
 
-// Greedy rows: the first index of the row's maximum (NaN never wins; it is reported by the caller's check).
+// Greedy rows: the first index of the row's maximum (NaN never wins; it is reported by the caller's check),
+// or -1 if the row has no mass.
 template <typename T>
 SPECDEC_CPU_CLONES int32_t argmax_row(const T* row, int64_t vocab, bool logits, bool* bad) {
   float best = kNegInf;
@@ -104,7 +105,7 @@ SPECDEC_CPU_CLONES int32_t argmax_row(const T* row, int64_t vocab, bool logits, 
     }
   }
   *bad = invalid != 0;
-  return static_cast<int32_t>(index);
+  return row_has_mass(best, logits) ? static_cast<int32_t>(index) : -1;
 }
 
 template <typename T>
@@ -244,11 +245,12 @@ void chain_sampling_cpu(const at::Tensor& draft_token_ids, const at::Tensor& tar
                         const std::optional<at::Tensor>& error_flags, bool logits) {
   const ChainSamplingParams P = make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature,
                                                   seed, offset, output_token_ids, num_accepted, error_flags, logits);
+  // Counts, ids and temperatures of every request first: they raise before anything is sampled or written.
   int32_t errors = 0;
-  switch (target.scalar_type()) {
-    case at::kFloat: errors = run<float>(P); break;
-    case at::kHalf: errors = run<c10::Half>(P); break;
-    default: errors = run<c10::BFloat16>(P);
+  for (int64_t b = 0; b < P.batch; ++b) errors |= check_request_controls(P, b);
+  if (errors == 0) {
+    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling",
+                                                          [&](auto tag) { errors = run<typename decltype(tag)::type>(P); });
   }
   if (errors != 0) {
     if (P.error_flags != nullptr) *P.error_flags |= errors;

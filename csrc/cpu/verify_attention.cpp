@@ -60,7 +60,10 @@ constexpr int kRowBlock = 16;      // query rows are padded to a multiple of thi
 constexpr int kScoreAccs = 8;      // vector accumulators of the score micro-kernel
 constexpr int kPvRows = 4;         // rows per P.V micro-kernel
 constexpr int kPrefetchTiles = 1;  // K and V rows are requested this many tiles ahead
-constexpr int kMinSplitKeys = 512;
+// Keys per work item: a request's split depends on its own length only (batch invariance); small enough
+// that one long request keeps every thread busy, large enough that merging costs little (an item's partial
+// output is R x D floats against 2 x 512 x D cache values read).
+constexpr int64_t kSplitKeys = 512;
 
 // Points keys[t] and values[t] at the tile's n cache rows as float: the cache itself for fp32, rows
 // converted into buf (2 x kKeyTile x d) otherwise. Keys past n repeat the last row (their scores are masked).
@@ -278,26 +281,25 @@ template <typename T>
 void verify_attention_cpu_impl(const AttentionParams& P) {
   const int64_t B = P.batch, Q = P.num_queries, Hq = P.q_heads, Hkv = P.kv_heads, D = P.head_dim;
   const int64_t G = Hq / Hkv, R = Q * G, rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
-  int64_t max_keys = 0;
-  for (int64_t b = 0; b < B; ++b) max_keys = std::max<int64_t>(max_keys, P.cache_seqlens[b] + Q);
-  // Splits only when requests x KV heads cannot keep the threads busy (long contexts at small batch).
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(
-      1, std::min<int64_t>((2 * threads + B * Hkv - 1) / (B * Hkv), (max_keys + kMinSplitKeys - 1) / kMinSplitKeys));
-  std::vector<float> acc(B * Hkv * splits * R * D, 0.0f);
+  // Work items (request, split, KV head), requests in order; first_split[b] is request b's first split.
+  std::vector<int64_t> first_split(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first_split[b + 1] = first_split[b] + attention_request_splits(P, b);
+  std::vector<int64_t> split_request(first_split[B]);
+  for (int64_t b = 0; b < B; ++b) std::fill(&split_request[first_split[b]], &split_request[first_split[b + 1]], b);
+  const int64_t items = first_split[B] * Hkv;
+  std::vector<float> acc(items * R * D, 0.0f);
   // Running max and sum of each item's rows (padding rows included, never read).
-  std::vector<float> row_max(B * Hkv * splits * rows_padded, -INFINITY), row_sum(B * Hkv * splits * rows_padded, 0.0f);
-  at::parallel_for(0, B * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
+  std::vector<float> row_max(items * rows_padded, -INFINITY), row_sum(items * rows_padded, 0.0f);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     Workspace ws;
     ws.qt.assign(D * rows_padded, 0.0f);
     if (!std::is_same_v<T, float>) ws.tile.resize(2 * kKeyTile * D);
     ws.scores.resize(kKeyTile * rows_padded);
     ws.alpha.resize(rows_padded);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hkv * splits), kvh = item / splits % Hkv, split = item % splits;
-      const int64_t keys = P.cache_seqlens[b] + Q;
-      const int64_t per = (keys + splits - 1) / splits;
-      const int64_t k0 = std::min(keys, split * per), k1 = std::min(keys, k0 + per);
+      const int64_t split = item / Hkv, kvh = item % Hkv, b = split_request[split];
+      const int64_t keys = attention_request_keys(P, b);
+      const int64_t k0 = (split - first_split[b]) * P.split_keys, k1 = std::min(keys, k0 + P.split_keys);
       if (k0 >= k1) continue;
       const T* q = static_cast<const T*>(P.q);
       for (int64_t r = 0; r < R; ++r) {
@@ -309,7 +311,7 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
                       &row_sum[item * rows_padded]);
     }
   });
-  // Merge the splits of each (request, KV head) and write out and lse.
+  // Merge the splits of each (request, KV head) in split order and write out (and lse).
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -317,23 +319,26 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
       for (int64_t r = 0; r < R; ++r) {
         const int64_t i = r / G, h = kvh * G + r % G;
         float m = -INFINITY;
-        for (int64_t s = 0; s < splits; ++s) m = std::max(m, row_max[(bh * splits + s) * rows_padded + r]);
+        for (int64_t s = first_split[b]; s < first_split[b + 1]; ++s) {
+          m = std::max(m, row_max[(s * Hkv + kvh) * rows_padded + r]);
+        }
         float l = 0.0f;
         std::fill(o.begin(), o.end(), 0.0f);
         if (m != -INFINITY) {
-          for (int64_t s = 0; s < splits; ++s) {
-            const float ms = row_max[(bh * splits + s) * rows_padded + r];
+          for (int64_t s = first_split[b]; s < first_split[b + 1]; ++s) {
+            const int64_t item = s * Hkv + kvh;
+            const float ms = row_max[item * rows_padded + r];
             if (ms == -INFINITY) continue;
             const float w = std::exp(ms - m);
-            l += row_sum[(bh * splits + s) * rows_padded + r] * w;
-            const float* a = &acc[((bh * splits + s) * R + r) * D];
+            l += row_sum[item * rows_padded + r] * w;
+            const float* a = &acc[(item * R + r) * D];
             for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
           }
         }
         T* out = static_cast<T*>(P.out) + ((b * Q + i) * Hq + h) * D;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(o[d] * inv);
-        P.lse[(b * Q + i) * Hq + h] = l > 0.0f ? m + std::log(l) : -INFINITY;
+        if (P.lse != nullptr) P.lse[(b * Q + i) * Hq + h] = l > 0.0f ? m + std::log(l) : -INFINITY;
       }
     }
   });
@@ -343,12 +348,14 @@ std::tuple<at::Tensor, at::Tensor> verify_attention_cpu(const at::Tensor& q, con
                                                         const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
                                                         const std::optional<at::Tensor>& v_new,
                                                         const std::optional<at::Tensor>& block_table,
-                                                        const std::optional<at::Tensor>& tree_mask, double softmax_scale,
-                                                        bool return_lse, const std::optional<at::Tensor>& error_flags) {
+                                                        const std::optional<at::Tensor>& tree_mask,
+                                                        std::optional<double> softmax_scale, bool return_lse,
+                                                        const std::optional<at::Tensor>& error_flags) {
   at::Tensor out = at::empty_like(q);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  const AttentionParams P = make_attention_params(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
-                                                  softmax_scale, error_flags, out, lse);
+  at::Tensor lse = empty_lse(q, return_lse);
+  AttentionParams P = make_attention_params(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
+                                            softmax_scale, error_flags, out, lse, return_lse);
+  P.split_keys = kSplitKeys;
   // Every request's block must fit in its cache and pages (checked before anything is written).
   for (int64_t b = 0; b < P.batch; ++b) {
     const int64_t length = P.cache_seqlens[b];
@@ -373,12 +380,9 @@ std::tuple<at::Tensor, at::Tensor> verify_attention_cpu(const at::Tensor& q, con
       }
     }
   }
-  switch (q.scalar_type()) {
-    case at::kFloat: verify_attention_cpu_impl<float>(P); break;
-    case at::kHalf: verify_attention_cpu_impl<c10::Half>(P); break;
-    default: verify_attention_cpu_impl<c10::BFloat16>(P);
-  }
-  (void)return_lse;
+  if (P.batch == 0) return {out, lse};
+  dispatch_float_types<float, c10::Half, c10::BFloat16>(
+      q.scalar_type(), "verify_attention", [&](auto tag) { verify_attention_cpu_impl<typename decltype(tag)::type>(P); });
   return {out, lse};
 }
 

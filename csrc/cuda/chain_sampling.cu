@@ -55,16 +55,13 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
   const Stream stream = current_stream(target);
-  switch (target.scalar_type()) {
-    case at::kFloat:
-      launch_for_type<float>("chain_sampling_kernel<float>", P, target, stream);
-      break;
-    case at::kHalf:
-      launch_for_type<half_t>("chain_sampling_kernel<half>", P, target, stream);
-      break;
-    default:
-      launch_for_type<bf16_t>("chain_sampling_kernel<bf16>", P, target, stream);
-  }
+  const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
+  dispatch_float_types<float, half_t, bf16_t>(target.scalar_type(), op, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_for_type<T>(std::is_same_v<T, float> ? "chain_sampling_kernel<float>"
+                       : std::is_same_v<T, half_t> ? "chain_sampling_kernel<half>" : "chain_sampling_kernel<bf16>",
+                       P, target, stream);
+  });
 }
 
 void chain_sampling_probs(const at::Tensor& draft_token_ids, const at::Tensor& target_probs,

@@ -7,7 +7,7 @@ namespace {
 
 void truncate_kv_cache_launch(const at::Tensor& cache_seqlens, const at::Tensor& num_kept,
                               const std::optional<at::Tensor>& kept_indices, at::TensorList k_caches, at::TensorList v_caches,
-                              const std::optional<at::Tensor>& block_table, int64_t block_len, bool clear,
+                              const std::optional<at::Tensor>& block_table, std::optional<int64_t> block_len, bool clear,
                               const std::optional<at::Tensor>& error_flags) {
   const TruncateParams P = make_truncate_params(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table,
                                                 block_len, clear, error_flags);

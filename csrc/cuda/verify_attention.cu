@@ -5,7 +5,10 @@
 namespace specdec {
 namespace {
 
-constexpr int64_t kAttnMinSplitKeys = 2 * kAttnKeys;
+// Keys per KV split: kAttnSplitKeys, doubled while a cache of this capacity would need more than
+// kAttnMaxSplits splits (which bounds the merge workspace to kAttnMaxSplits partial outputs per row).
+constexpr int64_t kAttnSplitKeys = 4 * kAttnKeys;
+constexpr int64_t kAttnMaxSplits = 32;
 
 template <typename T, int D>
 void launch_verify_attention(AttentionParams& P, const at::Tensor& q, Stream stream) {
@@ -42,13 +45,14 @@ std::tuple<at::Tensor, at::Tensor> verify_attention_launch(const at::Tensor& q, 
                                                            const std::optional<at::Tensor>& k_new,
                                                            const std::optional<at::Tensor>& v_new,
                                                            const std::optional<at::Tensor>& block_table,
-                                                           const std::optional<at::Tensor>& tree_mask, double softmax_scale,
-                                                           bool return_lse, const std::optional<at::Tensor>& error_flags) {
+                                                           const std::optional<at::Tensor>& tree_mask,
+                                                           std::optional<double> softmax_scale, bool return_lse,
+                                                           const std::optional<at::Tensor>& error_flags) {
   const char* op = "verify_attention";
   at::Tensor out = at::empty_like(q);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor lse = empty_lse(q, return_lse);
   AttentionParams P = make_attention_params(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
-                                            softmax_scale, error_flags, out, lse);
+                                            softmax_scale, error_flags, out, lse, return_lse);
   TORCH_CHECK_VALUE(q.device().type() == kLauncherDevice, op, ": tensors must be on ", kLauncherDevice);
   TORCH_CHECK_VALUE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
                     ": the tensor-core kernel takes float16 or bfloat16, got ", q.scalar_type());
@@ -65,26 +69,20 @@ std::tuple<at::Tensor, at::Tensor> verify_attention_launch(const at::Tensor& q, 
   if (P.batch == 0) return {out, lse};
 
   const LauncherGuard guard(q);
-  // Blocks: (request, KV head, row tile of 64 query rows) x KV splits. The split count comes from the cache
-  // capacity, not from cache_seqlens, so nothing is read back from the device: enough blocks to cover the
-  // GPU twice, each with at least kAttnMinSplitKeys keys.
+  // Blocks: (request, KV head, row tile of 64 query rows) x KV splits. A request uses the splits that its own
+  // keys fill (attention_request_splits): its output bits depend on its length and the cache's capacity, never
+  // on the batch. The split size comes from the capacity, so nothing is read back from the device.
   const int64_t rows_per_head = P.num_queries * (P.q_heads / P.kv_heads);
   P.row_tiles = (rows_per_head + kAttnRows - 1) / kAttnRows;
-  const int64_t blocks = P.batch * P.kv_heads * P.row_tiles;
-  const int64_t wanted = 2 * int64_t{multiprocessor_count(q)};
-  const int64_t most = std::max<int64_t>(1, P.capacity / kAttnMinSplitKeys);
-  const int64_t splits = std::min<int64_t>(most, std::max<int64_t>(1, (wanted + blocks - 1) / blocks));
-  P.split_keys = ((P.capacity + splits - 1) / splits + kAttnKeys - 1) / kAttnKeys * kAttnKeys;
+  P.split_keys = kAttnSplitKeys;
+  while ((P.capacity + P.split_keys - 1) / P.split_keys > kAttnMaxSplits) P.split_keys *= 2;
   P.num_splits = (P.capacity + P.split_keys - 1) / P.split_keys;
   TORCH_CHECK_VALUE(P.kv_heads * P.row_tiles <= 65535, op, ": too many KV heads x query rows");
 
   const Stream stream = current_stream(q);
-  if (q.scalar_type() == at::kHalf) {
-    dispatch_head_dim<half_t>(P, q, stream);
-  } else {
-    dispatch_head_dim<bf16_t>(P, q, stream);
-  }
-  (void)return_lse;
+  dispatch_float_types<void, half_t, bf16_t>(q.scalar_type(), op, [&](auto tag) {
+    dispatch_head_dim<typename decltype(tag)::type>(P, q, stream);
+  });
   return {out, lse};
 }
 

@@ -180,7 +180,7 @@ struct ClusterSamplingEngine {
       }
     });
     const ArgMax r = reduce_lanes(best, ArgMaxCombine{}, am_scratch);
-    return r.index < P.vocab ? r.index : 0;
+    return row_has_mass(r.value, P.logits) && r.index < P.vocab ? r.index : -1;
   }
 
   SPECDEC_DEVICE_NOINLINE void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {

@@ -15,11 +15,7 @@ constexpr int kTruncateThreads = 256;
 __global__ void __launch_bounds__(kTruncateThreads) truncate_kv_cache_kernel(const TruncateParams params) {
   const TruncateParams P = params;
   const int64_t b = blockIdx.x, layer = blockIdx.y;
-  const int32_t errors = check_truncate_request(P, b);
-  if (errors != 0) {  // a defined outcome: this request's cache is left untouched
-    if (threadIdx.x == 0 && layer == 0 && P.error_flags != nullptr) atomic_or(P.error_flags, errors);
-    return;
-  }
+  if (check_truncate_request(P, b) != 0) return;  // a defined outcome: this request's cache is left untouched
   const int32_t base = P.cache_seqlens[b], n = P.num_kept[b];
   for (int kv = 0; kv < 2; ++kv) {
     uint32_t* cache = static_cast<uint32_t*>(kv == 0 ? P.k[layer] : P.v[layer]);
@@ -42,11 +38,18 @@ __global__ void __launch_bounds__(kTruncateThreads) truncate_kv_cache_kernel(con
   }
 }
 
-// Runs after the moves (its own launch: every block of a request reads the old length first).
+// Runs after the moves (its own launch: every block of a request reads the old length first), and on its own
+// for a lengths-only truncation; it records the error bits of every rejected request.
 __global__ void __launch_bounds__(kTruncateThreads) advance_seqlens_kernel(const TruncateParams params) {
   const TruncateParams P = params;
   const int64_t b = int64_t{blockIdx.x} * kTruncateThreads + threadIdx.x;
-  if (b < P.batch && check_truncate_request(P, b) == 0) P.cache_seqlens[b] += P.num_kept[b];
+  if (b >= P.batch) return;
+  const int32_t errors = check_truncate_request(P, b);
+  if (errors == 0) {
+    P.cache_seqlens[b] += P.num_kept[b];
+  } else if (P.error_flags != nullptr) {
+    atomic_or(P.error_flags, errors);
+  }
 }
 
 }  // namespace specdec

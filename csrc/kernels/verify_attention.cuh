@@ -12,8 +12,11 @@
 // padding of a row tile can at most quadruple: still far below the tensor cores' rate per byte loaded.
 //
 // Requests are validated on the device: a request whose block does not fit its cache, or whose pages are
-// outside the paged cache, gets NaN outputs and lse (and an error bit), and no row outside the cache is
-// read or written.
+// outside the paged cache, gets NaN outputs and lse in every row (and an error bit), and no row outside the
+// cache is read or written.
+//
+// Batch invariance: a request's blocks are its own KV splits of split_keys keys (attention_request_splits),
+// merged in split order, so its output bits do not depend on the other requests of the batch.
 #pragma once
 #include "specdec/attention.h"
 #include "specdec/device.cuh"
@@ -120,19 +123,32 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
   const int row_group = warp % row_groups, key_slice = warp / row_groups;
 
+  // The request's own splits only (uniform across the block, before any barrier).
+  const int64_t request_splits = attention_request_splits(P, b);
+  if (split >= request_splits) return;
+
   SPECDEC_DYNAMIC_SHARED(T, smem);
   SPECDEC_SHARED(int32_t, block_errors, 1);
-  if (threadIdx.x == 0) *block_errors = 0;
-  sync_threads();
-
   const int64_t length = P.cache_seqlens[b];
-  const bool valid = length >= 0 && length <= P.capacity - Q;
-  const int64_t keys = valid ? length + Q : 0;
+  const int64_t keys = attention_request_keys(P, b);
+  const bool valid = keys > 0;
+  if (threadIdx.x == 0) *block_errors = valid ? 0 : kAttentionBadLength;
+  sync_threads();
+  // Every block of the request checks the pages its new tokens go to (the attention reads them from k_new),
+  // so that a request that cannot be appended fails in all of its row tiles and splits, and nothing of it
+  // is appended.
+  if (valid && P.k_new != nullptr && P.block_table != nullptr) {
+    for (int64_t j = threadIdx.x; j < Q; j += kAttnThreads) {
+      if (attention_cache_row(P, b, length + j) < 0) atomic_or(block_errors, int32_t{kAttentionBadPage});
+    }
+  }
+  sync_threads();
+  const bool appendable = *block_errors == 0;
   const int64_t k_begin = split * P.split_keys;
   const int64_t k_end = keys < k_begin + P.split_keys ? keys : k_begin + P.split_keys;
   const int64_t num_tiles = k_begin < k_end ? (k_end - k_begin + kAttnKeys - 1) / kAttnKeys : 0;
-  int32_t errors = valid ? 0 : kAttentionBadLength;
-  if (valid && P.k_new != nullptr && split == 0 && row_tile == 0) errors |= append_new_tokens<T, D>(P, b, kvh, length);
+  int32_t errors = 0;
+  if (appendable && P.k_new != nullptr && split == 0 && row_tile == 0) errors |= append_new_tokens<T, D>(P, b, kvh, length);
 
   // This lane's A fragments of Q (rows g and g + 8 of its row group; rows past R are zero).
   uint32_t qf[D / 16][4];
@@ -270,11 +286,11 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
       for (int d = 0; d < 8; ++d) acc[d] = NAN;
     }
     const int64_t out_row = (b * Q + r / G) * P.q_heads + kvh * G + r % G;
-    if (P.num_splits == 1) {
+    if (request_splits == 1) {
       Vec16<T> v;
       for (int d = 0; d < 8; ++d) v.v[d] = from_float<T>(acc[d]);
       store_vec16(static_cast<T*>(P.out) + out_row * D + col, v);
-      if (col == 0) P.lse[out_row] = lse;
+      if (col == 0 && P.lse != nullptr) P.lse[out_row] = lse;
     } else {
       const int64_t partial_row = split * P.batch * Q * P.q_heads + out_row;
       for (int d = 0; d < 8; ++d) P.partial_out[partial_row * D + col + d] = acc[d];
@@ -283,35 +299,38 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
   }
 }
 
-// Merges the splits of each output row by their lse: one warp per row of [B, Q, Hq].
+// Merges the splits of each output row by their lse, in split order: one warp per row of [B, Q, Hq]. Rows of
+// requests with one split were written by the attention kernel itself.
 template <typename T>
 __global__ void __launch_bounds__(kAttnMergeWarps * kWarpSize) merge_attention_splits_kernel(const AttentionParams params) {
   const AttentionParams& P = params;
   const int64_t rows = P.batch * P.num_queries * P.q_heads, D = P.head_dim;
   const int64_t row = int64_t{blockIdx.x} * kAttnMergeWarps + threadIdx.x / kWarpSize;
   if (row >= rows) return;  // uniform across the warp
+  const int64_t splits = attention_request_splits(P, row / (P.num_queries * P.q_heads));
+  if (splits == 1) return;
   float mx = -INFINITY;
   bool invalid = false;
-  for (int64_t s = 0; s < P.num_splits; ++s) {
+  for (int64_t s = 0; s < splits; ++s) {
     const float x = P.partial_lse[s * rows + row];
     invalid |= x != x;
     mx = fmaxf(mx, x);
   }
   float total = 0.0f;
   if (!invalid && mx != -INFINITY) {
-    for (int64_t s = 0; s < P.num_splits; ++s) total += expf(P.partial_lse[s * rows + row] - mx);
+    for (int64_t s = 0; s < splits; ++s) total += expf(P.partial_lse[s * rows + row] - mx);
   }
   for (int64_t d = threadIdx.x % kWarpSize; d < D; d += kWarpSize) {
     float acc = 0.0f;
     if (total > 0.0f) {
-      for (int64_t s = 0; s < P.num_splits; ++s) {
+      for (int64_t s = 0; s < splits; ++s) {
         acc += expf(P.partial_lse[s * rows + row] - mx) * P.partial_out[(s * rows + row) * D + d];
       }
       acc /= total;
     }
     static_cast<T*>(P.out)[row * D + d] = from_float<T>(invalid ? NAN : acc);
   }
-  if (threadIdx.x % kWarpSize == 0) P.lse[row] = invalid ? NAN : total > 0.0f ? mx + logf(total) : -INFINITY;
+  if (threadIdx.x % kWarpSize == 0 && P.lse != nullptr) P.lse[row] = invalid ? NAN : total > 0.0f ? mx + logf(total) : -INFINITY;
 }
 
 }  // namespace specdec

@@ -103,4 +103,4 @@ def test_invalid_request_is_nan_and_strict_raises():
 def test_opcheck():
     g = torch.Generator().manual_seed(6)
     q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 3, 8, 2, 128, torch.bfloat16, [4, 90])
-    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, 0.0, True, None))
+    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, None, True, None))

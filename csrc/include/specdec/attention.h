@@ -22,14 +22,17 @@ struct AttentionParams {
   const bool* tree_mask;      // [Q, Q] or [B, Q, Q] or nullptr (causal)
   bool mask_per_request;
   void* out;                  // [B, Q, Hq, D], dtype of q
-  float* lse;                 // [B, Q, Hq]
+  float* lse;                 // [B, Q, Hq], or nullptr when not asked for
   int64_t batch, num_queries, q_heads, kv_heads, head_dim;
   int64_t cache_stride_b, cache_stride_s;  // elements (contiguous layout)
   int64_t page_size, num_pages, max_pages, capacity;
   int32_t page_shift;         // log2(page_size) when it is a power of two (the usual case), else -1
   float scale;
-  // CUDA only: keys [split * split_keys, (split + 1) * split_keys) of each request go to one block; with
-  // several splits the blocks write normalised partial outputs and their lse, and a second kernel merges.
+  // Keys [split * split_keys, (split + 1) * split_keys) of a request are one work item (CPU) or block (CUDA);
+  // a request with several splits gets normalised partial outputs and their lse, merged in split order.
+  // The split count of a request depends on its own length only (attention_request_splits), so its output
+  // bits do not depend on the other requests of the batch. num_splits: the grid's (CUDA), the most any
+  // request can have.
   int64_t num_splits, split_keys, row_tiles;
   float* partial_out;         // [num_splits, B, Q, Hq, D]
   float* partial_lse;         // [num_splits, B, Q, Hq]
@@ -50,6 +53,19 @@ SPECDEC_HD int64_t attention_cache_row(const AttentionParams& P, int64_t b, int6
   const int64_t page = P.block_table[b * P.max_pages + index];
   if (page < 0 || page >= P.num_pages) return -1;
   return (page * P.page_size + slot) * P.kv_heads * P.head_dim;
+}
+
+// The keys request b attends to, cache_seqlens[b] + Q, or 0 if its block does not fit its cache.
+SPECDEC_HD int64_t attention_request_keys(const AttentionParams& P, int64_t b) {
+  const int64_t length = P.cache_seqlens[b];
+  return length >= 0 && length <= P.capacity - P.num_queries ? length + P.num_queries : 0;
+}
+
+// Request b's KV splits: one per split_keys keys, at least one (an invalid request's NaN output is written by
+// its first split).
+SPECDEC_HD int64_t attention_request_splits(const AttentionParams& P, int64_t b) {
+  const int64_t keys = attention_request_keys(P, b);
+  return keys > P.split_keys ? (keys + P.split_keys - 1) / P.split_keys : 1;
 }
 
 SPECDEC_HD bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {

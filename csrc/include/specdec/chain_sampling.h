@@ -82,28 +82,49 @@ SPECDEC_HD int first_crossing(const float* parts, int n, float base, float thres
   return fallback;
 }
 
+// The inputs of request b other than its rows: the draft count, every draft id it covers, the temperature.
+// Checked in full before any row is read, so that whether an input is reported does not depend on where
+// the round happens to end. Returns SamplingError bits.
+SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t b) {
+  int32_t bits = 0;
+  int64_t k = P.num_draft_tokens[b];
+  if (k < 0 || k > P.num_draft) {
+    bits |= kErrNumDraftTokens;
+    k = k < 0 ? 0 : P.num_draft;
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t x = draft_token(P, b, i);
+    if (x < 0 || x >= P.vocab) bits |= kErrDraftTokenId;
+  }
+  if (P.logits) {
+    const float t = P.temperature[b];
+    if (!(t >= 0.0f) || !is_finite(t)) bits |= kErrTemperature;
+  }
+  return bits;
+}
+
 // The flow for one request. Engine supplies:
 //   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
-//   argmax(row) -> int32; softmax_stats(row_p, row_q, scale, MaxSum*, MaxSum*) (base-2 statistics of the
-//   logits times scale);
+//   argmax(row) -> int32, or -1 if the row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale,
+//   MaxSum*, MaxSum*) (base-2 statistics of the logits times scale);
 //   sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is zero or not finite;
 //   flag(bits); write(b, accepted, token).
+// Invalid controls are flagged up front and then given defined meanings (a count is clamped to [0, K], an id
+// outside [0, V) is rejected, a bad temperature is greedy). A target row the round must draw its last token
+// from, but which has no mass, yields the token -1 (and kErrTargetNoMass).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
 #endif
 template <typename Engine>
 SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P, int64_t b) {
   const int64_t K = P.num_draft, V = P.vocab;
+  e.flag(check_request_controls(P, b));
   int32_t k = P.num_draft_tokens[b];
-  if (k < 0 || k > K) {
-    e.flag(kErrNumDraftTokens);
-    k = k < 0 ? 0 : static_cast<int32_t>(K);
-  }
+  k = k < 0 ? 0 : k > K ? static_cast<int32_t>(K) : k;
   bool greedy;
   float scale = kLog2e;  // log2(e) / temperature: softmax in base 2
   if (P.logits) {
     const float t = P.temperature[b];
-    if (!(t >= 0.0f) || !is_finite(t)) e.flag(kErrTemperature);
     greedy = !(t > 0.0f) || !is_finite(t);
     if (!greedy) scale = fmul(fdiv(1.0f, t), kLog2e);
   } else {
@@ -113,21 +134,20 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
   const bool has_q = P.draft != nullptr;
 
   int32_t accepted = 0, token = -1;
+  bool rejected = false;
   for (int32_t i = 0; i < k; ++i) {
     int64_t x = draft_token(P, b, i);
-    if (x < 0 || x >= V) {
-      e.flag(kErrDraftTokenId);
-      x = -1;  // rejected: an id that is not in the vocabulary has no probability
-    }
+    if (x < 0 || x >= V) x = -1;  // rejected: an id that is not in the vocabulary has no probability
     const auto* row_p = e.row_target(b, i);
     const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
     if (greedy) {
       const int32_t best = e.argmax(row_p);
-      if (x == best) {
+      if (best >= 0 && x == best) {
         ++accepted;
         continue;
       }
       token = best;
+      rejected = true;
       break;
     }
     MassSpec spec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
@@ -159,10 +179,10 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
       spec.p_only = true;
       token = e.sample(row_p, nullptr, spec, u_resample);
     }
-    if (token < 0) token = e.argmax(row_p);  // no positive mass at all (invalid input): still a defined token
+    rejected = true;
     break;
   }
-  if (token < 0) {  // every draft accepted: the bonus token from p_k
+  if (!rejected) {  // every draft accepted: the bonus token from p_k
     const auto* row_p = e.row_target(b, k);
     if (greedy) {
       token = e.argmax(row_p);
@@ -175,9 +195,9 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
         spec.inv_z_p = fdiv(1.0f, sp.s);
       }
       token = e.sample(row_p, nullptr, spec, philox_uniform_at(seed, offset, kStreamResample, 0));
-      if (token < 0) token = e.argmax(row_p);
     }
   }
+  if (token < 0) e.flag(kErrTargetNoMass);  // the row of the last token has no mass: -1 is emitted
   e.write(b, accepted, token);
 }
 

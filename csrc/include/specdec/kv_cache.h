@@ -15,8 +15,8 @@ constexpr int kMaxBlockLen = 64;
 enum TruncateError : int32_t {
   kErrNumKept = 1,       // num_kept[b] outside [0, block_len]
   kErrKeptIndices = 2,   // kept_indices not increasing in [0, block_len)
-  kErrBlockRange = 4,    // the block runs outside the cache (or a negative length)
-  kErrPageIndex = 8,     // a page of the block outside [0, num_pages)
+  kErrBlockRange = 4,    // the slots touched run outside the cache, a negative length, or a length past 2^31 - 1
+  kErrPageIndex = 8,     // a page of the slots touched outside [0, num_pages)
 };
 
 struct TruncateParams {
@@ -27,7 +27,7 @@ struct TruncateParams {
   void* k[kMaxCacheLayers];
   void* v[kMaxCacheLayers];
   int32_t* error_flags;           // [1] or nullptr
-  int64_t batch, layers, block_len;
+  int64_t batch, layers, block_len;  // block_len 0: not given (lengths only)
   int64_t row_words;              // 4-byte words per row
   int64_t stride_b, stride_s;     // contiguous: words between requests / positions
   int64_t capacity;               // positions a request can hold (S_max, or max_pages * page_size)
@@ -43,11 +43,16 @@ SPECDEC_HD int64_t cache_row(const TruncateParams& P, int64_t b, int64_t pos) {
   return (page * P.page_size + pos % P.page_size) * P.row_words;
 }
 
-// Checks request b; returns its error bits (0 = valid). Reads only request b's entries.
+// Checks request b; returns its error bits (0 = valid). Reads only request b's entries. The slots it
+// touches are the block [base, base + block_len) when rows move or are cleared, else the kept tokens
+// [base, base + num_kept): a lengths-only truncation near the end of the cache is valid. block_len 0 means
+// none was given (lengths only): num_kept is then bounded by the cache alone.
 SPECDEC_HD int32_t check_truncate_request(const TruncateParams& P, int64_t b) {
-  const int32_t base = P.cache_seqlens[b], n = P.num_kept[b];
-  if (n < 0 || n > P.block_len) return kErrNumKept;
-  if (base < 0 || base + P.block_len > P.capacity) return kErrBlockRange;
+  const int64_t base = P.cache_seqlens[b], n = P.num_kept[b];
+  if (n < 0 || (P.block_len > 0 && n > P.block_len)) return kErrNumKept;
+  const bool moves = P.kept_indices != nullptr || P.clear;
+  const int64_t end = base + (moves ? P.block_len : n);
+  if (base < 0 || end > P.capacity || base + n > INT32_MAX) return kErrBlockRange;
   if (P.kept_indices != nullptr) {
     int32_t previous = -1;
     for (int32_t j = 0; j < n; ++j) {
@@ -56,8 +61,8 @@ SPECDEC_HD int32_t check_truncate_request(const TruncateParams& P, int64_t b) {
       previous = idx;
     }
   }
-  if (P.block_table != nullptr && (P.kept_indices != nullptr || P.clear)) {
-    for (int64_t pos = base; pos < base + P.block_len; pos += P.page_size - (pos % P.page_size)) {
+  if (P.block_table != nullptr) {
+    for (int64_t pos = base; pos < end; pos += P.page_size - (pos % P.page_size)) {
       if (cache_row(P, b, pos) < 0) return kErrPageIndex;
     }
   }

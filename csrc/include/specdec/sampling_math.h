@@ -55,13 +55,15 @@ constexpr int kMaxDraftTokens = 16;
 constexpr uint32_t kStreamAccept = 0;
 constexpr uint32_t kStreamResample = 1;
 
-// Error bits reported by the kernels (CPU raises on them; CUDA records them for set_strict(True)).
+// Error bits reported by the kernels (CPU raises on them; CUDA records them for set_strict(True)). Their
+// messages are in checks.h (sampling_error_messages), which the Python layer reads from the extension.
 enum SamplingError : int32_t {
   kErrTargetNonFinite = 1,
   kErrDraftNonFinite = 2,
   kErrDraftTokenId = 4,
   kErrNumDraftTokens = 8,
   kErrTemperature = 16,
+  kErrTargetNoMass = 32,  // a target row the round samples from has no positive mass: the token is -1
 };
 
 // ----- correctly rounded primitives, never contracted ----------------------------------------------
@@ -183,6 +185,10 @@ SPECDEC_HD ArgMax argmax_combine(ArgMax a, ArgMax b) {
 struct ArgMaxCombine {
   SPECDEC_HD ArgMax operator()(ArgMax a, ArgMax b) const { return argmax_combine(a, b); }
 };
+
+// Whether a row whose largest value is `row_max` can be sampled at all: some logit above -inf, or some
+// probability above 0. A row without mass has no defined token (kErrTargetNoMass).
+SPECDEC_HD bool row_has_mass(float row_max, bool logits) { return row_max > (logits ? kNegInf : 0.0f); }
 
 struct FloatSum {
   SPECDEC_HD float operator()(float a, float b) const { return fadd(a, b); }
