@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One run on a machine with a GPU: build for sm_90a, the CUDA tests, the kernel benchmarks. Results go to
+# One run on a machine with a GPU: build for dev_cuda_archs of build_settings.json (sm_90a), the CUDA tests, the kernel benchmarks. Results go to
 # $OUT (or bench/out). Uses the machine's python3 and torch; wheels under .whl/ are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS="${MAX_JOBS:-16}"
+dev_archs=$(python3 -c 'import json; print(json.load(open("build_settings.json"))["dev_cuda_archs"])')
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$dev_archs}" MAX_JOBS="${MAX_JOBS:-16}"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi

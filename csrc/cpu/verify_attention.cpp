@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -60,10 +61,11 @@ constexpr int kRowBlock = 16;      // query rows are padded to a multiple of thi
 constexpr int kScoreAccs = 8;      // vector accumulators of the score micro-kernel
 constexpr int kPvRows = 4;         // rows per P.V micro-kernel
 constexpr int kPrefetchTiles = 1;  // K and V rows are requested this many tiles ahead
-// Keys per work item: a request's split depends on its own length only (batch invariance); small enough
-// that one long request keeps every thread busy, large enough that merging costs little (an item's partial
-// output is R x D floats against 2 x 512 x D cache values read).
+// Keys per work item, at most: a request's splits depend on its own length only (batch invariance); small
+// enough that one long request keeps every thread busy, large enough that merging costs little (an item's
+// partial output is R x D floats against 2 x 512 x D cache values read).
 constexpr int64_t kSplitKeys = 512;
+static_assert(kSplitKeys % kAttnSplitAlign == 0 && kAttnSplitAlign % kKeyTile == 0, "splits hold whole key tiles");
 
 // Points keys[t] and values[t] at the tile's n cache rows as float: the cache itself for fp32, rows
 // converted into buf (2 x kKeyTile x d) otherwise. Keys past n repeat the last row (their scores are masked).
@@ -290,16 +292,20 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
   std::vector<float> acc(items * R * D, 0.0f);
   // Running max and sum of each item's rows (padding rows included, never read).
   std::vector<float> row_max(items * rows_padded, -INFINITY), row_sum(items * rows_padded, 0.0f);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Items are taken from a shared counter: their sizes differ (requests' lengths, last splits), and a static
+  // split of the range would leave threads idle. Each item's bits do not depend on which thread runs it.
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Workspace ws;
     ws.qt.assign(D * rows_padded, 0.0f);
     if (!std::is_same_v<T, float>) ws.tile.resize(2 * kKeyTile * D);
     ws.scores.resize(kKeyTile * rows_padded);
     ws.alpha.resize(rows_padded);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
       const int64_t split = item / Hkv, kvh = item % Hkv, b = split_request[split];
-      const int64_t keys = attention_request_keys(P, b);
-      const int64_t k0 = (split - first_split[b]) * P.split_keys, k1 = std::min(keys, k0 + P.split_keys);
+      int64_t k0, k1;
+      attention_split_keys(P, b, split - first_split[b], &k0, &k1);
       if (k0 >= k1) continue;
       const T* q = static_cast<const T*>(P.q);
       for (int64_t r = 0; r < R; ++r) {

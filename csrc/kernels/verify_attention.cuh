@@ -109,6 +109,7 @@ SPECDEC_DEVICE uint32_t load_pair(const T* p) {
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const AttentionParams params) {
   static_assert(D % 16 == 0 && D <= 128, "head dim: a multiple of 16, at most 128");
+  static_assert(kAttnSplitAlign % kAttnKeys == 0, "splits hold whole key tiles");
   constexpr int kStride = attn_smem_stride<D>();
   constexpr int kDTiles = D / 8;  // n-tiles of the output
   const AttentionParams& P = params;
@@ -144,8 +145,8 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
   }
   sync_threads();
   const bool appendable = *block_errors == 0;
-  const int64_t k_begin = split * P.split_keys;
-  const int64_t k_end = keys < k_begin + P.split_keys ? keys : k_begin + P.split_keys;
+  int64_t k_begin, k_end;
+  attention_split_keys(P, b, split, &k_begin, &k_end);
   const int64_t num_tiles = k_begin < k_end ? (k_end - k_begin + kAttnKeys - 1) / kAttnKeys : 0;
   int32_t errors = 0;
   if (appendable && P.k_new != nullptr && split == 0 && row_tile == 0) errors |= append_new_tokens<T, D>(P, b, kvh, length);

@@ -104,3 +104,22 @@ def test_opcheck():
     g = torch.Generator().manual_seed(6)
     q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 3, 8, 2, 128, torch.bfloat16, [4, 90])
     torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, None, True, None))
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_output_bits_do_not_depend_on_the_batch(page_size):
+    # A request's KV splits depend on its own length (and the cache's capacity) only: alone, or in batches of
+    # other sizes and lengths that fill the GPU differently, its output and lse are the same bits.
+    g = torch.Generator().manual_seed(17)
+    lengths = [3000, 9000, 100, 1, 20000, 700]
+    q, kc, vc, sl, _, _, table = make_case(g, 6, 5, 32, 8, 128, torch.bfloat16, lengths, page_size)
+    def run(rows):
+        rows_t = torch.tensor(rows, device="cuda")
+        if page_size:
+            return specdec_ext.verify_attention(q[rows_t], kc, vc, sl[rows_t], block_table=table[rows_t],
+                                                return_lse=True)
+        return specdec_ext.verify_attention(q[rows_t], kc[rows_t], vc[rows_t], sl[rows_t], return_lse=True)
+    alone, alone_lse = run([0])
+    for rows in ([0, 1], [0, 1, 2, 3, 4, 5], [0] * 64, [0, 2]):
+        out, lse = run(rows)
+        assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0]), rows

@@ -68,6 +68,20 @@ SPECDEC_HD int64_t attention_request_splits(const AttentionParams& P, int64_t b)
   return keys > P.split_keys ? (keys + P.split_keys - 1) / P.split_keys : 1;
 }
 
+constexpr int64_t kAttnSplitAlign = 64;  // split boundaries fall on whole key tiles of every backend
+
+// Keys [*begin, *end) of split `split` of request b: the request's keys cut into attention_request_splits
+// near-equal runs (whole tiles of kAttnSplitAlign keys, at most split_keys, a multiple of it, each), so that
+// no split is a sliver; every split below the count is non-empty. A function of the request's length only.
+SPECDEC_HD void attention_split_keys(const AttentionParams& P, int64_t b, int64_t split, int64_t* begin, int64_t* end) {
+  const int64_t keys = attention_request_keys(P, b), splits = attention_request_splits(P, b);
+  const int64_t even = (keys + splits - 1) / splits;
+  const int64_t per = (even + kAttnSplitAlign - 1) / kAttnSplitAlign * kAttnSplitAlign;
+  const int64_t k0 = split * per;
+  *begin = k0 < keys ? k0 : keys;
+  *end = k0 + per < keys ? k0 + per : keys;
+}
+
 SPECDEC_HD bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
   if (P.tree_mask == nullptr) return j <= i;
   const int64_t Q = P.num_queries;
