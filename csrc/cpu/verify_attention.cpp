@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -289,9 +290,10 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
   std::vector<int64_t> split_request(first_split[B]);
   for (int64_t b = 0; b < B; ++b) std::fill(&split_request[first_split[b]], &split_request[first_split[b + 1]], b);
   const int64_t items = first_split[B] * Hkv;
-  std::vector<float> acc(items * R * D, 0.0f);
-  // Running max and sum of each item's rows (padding rows included, never read).
-  std::vector<float> row_max(items * rows_padded, -INFINITY), row_sum(items * rows_padded, 0.0f);
+  // Each item's unnormalised output and its rows' running max and sum (padding rows included, never read),
+  // initialised by the item's worker, where the item's rows are about to be used, not in one pass up front.
+  const std::unique_ptr<float[]> acc(new float[items * R * D]);
+  const std::unique_ptr<float[]> row_max(new float[items * rows_padded]), row_sum(new float[items * rows_padded]);
   // Items are taken from a shared counter: their sizes differ (requests' lengths, last splits), and a static
   // split of the range would leave threads idle. Each item's bits do not depend on which thread runs it.
   std::atomic<int64_t> next{0};
@@ -306,6 +308,9 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
       const int64_t split = item / Hkv, kvh = item % Hkv, b = split_request[split];
       int64_t k0, k1;
       attention_split_keys(P, b, split - first_split[b], &k0, &k1);
+      std::fill_n(&acc[item * R * D], R * D, 0.0f);
+      std::fill_n(&row_max[item * rows_padded], rows_padded, -INFINITY);
+      std::fill_n(&row_sum[item * rows_padded], rows_padded, 0.0f);
       if (k0 >= k1) continue;
       const T* q = static_cast<const T*>(P.q);
       for (int64_t r = 0; r < R; ++r) {
