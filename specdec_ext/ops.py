@@ -117,7 +117,6 @@ class SamplingOutput(NamedTuple):
 _strict = False
 
 
-
 def set_strict(enabled: bool) -> None:
     """Strict mode, for debugging: every op raises on every invalid input, on every backend. On CUDA (and under
     the emulator) the kernels record what they find on the device and the call then reads it (a host
