@@ -34,6 +34,8 @@ inline int32_t* error_flags_pointer(const char* op, const std::optional<at::Tens
   return error_flags->data_ptr<int32_t>();
 }
 
+constexpr int64_t kMaxSkinnyRows = 16;  // skinny_linear's row limit (decode and verify steps)
+
 template <typename T>
 struct TypeTag {
   using type = T;

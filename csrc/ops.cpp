@@ -32,6 +32,10 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "truncate_kv_cache(Tensor(a!) cache_seqlens, Tensor num_kept, Tensor? kept_indices, Tensor(b!)[] k_caches, "
       "Tensor(c!)[] v_caches, Tensor? block_table, int? block_len, bool clear, Tensor(d!)? error_flags) -> ()");
 
+  // y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) for M <= 16 rows (decode and verify steps of a model):
+  // bound by reading the weight once, which the CPU kernel does with every core. float32 or bfloat16.
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+
   // Attention of Q new tokens per request against the KV cache (DESIGN.md §3.2); k_new/v_new, when given, are
   // written into the cache at cache_seqlens[b] + i first. Returns (out [B, Q, Hq, D], lse): lse is [B, Q, Hq]
   // float32 with return_lse, else an empty tensor that nothing writes. softmax_scale None means 1/sqrt(D).

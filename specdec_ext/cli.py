@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ("attention", "philox", "sampling")
+BENCHMARKS = ("attention", "e2e", "philox", "sampling")
 
 
 def cmd_info(args) -> int:
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens (attention: queries Q)")
     bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")
     bench.add_argument("--flex", action="store_true", help="attention: also time FlexAttention (compiles per shape)")
+    bench.add_argument("--dtype", default=None, help="e2e: comma-separated dtypes (default float32,bfloat16)")
+    bench.add_argument("--new-tokens", type=int, default=None, help="e2e: tokens generated per request (default 128)")
     bench.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     return args.fn(args)

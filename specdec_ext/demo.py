@@ -1,7 +1,8 @@
 """`specdec demo`: the ops end to end on one device, checked against the reference and the emulator.
 
-Until the decoder lands this shows the RNG every sampling op draws from (per-request Philox streams that
-do not depend on batch composition or device) and one verify round of chain speculative sampling.
+It shows the RNG every sampling op draws from (per-request Philox streams that do not depend on batch
+composition or device), one verify round of chain speculative sampling, and the shipped model answering a chat
+question through this library's forward (plain decoding; speculative decoding comes with the decoder).
 """
 import time
 
@@ -32,6 +33,27 @@ def sampling_demo(device: torch.device) -> bool:
     return tv < 0.02
 
 
+def chat_demo(device: torch.device) -> bool:
+    """The shipped model (SmolLM2-135M-Instruct) answers a chat question through this library's forward,
+    greedy plain decoding, streamed as it is generated."""
+    from specdec_ext.decoding import generate_autoregressive
+    from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
+
+    path = default_model_path()
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(path, device=device)
+    tokenizer = load_tokenizer(path)
+    print(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s")
+    question = "What is the capital of France, and what is it famous for? Answer in two sentences."
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    print(f"user: {question}\nassistant: ", end="", flush=True)
+    out = generate_autoregressive(model, [ids], 64, eos_token_id=tokenizer.eos_token_id,
+                                  stream=lambda r, new: print(tokenizer.decode(new), end="", flush=True))
+    print(f"\n({out.stats.generated_tokens} tokens at {out.stats.tokens_per_second:.1f} tokens/s, prefill included)")
+    return "paris" in tokenizer.decode(out.sequences[0]).lower()
+
+
 def main(device: str | None = None) -> int:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"specdec_ext {specdec_ext.__version__} on {device}")
@@ -58,6 +80,7 @@ def main(device: str | None = None) -> int:
         print("emulator extension not built: skipped")
 
     ok = sampling_demo(device) and ok
+    ok = chat_demo(device) and ok
 
     big = 1 << 24
     specdec_ext.philox_uniform(seeds, steps, big)  # warm-up

@@ -3,6 +3,14 @@
 Both keep every layer in one stacked tensor [L, ...], so truncate() cuts all layers in one launch and
 layer(i) is a view. The lengths live on the device (cache_seqlens, int32): kernels read and advance
 them without host synchronisation.
+
+The protocol a model and a decoder use, the same for both caches:
+  reserve(num_tokens)        room for num_tokens more tokens per request (an int, or one count per request)
+  attention_args(layer, rows) (k, v, cache_seqlens, block_table) of one layer for verify_attention, for the
+                             requests in `rows` (a slice; all by default)
+  advance(num_tokens)        cache_seqlens[b] += num_tokens[b] after a forward wrote them (prefill, decode)
+  truncate(num_kept, ...)    after a verify block: keep num_kept of its tokens (truncate_kv_cache)
+  release(b)                 a finished request: length 0 (and its pages freed)
 """
 import torch
 
@@ -28,10 +36,28 @@ class StaticKVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def attention_args(self, layer: int, rows: slice = slice(None)):
+        """(k_cache, v_cache, cache_seqlens, block_table) of `layer` for the requests in `rows` (views)."""
+        return self.k[layer, rows], self.v[layer, rows], self.cache_seqlens[rows], None
+
+    def reserve(self, num_tokens) -> None:
+        """Nothing to allocate: every request owns max_seq_len slots (the kernels check the range)."""
+
+    def advance(self, num_tokens) -> None:
+        """cache_seqlens[b] += num_tokens[b] (an int or [B] int32), after a forward wrote those tokens."""
+        truncate_kv_cache(self.cache_seqlens, num_tokens, k_caches=self.k, v_caches=self.v)
+
     def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
         """After verifying a block written at cache_seqlens: keep num_kept of its tokens in every layer."""
         truncate_kv_cache(self.cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                           k_caches=self.k, v_caches=self.v, clear=clear)
+
+    def release(self, request: int) -> None:
+        self.cache_seqlens[request] = 0
 
     def reset(self) -> None:
         self.cache_seqlens.zero_()
@@ -71,16 +97,27 @@ class PagedKVCache:
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i]
 
-    def reserve(self, num_tokens: int, requests=None) -> None:
-        """Makes room for num_tokens more tokens after the current length of each request (all by default).
-        All or nothing: if any request cannot get its pages, nothing is allocated and it raises."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"PagedKVCache.reserve: num_tokens must be an int >= 0, got {num_tokens!r}")
+    @property
+    def batch_size(self) -> int:
+        return self.cache_seqlens.shape[0]
+
+    def attention_args(self, layer: int, rows: slice = slice(None)):
+        """(k_cache, v_cache, cache_seqlens, block_table) of `layer` for the requests in `rows` (views)."""
+        return self.k[layer], self.v[layer], self.cache_seqlens[rows], self.block_table[rows]
+
+    def reserve(self, num_tokens, requests=None) -> None:
+        """Makes room for num_tokens more tokens after the current length of each request (all by default);
+        num_tokens is an int, or one count per request of `requests`. All or nothing: if any request cannot
+        get its pages, nothing is allocated and it raises. Reads the lengths back from the device."""
         requests = range(len(self._table)) if requests is None else [self._request(b, "reserve") for b in requests]
+        counts = num_tokens if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(requests)
+        if len(counts) != len(requests) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
+            raise ValueError(f"PagedKVCache.reserve: num_tokens must be an int >= 0 or one per request, got {num_tokens!r}")
+        self._lengths = self.cache_seqlens.tolist()
         max_pages = self.block_table.shape[1]
         needs = {}
-        for b in requests:
-            need = -(-(self._lengths[b] + num_tokens) // self.page_size)
+        for b, n in zip(requests, counts):
+            need = -(-(self._lengths[b] + n) // self.page_size)
             if need > max_pages:
                 raise ValueError(f"PagedKVCache: request {b} needs {need} pages, max_pages_per_seq is {max_pages}")
             needs[b] = max(needs.get(b, 0), need - len(self._table[b]))
@@ -90,6 +127,12 @@ class PagedKVCache:
         for b, more in needs.items():
             self._table[b].extend(self._free.pop() for _ in range(more))
         self._upload()
+
+    def advance(self, num_tokens) -> None:
+        """cache_seqlens[b] += num_tokens[b] (an int or [B] int32) after a forward wrote those tokens into
+        reserved pages; no host synchronisation (the kernel checks the pages)."""
+        truncate_kv_cache(self.cache_seqlens, num_tokens, k_caches=self.k, v_caches=self.v,
+                          block_table=self.block_table)
 
     def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
         """After verifying a block: keep num_kept of its tokens in every layer, then free whole pages past

@@ -384,6 +384,17 @@ def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
                              return_lse=return_lse, records_errors=_on_device(q))
 
 
+def skinny_linear(x, weight, bias=None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) for at most 16 rows of x (decode and verify steps): on the CPU a
+    kernel that reads the weight once with every core (MKL's sgemv uses one), on CUDA at::linear. float32 or
+    bfloat16, x and weight of one dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > LIMITS["max_skinny_rows"]:
+        raise ValueError(f"skinny_linear: at most {LIMITS['max_skinny_rows']} rows, got {rows.shape[0]} (use F.linear)")
+    _check_devices("skinny_linear", x.device, "x", weight=weight, bias=bias)
+    return torch.ops.specdec.skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::philox_uniform")
     def _(seed, offset, n, stream=0):
@@ -393,6 +404,10 @@ def _register_fakes(namespace: str) -> None:
     def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, return_lse,
           error_flags):
         return torch.empty_like(q), q.new_empty(q.shape[:3] if return_lse else (0,), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{namespace}::skinny_linear")
+    def _(x, weight, bias):
+        return x.new_empty((x.shape[0], weight.shape[0]))
 
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "truncate_kv_cache"):
         # Both write only their output arguments.

@@ -30,3 +30,14 @@ def test_demo_runs_and_checks_itself():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "bit-exact with the PyTorch reference: True" in r.stdout
     assert "demo OK" in r.stdout
+    # The shipped model answered through this library's forward.
+    answer = r.stdout.split("assistant: ", 1)[1].split("\n(", 1)[0]
+    assert "paris" in answer.lower(), answer
+
+
+def test_import_stays_light():
+    # `import specdec_ext` must not import the models, tokenizers or transformers (DESIGN §4).
+    code = "import sys, specdec_ext; print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', " \
+           "'tokenizers', 'gguf', 'safetensors') or m.startswith('specdec_ext.models')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

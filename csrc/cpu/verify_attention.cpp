@@ -20,14 +20,6 @@
 namespace specdec {
 namespace {
 
-// The dot products here only need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the
-// sampling kernels: let the compiler fuse their multiply-adds (one rounding instead of two, half the
-// instructions). Only on functions that do not compute det_exp2, whose bits stay those of sampling_math.h.
-#if defined(__GNUC__) && !defined(__clang__)
-#define SPECDEC_FUSED_MADD __attribute__((optimize("fp-contract=fast")))
-#else
-#define SPECDEC_FUSED_MADD
-#endif
 
 // A vector of W floats, for the micro-kernels' accumulators; loads and stores through it are unaligned and
 // may alias float.

@@ -1,0 +1,252 @@
+"""A Llama-family decoder (Llama 2/3.x, SmolLM2, TinyLlama, Mistral without sliding window, Qwen2/2.5) on this
+library's ops: the math is torch (F.linear, RMSNorm, RoPE, SwiGLU), attention is verify_attention with the new
+K/V appended into the KV cache, so the same forward serves prefill, decode and speculative verification.
+
+Weights are stored fused where one GEMM can serve several projections: q/k/v as one [(Hq + 2 Hkv) D, H]
+matrix, gate/up as one [2 I, H] matrix.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import LIMITS, skinny_linear
+from .config import LlamaConfig
+
+MAX_ATTENTION_QUERIES = 64  # verify_attention's limit on new tokens per call: longer blocks are chunked
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with "linear" or "llama3" scaling as transformers applies it."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) & ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). On the CPU, up to 16 rows (decode and verify steps): skinny_linear, which reads the
+    weight once with every core (MKL's sgemv uses one). More rows (prefill): weight @ x.T, the orientation MKL
+    runs 2.5-4x faster than F.linear's for few rows and never slower up to 64 (bench/RESULTS.md)."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= LIMITS["max_skinny_rows"] and weight.dtype in (torch.float32, torch.bfloat16) and \
+            rows.dtype == weight.dtype:
+        return skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    y = torch.mm(weight, rows.t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers computes it: in float32, then scaled by the weight in the input's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, H, D] rotated by the angles of its positions (cos/sin [B, Q, 1, D]); halves, not interleaved."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig, *, dtype=torch.float32, device="cpu", ops=None):
+        super().__init__()
+        self.config = config
+        c = config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        empty = lambda *shape: nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        self.embed_tokens = empty(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList()
+        for _ in range(c.num_hidden_layers):
+            layer = nn.Module()
+            layer.input_layernorm = empty(c.hidden_size)
+            layer.qkv_proj = empty(q + 2 * kv, c.hidden_size)
+            layer.qkv_bias = empty(q + 2 * kv) if c.attention_bias else None
+            layer.o_proj = empty(c.hidden_size, q)
+            layer.post_attention_layernorm = empty(c.hidden_size)
+            layer.gate_up_proj = empty(2 * c.intermediate_size, c.hidden_size)
+            layer.down_proj = empty(c.hidden_size, c.intermediate_size)
+            self.layers.append(layer)
+        self.norm = empty(c.hidden_size)
+        self.lm_head = self.embed_tokens if c.tie_word_embeddings else empty(c.vocab_size, c.hidden_size)
+        self.register_buffer("inv_freq", rope_inverse_frequencies(c).to(device), persistent=False)
+        if ops is None:
+            import specdec_ext as ops
+        self.ops = ops  # where verify_attention comes from: specdec_ext, specdec_ext.sim or specdec_ext.reference
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    def new_kv_cache(self, batch_size: int, max_seq_len: int, *, paged: bool = False, page_size: int = 16,
+                     num_pages: int | None = None):
+        """A KV cache for this model: StaticKVCache [L, B, max_seq_len, Hkv, D], or a PagedKVCache with room for
+        batch_size requests of max_seq_len tokens (num_pages: that many pages, by default)."""
+        from ..kv_cache import PagedKVCache, StaticKVCache
+
+        c = self.config
+        if paged:
+            pages_per_seq = -(-max_seq_len // page_size)
+            return PagedKVCache(c.num_hidden_layers, num_pages or batch_size * pages_per_seq, page_size,
+                                c.num_key_value_heads, c.head_dim, max_batch_size=batch_size,
+                                max_pages_per_seq=pages_per_seq, dtype=self.dtype, device=self.device)
+        return StaticKVCache(c.num_hidden_layers, batch_size, max_seq_len, c.num_key_value_heads, c.head_dim,
+                             dtype=self.dtype, device=self.device)
+
+    def slot(self, name: str) -> torch.Tensor:
+        """The tensor (or the view of a fused one) that the Hugging Face weight `name` is stored in."""
+        c = self.config
+        q, kv, i = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens
+        if name == "model.norm.weight":
+            return self.norm
+        if name == "lm_head.weight" and not c.tie_word_embeddings:
+            return self.lm_head
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) >= 5:
+            layer = self.layers[int(parts[2])]
+            key = ".".join(parts[3:])
+            fused = {"self_attn.q_proj": (0, q), "self_attn.k_proj": (q, q + kv), "self_attn.v_proj": (q + kv, q + 2 * kv)}
+            module, kind = key.rsplit(".", 1)
+            if module in fused:
+                lo, hi = fused[module]
+                target = layer.qkv_proj if kind == "weight" else layer.qkv_bias
+                if target is not None:
+                    return target[lo:hi]
+            elif kind == "weight":
+                simple = {"self_attn.o_proj": layer.o_proj, "input_layernorm": layer.input_layernorm,
+                          "post_attention_layernorm": layer.post_attention_layernorm,
+                          "mlp.gate_proj": layer.gate_up_proj[:i], "mlp.up_proj": layer.gate_up_proj[i:],
+                          "mlp.down_proj": layer.down_proj}
+                if module in simple:
+                    return simple[module]
+        raise ValueError(f"LlamaForCausalLM: unexpected weight {name!r} for a {c.model_type} model")
+
+    def weight_names(self) -> list[str]:
+        """The Hugging Face names of every weight this model needs."""
+        c = self.config
+        names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if c.tie_word_embeddings else ["lm_head.weight"])
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            names += [p + n + ".weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                  "self_attn.o_proj", "input_layernorm", "post_attention_layernorm",
+                                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+            if c.attention_bias:
+                names += [p + n + ".bias" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
+        return names
+
+    def positions(self, cache_seqlens: torch.Tensor, num_queries: int, tree_mask) -> torch.Tensor:
+        """[B, Q] positions of the new tokens: after the cache, or at the cache length + depth in a tree."""
+        offsets = torch.arange(num_queries, device=cache_seqlens.device)
+        if tree_mask is not None:  # a node sees itself and its ancestors: its depth is their count - 1
+            offsets = tree_mask.sum(-1) - 1
+        return cache_seqlens.long().unsqueeze(-1) + offsets
+
+    def attention(self, q, k, v, kv_cache, layer: int, rows, tree_mask) -> torch.Tensor:
+        """Appends k/v at the cache lengths and attends; blocks longer than verify_attention takes are chunked,
+        each chunk seeing the cache and the chunks before it."""
+        k_cache, v_cache, seqlens, table = kv_cache.attention_args(layer, rows)
+        n = q.shape[1]
+        if n <= MAX_ATTENTION_QUERIES:
+            out = self.ops.verify_attention(q, k_cache, v_cache, seqlens, k, v, block_table=table, tree_mask=tree_mask)
+            return out.to(q.dtype)
+        chunks = []
+        for c0 in range(0, n, MAX_ATTENTION_QUERIES):
+            c1 = min(n, c0 + MAX_ATTENTION_QUERIES)
+            chunks.append(self.ops.verify_attention(q[:, c0:c1].contiguous(), k_cache, v_cache, seqlens + c0,
+                                                    k[:, c0:c1].contiguous(), v[:, c0:c1].contiguous(),
+                                                    block_table=table).to(q.dtype))
+        return torch.cat(chunks, dim=1)
+
+    def check_input(self, input_ids: torch.Tensor, kv_cache, rows: slice, tree_mask) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
+                                                                                                       torch.int32):
+            raise ValueError("LlamaForCausalLM: input_ids must be a [B, Q] int64 tensor")
+        rows_in_cache = len(range(*rows.indices(kv_cache.batch_size)))
+        if input_ids.shape[0] != rows_in_cache:
+            raise ValueError(f"LlamaForCausalLM: input_ids has {input_ids.shape[0]} requests, the cache rows "
+                             f"{rows_in_cache}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("LlamaForCausalLM: input_ids has no tokens")
+        if tree_mask is not None and input_ids.shape[1] > MAX_ATTENTION_QUERIES:
+            raise ValueError(f"LlamaForCausalLM: a tree holds at most {MAX_ATTENTION_QUERIES} tokens")
+        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < \
+                self.config.vocab_size:  # a host read; inside a CUDA graph the ids come from the sampler
+            raise ValueError(f"LlamaForCausalLM: input_ids holds token ids outside [0, {self.config.vocab_size})")
+
+    def forward(self, input_ids, kv_cache, *, tree_mask=None, logits_indices=None, output_hidden_states=False,
+                cache_rows: slice = slice(None)):
+        """input_ids [B, Q]: the new tokens of each request, written into the cache at cache_seqlens[b] + i (at
+        positions cache_seqlens[b] + i, or + depth with a tree_mask [Q, Q] / [B, Q, Q] bool). cache_seqlens is not
+        advanced: the caller advances or truncates. cache_rows: which requests of the cache the B rows are.
+        logits_indices [B, n] (or [n]): the positions to score (default all Q; a prefill needs the last only).
+        Returns logits [B, Q or n, V] float32, and the last layer's hidden states [B, Q, H] with
+        output_hidden_states (before the final norm, as EAGLE-style heads take them)."""
+        c = self.config
+        self.check_input(input_ids, kv_cache, cache_rows, tree_mask)
+        b, n = input_ids.shape
+        seqlens = kv_cache.attention_args(0, cache_rows)[2]
+        pos = self.positions(seqlens, n, tree_mask)
+        angles = pos.unsqueeze(-1).float() * self.inv_freq  # [B, Q, D/2], float32 as transformers computes them
+        angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        x = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
+            qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = apply_rope(q.view(b, n, hq, d), cos, sin).contiguous()
+            k = apply_rope(k.view(b, n, hkv, d), cos, sin).contiguous()
+            attn = self.attention(q, k, v.reshape(b, n, hkv, d).contiguous(), kv_cache, i, cache_rows, tree_mask)
+            x = x + linear(attn.reshape(b, n, hq * d), layer.o_proj)
+            h = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
+            gate, up = linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down_proj)
+        hidden = x
+        if logits_indices is not None:
+            idx = logits_indices.to(device=x.device, dtype=torch.long)
+            idx = idx.expand(b, -1) if idx.dim() == 1 else idx
+            x = x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+        return (logits, hidden) if output_hidden_states else logits
+
+    # Loaders (loaders.py); here so that they read as the class's constructors.
+    @classmethod
+    def from_pretrained(cls, path, *, dtype=torch.float32, device="cpu") -> "LlamaForCausalLM":
+        """A Hugging Face directory (config.json + *.safetensors, sharded or not) or a .gguf file."""
+        from .loaders import load_pretrained
+
+        return load_pretrained(path, dtype=dtype, device=device)
+
+    @classmethod
+    def from_hf(cls, hf_model, *, dtype=None, device=None) -> "LlamaForCausalLM":
+        """A transformers LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM object."""
+        from .loaders import load_from_hf
+
+        return load_from_hf(hf_model, dtype=dtype, device=device)

@@ -1,0 +1,80 @@
+"""Loading weights into LlamaForCausalLM: a Hugging Face directory (safetensors, sharded or not), a GGUF file
+(gguf_loader: metadata to config, tensors dequantised), or a transformers model object. Every weight is
+copied once, straight into its slot of the target dtype and device; a progress bar shows on a terminal."""
+import json
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import LlamaConfig
+from .llama import LlamaForCausalLM
+
+
+def fill_weights(model: LlamaForCausalLM, tensors, total: int, what: str) -> LlamaForCausalLM:
+    """Copies (name, tensor) pairs into the model's slots; every weight must come exactly once."""
+    needed = set(model.weight_names())
+    missing = set(needed)
+    for name, value in tqdm(tensors, total=total, desc=f"loading {what}", unit="tensor", leave=False, disable=None):
+        if (name == "lm_head.weight" and model.config.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq"):
+            continue  # a tied head stored anyway; rotary tables are recomputed
+        if name in needed and name not in missing:
+            raise ValueError(f"{what}: weight {name!r} appears twice")
+        slot = model.slot(name)  # raises for a weight this architecture does not have
+        value = torch.as_tensor(value)
+        if tuple(value.shape) != tuple(slot.shape):
+            raise ValueError(f"{what}: {name} has shape {tuple(value.shape)}, the config says {tuple(slot.shape)}")
+        with torch.no_grad():
+            slot.copy_(value)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"{what}: missing weights, e.g. {sorted(missing)[:3]}")
+    return model
+
+
+def load_from_hf(hf_model, *, dtype=None, device=None) -> LlamaForCausalLM:
+    config = LlamaConfig.from_dict(hf_model.config.to_dict())
+    state = hf_model.state_dict()
+    first = next(iter(state.values()))
+    model = LlamaForCausalLM(config, dtype=dtype or first.dtype, device=device or first.device)
+    return fill_weights(model, state.items(), len(state), type(hf_model).__name__)
+
+
+def load_pretrained(path, *, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf_model(path, dtype=dtype, device=device)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_safetensors_dir(path, dtype=dtype, device=device)
+    if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return load_gguf_model(ggufs[0], dtype=dtype, device=device)
+    raise ValueError(f"from_pretrained: {str(path)!r} is neither a Hugging Face model directory (config.json and "
+                     "*.safetensors) nor a .gguf file")
+
+
+def load_safetensors_dir(path: Path, *, dtype, device) -> LlamaForCausalLM:
+    from safetensors import safe_open
+
+    config = LlamaConfig.from_json(path / "config.json")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not files:
+        raise ValueError(f"from_pretrained: no *.safetensors in {str(path)!r}")
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    handles = [safe_open(path / f, framework="pt") for f in files]
+    names = [(h, k) for h in handles for k in h.keys()]
+    # One tensor at a time, read in its stored dtype and copied into its slot: no second copy of the model.
+    return fill_weights(model, ((k, h.get_tensor(k)) for h, k in names), len(names), path.name)
+
+
+def load_gguf_model(path: Path, *, dtype, device) -> LlamaForCausalLM:
+    from .gguf_loader import load_gguf
+
+    config_dict, tensors = load_gguf(str(path))
+    config = LlamaConfig.from_dict(config_dict)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    total = len(model.weight_names())
+    return fill_weights(model, ((name, torch.from_numpy(value)) for name, value in tensors), total, path.name)
