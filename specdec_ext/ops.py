@@ -1,8 +1,9 @@
 """The public ops: argument checks and defaults, then one call into torch.ops.specdec; fake kernels so the
 ops trace under torch.compile and CUDA-graph capture.
 
-Each op's checks live in a `_<op>(ops, ...)` function that takes the op namespace, so that
-specdec_ext.sim runs exactly the same checks in front of the emulated kernels (torch.ops.specdec_sim).
+Each op is defined once, as a method of `Ops`, bound to an op namespace: NATIVE (torch.ops.specdec, whose
+methods are this module's functions) and specdec_ext.sim's (torch.ops.specdec_sim), so that the emulated
+kernels get exactly the same checks.
 """
 import math
 from typing import NamedTuple
@@ -91,17 +92,6 @@ def _philox_uniform(ops, seed, offset, n: int, stream: int = 0) -> torch.Tensor:
     seed = _request_vector(seed, "seed", op, batch, device)
     offset = _request_vector(offset, "offset", op, seed.numel(), device)
     return ops.philox_uniform(seed, offset, n, stream)
-
-
-def philox_uniform(seed, offset, n: int, stream: int = 0) -> torch.Tensor:
-    """Uniforms in the open interval (0, 1) from counter-based Philox4x32-10: the random stream that every
-    sampling op of this library draws from (RNG contract, DESIGN.md §3.1).
-
-    seed, offset: [B] integer tensors or ints (broadcast); a request's key and counter base.
-    n: uniforms per request. stream: which of the request's independent streams.
-    Returns [B, n] float32 on the device of seed/offset; row b depends only on (seed[b], offset[b], stream).
-    """
-    return _philox_uniform(torch.ops.specdec, seed, offset, n, stream)
 
 
 def _on_device(t) -> bool:
@@ -248,35 +238,6 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     return out
 
 
-def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
-                               seed=None, offset=None, generator=None, out=None) -> SamplingOutput:
-    """Chain speculative sampling (DESIGN.md §3.1) from probabilities: accept draft token x at position i with
-    probability min(1, p_i(x) / q_i(x)); at the first rejection draw from norm(max(0, p_i - q_i)); if all
-    num_draft_tokens[b] drafts are accepted, draw a bonus token from p_k. The emitted tokens are distributed
-    exactly as sampling the target alone.
-
-    draft_token_ids [B, K] int32/int64; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (point
-    proposals: q is one-hot at the draft token), float32/bfloat16/float16.
-    num_draft_tokens [B] (ragged batches), greedy [B] bool or a bool, seed/offset [B] or ints (Philox key
-    and counter base; seed None draws from `generator`), out: preallocated (output_token_ids, num_accepted).
-    Returns SamplingOutput(output_token_ids [B, K+1] int32, num_accepted [B] int32).
-    """
-    return _chain_sampling(torch.ops.specdec, draft_token_ids, target_probs, draft_probs, logits=False,
-                           num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed, offset=offset,
-                           generator=generator, out=out, records_errors=_on_device(target_probs))
-
-
-def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
-                                           num_draft_tokens=None, seed=None, offset=None, generator=None,
-                                           out=None) -> SamplingOutput:
-    """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
-    computed inside the kernel in float32 and never written to memory; temperature 0 makes a row greedy.
-    temperature: a float or [B] float32."""
-    return _chain_sampling(torch.ops.specdec, draft_token_ids, target_logits, draft_logits, logits=True,
-                           num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
-                           offset=offset, generator=generator, out=out, records_errors=_on_device(target_logits))
-
-
 def _layers(caches, name: str) -> list:
     """A list of per-layer caches from a list/tuple or one stacked [L, ...] tensor."""
     if isinstance(caches, torch.Tensor):
@@ -318,26 +279,6 @@ def _truncate_kv_cache(ops, cache_seqlens, num_kept, *, block_len, kept_indices,
     _raise_recorded_errors(op, device, flags, "truncate_kv_cache")
 
 
-def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
-                      block_table=None, clear=False) -> None:
-    """Cuts the KV cache back after verification (DESIGN.md §3.3), in place, without a host sync on CUDA.
-
-    cache_seqlens [B] int32: lengths before the verified block (as passed to verify); advanced by num_kept.
-    num_kept [B] (or an int): tokens of the block that stay (chain: num_accepted + 1).
-    kept_indices [B, Q] int32, -1 padded: block-relative indices of the kept tokens, increasing (tree): block
-    slot kept_indices[b, j] moves to block slot j in every layer, all layers in one launch.
-    k_caches, v_caches: every layer's cache, a list or one stacked [L, ...] tensor; contiguous
-    [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table [B, max_pages].
-    clear: zero the block's discarded slots. block_len: Q, implied by kept_indices, needed for clear.
-    Without kept_indices and clear only the lengths change, and num_kept[b] may be any count that keeps
-    cache_seqlens[b] + num_kept[b] within the cache (a prefill, a block near the end of the cache).
-    Invalid requests raise on the CPU; on CUDA they are left untouched (set_strict(True) raises).
-    """
-    _truncate_kv_cache(torch.ops.specdec, cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
-                       k_caches=k_caches, v_caches=v_caches, block_table=block_table, clear=clear,
-                       records_errors=_on_device(cache_seqlens))
-
-
 def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table, tree_mask, softmax_scale,
                       return_lse, records_errors):
     op = "verify_attention"
@@ -367,21 +308,96 @@ def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, 
     return (out, lse) if return_lse else out
 
 
-def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
-                     softmax_scale=None, return_lse=False):
-    """Attention of the verify step (DESIGN.md §3.2): q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..64) against
-    the KV cache, contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table
-    [B, max_pages]. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j where tree_mask[i, j]
-    (default causal). k_new/v_new [B, Q, Hkv, D], when given, are written into the cache at
-    cache_seqlens[b] + j first; cache_seqlens is not advanced. Hq % Hkv == 0 (GQA/MQA).
-    Returns out [B, Q, Hq, D], or (out, lse [B, Q, Hq] float32) with return_lse.
+class Ops:
+    """The ops of DESIGN.md §3 on one backend, each defined once: `namespace` is torch.ops.specdec (the CPU and
+    CUDA kernels; the module-level functions of specdec_ext) or torch.ops.specdec_sim (the CUDA kernels' source
+    under the emulator; specdec_ext.sim). records_errors(tensor) says whether the kernels for that tensor record
+    invalid input on the device (CUDA, the emulator) instead of raising (the CPU kernels)."""
 
-    CPU: float32, bfloat16, float16, any head dim up to 256; invalid requests raise. CUDA: float16 and
-    bfloat16 on tensor cores (sm_80+), head dim 64 or 128, no host sync; a request whose block runs past
-    its cache or whose pages are outside the cache gets NaN outputs (set_strict(True) raises)."""
-    return _verify_attention(torch.ops.specdec, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                             block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
-                             return_lse=return_lse, records_errors=_on_device(q))
+    def __init__(self, namespace, records_errors):
+        self.namespace = namespace
+        self.records_errors = records_errors
+
+    def philox_uniform(self, seed, offset, n: int, stream: int = 0) -> torch.Tensor:
+        """Uniforms in the open interval (0, 1) from counter-based Philox4x32-10: the random stream that every
+        sampling op of this library draws from (RNG contract, DESIGN.md §3.1).
+
+        seed, offset: [B] integer tensors or ints (broadcast); a request's key and counter base.
+        n: uniforms per request. stream: which of the request's independent streams.
+        Returns [B, n] float32 on the device of seed/offset; row b depends only on (seed[b], offset[b], stream).
+        """
+        return _philox_uniform(self.namespace, seed, offset, n, stream)
+
+    def chain_speculative_sampling(self, draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None,
+                                   greedy=None, seed=None, offset=None, generator=None, out=None) -> SamplingOutput:
+        """Chain speculative sampling (DESIGN.md §3.1) from probabilities: accept draft token x at position i with
+        probability min(1, p_i(x) / q_i(x)); at the first rejection draw from norm(max(0, p_i - q_i)); if all
+        num_draft_tokens[b] drafts are accepted, draw a bonus token from p_k. The emitted tokens are distributed
+        exactly as sampling the target alone.
+
+        draft_token_ids [B, K] int32/int64; target_probs [B, K+1, V]; draft_probs [B, K, V] or None (point
+        proposals: q is one-hot at the draft token), float32/bfloat16/float16.
+        num_draft_tokens [B] (ragged batches), greedy [B] bool or a bool, seed/offset [B] or ints (Philox key
+        and counter base; seed None draws from `generator`), out: preallocated (output_token_ids, num_accepted).
+        Returns SamplingOutput(output_token_ids [B, K+1] int32, num_accepted [B] int32).
+        """
+        return _chain_sampling(self.namespace, draft_token_ids, target_probs, draft_probs, logits=False,
+                               num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed, offset=offset,
+                               generator=generator, out=out, records_errors=self.records_errors(target_probs))
+
+    def chain_speculative_sampling_from_logits(self, draft_token_ids, target_logits, draft_logits=None, *, temperature,
+                                               num_draft_tokens=None, seed=None, offset=None, generator=None,
+                                               out=None) -> SamplingOutput:
+        """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
+        computed inside the kernel in float32 and never written to memory; temperature 0 makes a row greedy.
+        temperature: a float or [B] float32."""
+        return _chain_sampling(self.namespace, draft_token_ids, target_logits, draft_logits, logits=True,
+                               num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
+                               offset=offset, generator=generator, out=out,
+                               records_errors=self.records_errors(target_logits))
+
+    def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
+                          v_caches=(), block_table=None, clear=False) -> None:
+        """Cuts the KV cache back after verification (DESIGN.md §3.3), in place, without a host sync on CUDA.
+
+        cache_seqlens [B] int32: lengths before the verified block (as passed to verify); advanced by num_kept.
+        num_kept [B] (or an int): tokens of the block that stay (chain: num_accepted + 1).
+        kept_indices [B, Q] int32, -1 padded: block-relative indices of the kept tokens, increasing (tree): block
+        slot kept_indices[b, j] moves to block slot j in every layer, all layers in one launch.
+        k_caches, v_caches: every layer's cache, a list or one stacked [L, ...] tensor; contiguous
+        [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table [B, max_pages].
+        clear: zero the block's discarded slots. block_len: Q, implied by kept_indices, needed for clear.
+        Without kept_indices and clear only the lengths change, and num_kept[b] may be any count that keeps
+        cache_seqlens[b] + num_kept[b] within the cache (a prefill, a block near the end of the cache).
+        Invalid requests raise on the CPU; on CUDA they are left untouched (set_strict(True) raises).
+        """
+        _truncate_kv_cache(self.namespace, cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
+                           k_caches=k_caches, v_caches=v_caches, block_table=block_table, clear=clear,
+                           records_errors=self.records_errors(cache_seqlens))
+
+    def verify_attention(self, q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None,
+                         tree_mask=None, softmax_scale=None, return_lse=False):
+        """Attention of the verify step (DESIGN.md §3.2): q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..64) against
+        the KV cache, contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table
+        [B, max_pages]. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j where tree_mask[i, j]
+        (default causal). k_new/v_new [B, Q, Hkv, D], when given, are written into the cache at
+        cache_seqlens[b] + j first; cache_seqlens is not advanced. Hq % Hkv == 0 (GQA/MQA).
+        Returns out [B, Q, Hq, D], or (out, lse [B, Q, Hq] float32) with return_lse.
+
+        CPU: float32, bfloat16, float16, any head dim up to 256; invalid requests raise. CUDA: float16 and
+        bfloat16 on tensor cores (sm_80+), head dim 64 or 128, no host sync; a request whose block runs past
+        its cache or whose pages are outside the cache gets NaN outputs (set_strict(True) raises)."""
+        return _verify_attention(self.namespace, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                 block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
+                                 return_lse=return_lse, records_errors=self.records_errors(q))
+
+
+NATIVE = Ops(torch.ops.specdec, records_errors=_on_device)
+philox_uniform = NATIVE.philox_uniform
+chain_speculative_sampling = NATIVE.chain_speculative_sampling
+chain_speculative_sampling_from_logits = NATIVE.chain_speculative_sampling_from_logits
+truncate_kv_cache = NATIVE.truncate_kv_cache
+verify_attention = NATIVE.verify_attention
 
 
 def skinny_linear(x, weight, bias=None) -> torch.Tensor:
