@@ -49,7 +49,8 @@ def chat_demo(device: torch.device) -> bool:
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     print(f"user: {question}\nassistant: ", end="", flush=True)
     out = generate_autoregressive(model, [ids], 64, eos_token_id=tokenizer.eos_token_id,
-                                  stream=lambda r, new: print(tokenizer.decode(new), end="", flush=True))
+                                  stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="",
+                                                              flush=True))
     print(f"\n({out.stats.generated_tokens} tokens at {out.stats.tokens_per_second:.1f} tokens/s, prefill included)")
     return "paris" in tokenizer.decode(out.sequences[0]).lower()
 
