@@ -4,7 +4,7 @@
 // Bytes and flops: the weight's N x K values are read once; 2 M flops per weight value, so for M <= 16 the
 // product is bound by reading the weight. MKL's sgemv runs such a product on one thread (14 GB/s on this
 // project's 2-core machines, against the 38 GB/s that both cores read), and its sgemm is slower still for
-// 2-8 rows. Here threads split the weight rows; each row is read once for every group of up to 4 inputs
+// 2-8 rows. Here threads split the weight rows; each row is read once for every group of up to 8 inputs
 // (the row block stays in L2 for the next group), 8 floats per vector, one accumulator vector per input;
 // bf16 weights are widened in registers.
 #include <ATen/Parallel.h>
@@ -19,7 +19,7 @@
 namespace specdec {
 namespace {
 
-constexpr int kGroupRows = 4;            // inputs per pass over a row block: accumulators in registers
+constexpr int kGroupRows = 8;            // inputs per pass over a row block: accumulators in registers
 constexpr int64_t kRowsPerTask = 32;     // weight rows per parallel task (~37-74 KB of fp32 weights: L2)
 
 typedef float f32x8 __attribute__((vector_size(32), aligned(4), may_alias));
@@ -44,10 +44,10 @@ SPECDEC_HD void rows_times_inputs(const float* x, int64_t m0, int64_t K, const W
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
       const f32x8 wv = load8(row + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int g = 0; g < G; ++g) acc[g] += wv * load8(x + (m0 + g) * K + k);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       float s = ((acc[g][0] + acc[g][1]) + (acc[g][2] + acc[g][3])) + ((acc[g][4] + acc[g][5]) + (acc[g][6] + acc[g][7]));
       for (int64_t j = k; j < K; ++j) s += static_cast<float>(row[j]) * x[(m0 + g) * K + j];
@@ -61,6 +61,10 @@ SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void row_block(const float* x, int64_t M, 
                                                      int64_t n1, float* y, int64_t N) {
   for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
     switch (std::min<int64_t>(kGroupRows, M - m0)) {
+      case 8: rows_times_inputs<W, 8>(x, m0, K, w, n0, n1, y, N); break;
+      case 7: rows_times_inputs<W, 7>(x, m0, K, w, n0, n1, y, N); break;
+      case 6: rows_times_inputs<W, 6>(x, m0, K, w, n0, n1, y, N); break;
+      case 5: rows_times_inputs<W, 5>(x, m0, K, w, n0, n1, y, N); break;
       case 4: rows_times_inputs<W, 4>(x, m0, K, w, n0, n1, y, N); break;
       case 3: rows_times_inputs<W, 3>(x, m0, K, w, n0, n1, y, N); break;
       case 2: rows_times_inputs<W, 2>(x, m0, K, w, n0, n1, y, N); break;
