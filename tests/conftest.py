@@ -39,3 +39,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """For modules of tiny models, whose forwards are dispatch overhead: with several intra-op threads on a busy
+    machine each op can wait milliseconds for a descheduled thread (runtime 2-10x and erratic). The results do
+    not depend on the thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

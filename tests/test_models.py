@@ -24,15 +24,8 @@ LINEAR = {"rope_type": "linear", "factor": 2.5}
 FP32_TOL, BF16_TOL = 1e-4, 2e-2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """These models are tiny: their forwards are dispatch overhead, and with several intra-op threads on a busy
-    machine each op can wait milliseconds for a descheduled thread (runtime 2-10x and erratic). The results do
-    not depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models: one intra-op thread (conftest.one_intra_op_thread).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # name -> (architecture, num_attention_heads, num_key_value_heads, tie_word_embeddings, rope_scaling)
 CASES = {

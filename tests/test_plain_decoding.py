@@ -48,15 +48,8 @@ def models():
     return hf, LlamaForCausalLM.from_hf(hf)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """These models are tiny: their forwards are dispatch overhead, and with several intra-op threads on a busy
-    machine each op can wait milliseconds for a descheduled thread (runtime 2-10x and erratic). The results do
-    not depend on the thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models: one intra-op thread (conftest.one_intra_op_thread).
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @torch.no_grad()
