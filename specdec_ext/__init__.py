@@ -4,6 +4,8 @@ Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` hol
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__
+from .decoding import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
+from .drafting import ModelDrafter, NgramDrafter
 from .kv_cache import PagedKVCache, StaticKVCache
 from .ops import (
     SamplingOutput,
@@ -26,6 +28,12 @@ def build_info() -> dict:
 
 __all__ = [
     "__version__",
+    "AcceptanceMonitor",
+    "GenerationOutput",
+    "GenerationStats",
+    "ModelDrafter",
+    "NgramDrafter",
+    "SpeculativeDecoder",
     "build_info",
     "PagedKVCache",
     "SamplingOutput",

@@ -1,33 +1,47 @@
-"""Decoding a model on this library's ops. `generate_autoregressive` is plain decoding, the baseline that
-speculative decoding is measured against and must match: ragged prompts in one batch (each request at its
-own cache length, no padding), per-request temperature / top-k / top-p, Philox-seeded per request so that a
-request's tokens depend on its own prompt, parameters and seed only, EOS and max_new_tokens per request.
+"""Speculative decoding of a target model on this library's ops, and plain decoding on the same machinery.
 
-A token is drawn by the chain sampling kernel with no drafts: the bonus token from softmax(logits /
-temperature) (argmax at temperature 0), uniform 0 of Philox stream 1 of (seed[r], offset = r's decode step).
+One round, for every running request at once (ragged: each at its own length and with its own k):
+  1. the drafter proposes up to k tokens per request;
+  2. the target scores the request's last emitted token plus its drafts in one forward (Q = k + 1);
+  3. chain_speculative_sampling_from_logits accepts a prefix of the drafts and draws the next token (greedy and
+     sampled requests in one launch, temperature inside the kernel, top-k/top-p masks applied to target and
+     draft logits alike), and truncate_kv_cache keeps num_accepted + 1 of the block in the target's cache;
+  4. one host read of the emitted tokens: requests advance by their own counts, the drafter rolls back,
+     finished requests free their slot and the next prompt is admitted (continuous batching).
+Plain decoding (generate_autoregressive) is the same round with no drafts.
+
+Invariants: the target's cache holds every token of a request but the last emitted one, which opens the next
+verify block. Request r's round draws from Philox key seed[r] at offset = tokens r has generated, so its output
+depends on its own prompt, parameters and seed only.
 """
+import math
 import time
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from .ops import chain_speculative_sampling_from_logits
+from .drafting import RoundInputs
+from .graphs import StepGraphs
+from .ops import LIMITS, chain_speculative_sampling_from_logits
 from .sampling import mask_top_k_top_p
 
 
 @dataclass
 class GenerationStats:
-    num_drafts: int = 0
+    num_drafts: int = 0              # rounds that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list = field(default_factory=list)
-    target_forwards: int = 0
+    accepted_per_position: list = field(default_factory=list)  # [i]: rounds whose draft i (0-based) was accepted
+    target_forwards: int = 0         # per request: verify rounds it took part in; in total: every target forward
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     draft_s: float = 0.0
-    verify_s: float = 0.0
-    sample_s: float = 0.0
-    other_s: float = 0.0
+    verify_s: float = 0.0            # the target's verify forwards
+    sample_s: float = 0.0            # masks, the sampling kernel and the cache truncation
+    other_s: float = 0.0             # prefills and the host's bookkeeping
+    k_per_round: list = field(default_factory=list)  # per request: the k asked of the drafter each round
 
     @property
     def acceptance_rate(self) -> float:
@@ -42,12 +56,50 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
+    def add_round(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft:
+            self.num_drafts += 1
+            self.num_draft_tokens += num_draft
+            self.num_accepted_tokens += num_accepted
+            if len(self.accepted_per_position) < num_accepted:
+                self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
+            for i in range(num_accepted):
+                self.accepted_per_position[i] += 1
+
 
 @dataclass
 class GenerationOutput:
     sequences: list  # list[list[int]]: each request's generated tokens (prompt excluded, EOS included)
     stats: GenerationStats
     request_stats: list = field(default_factory=list)
+
+
+class AcceptanceMonitor:
+    """Acceptance over the last `window` drafted tokens; warns (once, until it recovers) when it falls below
+    `threshold`. Give it to SpeculativeDecoder(monitor=...) or call observe() yourself."""
+
+    def __init__(self, window: int = 1000, threshold: float = 0.3):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"AcceptanceMonitor: window must be an int >= 1, got {window!r}")
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"AcceptanceMonitor: threshold must be in [0, 1], got {threshold!r}")
+        self.window, self.threshold = window, threshold
+        self.outcomes = deque(maxlen=window)  # 1 accepted, 0 rejected or never reached, per drafted token
+        self.warned = False
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.outcomes.extend([1] * num_accepted + [0] * (num_draft_tokens - num_accepted))
+        rate = self.acceptance_rate
+        if len(self.outcomes) == self.window and rate < self.threshold and not self.warned:
+            warnings.warn(f"speculative decoding: acceptance rate {rate:.2f} over the last {self.window} draft "
+                          f"tokens is below {self.threshold:.2f}", RuntimeWarning, stacklevel=2)
+            self.warned = True
+        elif rate >= self.threshold:
+            self.warned = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        return sum(self.outcomes) / len(self.outcomes) if self.outcomes else 1.0
 
 
 def per_request(value, name: str, batch: int, kind) -> list:
@@ -75,75 +127,351 @@ def check_prompts(prompts, vocab_size: int) -> list:
     return out
 
 
+@dataclass
+class Request:
+    index: int
+    prompt: list
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    generated: list = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    k: int = 0                 # the k of the next round (adaptive)
+    accepted_ewma: float = 0.0  # decayed counts of accepted and of tried draft tokens: the acceptance estimate
+    tried_ewma: float = 0.0
+    started: float = 0.0
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.generated
+
+
+class CostModel:
+    """Measured seconds of a draft step and of a verify step at each Q (exponential moving averages), for the
+    adaptive choice of k. A verify step at an unmeasured Q is interpolated linearly between measured ones (and
+    extrapolated with the last slope), so the cost of a wider block counts, not only the draft's."""
+
+    def __init__(self):
+        self.draft = 0.0
+        self.verify = {}
+
+    def observe(self, q: int, draft_s: float, verify_s: float, draft_steps: int) -> None:
+        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
+        self.verify[q] = ema(self.verify.get(q), verify_s)
+        if draft_steps:
+            self.draft = ema(self.draft or None, draft_s / draft_steps)
+
+    def verify_cost(self, q: int) -> float:
+        known = sorted(self.verify)
+        if not known:
+            return 1.0
+        if q in self.verify or len(known) == 1:
+            return self.verify.get(q, self.verify[known[0]])
+        lo = max([x for x in known if x < q], default=None)
+        hi = min([x for x in known if x > q], default=None)
+        if lo is None or hi is None:  # extrapolate from the two nearest measured points
+            a, b = (known[0], known[1]) if hi is not None else (known[-2], known[-1])
+        else:
+            a, b = lo, hi
+        slope = (self.verify[b] - self.verify[a]) / (b - a)
+        return max(self.verify[a] + slope * (q - a), 1e-9)
+
+    def best_k(self, alpha: float, k_max: int) -> int:
+        """argmax over k in [0, k_max] of expected tokens per round over its cost (Leviathan et al.:
+        (1 - alpha^(k+1)) / (1 - alpha) tokens for k draft steps and a verify step of Q = k + 1)."""
+        alpha = min(alpha, 0.999)
+        rate = lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * self.draft + self.verify_cost(k + 1))
+        return max(range(k_max + 1), key=rate)
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of `target` with `drafter` (NgramDrafter, ModelDrafter; None for plain
+    decoding only). num_speculative_tokens: the largest k (at most the sampling op's limit). adaptive: True (k per
+    request from its acceptance estimate and the measured costs), "heuristic" (+2 after a fully accepted round,
+    -1 otherwise) or False (always num_speculative_tokens). max_batch_size: requests decoded at once; the rest
+    wait and are admitted as slots free up. max_seq_len: prompt + generated tokens per request (default: per
+    call, the longest prompt plus the largest max_new_tokens). cuda_graphs: "auto" (on CUDA), True or False."""
+
+    def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
+                 cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, monitor=None):
+        k_limit = LIMITS["max_draft_tokens"]
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or \
+                not 1 <= num_speculative_tokens <= k_limit:
+            raise ValueError(f"SpeculativeDecoder: num_speculative_tokens must be an int in [1, {k_limit}], got "
+                             f"{num_speculative_tokens!r}")
+        if adaptive not in (True, False, "heuristic"):
+            raise ValueError(f"SpeculativeDecoder: adaptive must be True, False or 'heuristic', got {adaptive!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"SpeculativeDecoder: max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or
+                                        max_seq_len < 2):
+            raise ValueError(f"SpeculativeDecoder: max_seq_len must be an int >= 2 or None, got {max_seq_len!r}")
+        if cuda_graphs not in ("auto", True, False):
+            raise ValueError(f"SpeculativeDecoder: cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+        on_cuda = target.device.type == "cuda"
+        if cuda_graphs is True and not on_cuda:
+            raise ValueError("SpeculativeDecoder: cuda_graphs=True needs the target on a CUDA device")
+        self.target, self.drafter, self.num_speculative_tokens = target, drafter, num_speculative_tokens
+        self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
+        self.paged, self.monitor = paged, monitor
+        self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
+        self.costs = CostModel()
+        self.cache = None
+
+    # ------------------------------------------------------------------------------------------------ public
+    def generate(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                 eos_token_id=None, stream=None) -> GenerationOutput:
+        """Speculative decoding of a list of ragged prompts (token-id lists). max_new_tokens, temperature, top_k,
+        top_p, seed: a scalar or one per prompt; eos_token_id: an int, a list of ints or None; stream: called as
+        stream(request_index, new_token_ids) as tokens are accepted."""
+        if self.drafter is None:
+            raise ValueError("SpeculativeDecoder.generate: no drafter was given (generate_autoregressive decodes "
+                             "without one)")
+        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, True)
+
+    def generate_autoregressive(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                                eos_token_id=None, stream=None) -> GenerationOutput:
+        """Plain decoding, one token per request and round, on the same kernels, scheduler and caches."""
+        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, False)
+
+    # --------------------------------------------------------------------------------------------- the loop
+    @torch.no_grad()
+    def _run(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate):
+        start = time.perf_counter()
+        requests, eos, max_seq_len = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed,
+                                                    eos_token_id)
+        drafter = self.drafter if speculate else None
+        self._bind(max_seq_len, drafter)
+        stats = GenerationStats()
+        waiting = deque(requests)
+        slots = [None] * self.max_batch_size  # the request in each cache row
+        while waiting or any(slots):
+            t0 = time.perf_counter()
+            self._admit(waiting, slots, drafter, stats)
+            batch = max(b for b, r in enumerate(slots) if r is not None) + 1
+            batch = self.graphs.bucket(batch, self.max_batch_size)
+            ks = [self._next_k(r, max_seq_len) if r is not None and drafter is not None else 0 for r in slots[:batch]]
+            self._upload_steps(slots, batch)
+            stats.other_s += time.perf_counter() - t0
+
+            # 1. Draft.
+            t0 = time.perf_counter()
+            proposal = None
+            if max(ks):
+                proposal = drafter.propose(self._round_inputs(slots, batch, ks))
+                ks = proposal.num_draft_tokens
+            t1 = time.perf_counter()
+            # 2.-3. Verify: one target forward over the last token and the drafts, sampling, truncation.
+            out, t2 = self._verify(slots, batch, ks, proposal)
+            tokens, num_accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()  # the round's host read
+            t3 = time.perf_counter()
+            if drafter is not None and proposal is not None:
+                drafter.rollback(num_accepted)
+            self.cache.free_unused_pages()
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.sample_s += t3 - t2
+            stats.target_forwards += 1
+            self.costs.observe(max(ks) + 1, t1 - t0, t3 - t1, max(ks) if self.drafter_is_model else 0)
+
+            # 4. Advance every request by its own count; finish, stream.
+            t0 = time.perf_counter()
+            for b, r in enumerate(slots[:batch]):
+                if r is None:
+                    continue
+                a = num_accepted[b]
+                new = tokens[b][:a + 1]
+                cut = next((i for i, t in enumerate(new) if t in eos), None)
+                if cut is not None:
+                    new = new[:cut + 1]
+                r.generated += new
+                r.stats.target_forwards += 1
+                r.stats.add_round(ks[b], a)
+                if drafter is not None:
+                    r.stats.k_per_round.append(ks[b])
+                stats.add_round(ks[b], a)
+                if self.monitor is not None and ks[b]:
+                    self.monitor.observe(ks[b], a)
+                self._adapt(r, ks[b], a)
+                if stream is not None:
+                    stream(r.index, new)
+                if cut is not None or len(r.generated) >= r.max_new_tokens or len(r.tokens) >= max_seq_len:
+                    self._finish(r, b, slots, drafter)
+            stats.other_s += time.perf_counter() - t0
+        for r in requests:
+            stats.generated_tokens += len(r.generated)
+        stats.elapsed_s = time.perf_counter() - start
+        return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests])
+
+    def _verify(self, slots, batch: int, ks: list, proposal):
+        """The verify step: target forward over [last token, drafts], masks, sampling, truncation (a CUDA graph
+        per (batch, Q) on CUDA). Returns the sampling output and the time its forward was done (CPU timing)."""
+        width = max(ks)
+        device = self.target.device
+        ids = torch.zeros(batch, width + 1, dtype=torch.int64)
+        ids[:, 0] = torch.tensor([r.tokens[-1] if r is not None else 0 for r in slots[:batch]])
+        ids = ids.to(device)
+        if width:
+            ids[:, 1:] = proposal.draft_token_ids[:, :width]
+        self.cache.reserve([width + 1] * batch, requests=list(range(batch)))
+        num_draft = torch.tensor(ks, dtype=torch.int32, device=device)
+        live = torch.tensor([r is not None for r in slots[:batch]], dtype=torch.int32, device=device)
+        draft_logits = proposal.draft_logits if proposal is not None else None
+        any_k, any_p = self._masks_in_use(slots[:batch])
+        t = [0.0]
+
+        def step(ids, num_draft, live, draft_logits):
+            logits = self.target(ids, self.cache, cache_rows=slice(0, batch))  # [batch, Q, V] float32
+            t[0] = time.perf_counter()
+            target_logits = mask_top_k_top_p(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
+                                             any_top_k=any_k, any_top_p=any_p)
+            if width:
+                drafts, target = ids[:, 1:].contiguous(), target_logits
+            else:  # no drafts: K = 1 with none proposed, the bonus token drawn from row 0 (stride 0, no copy)
+                drafts, target = torch.zeros_like(ids), target_logits.expand(batch, 2, target_logits.shape[-1])
+            out = chain_speculative_sampling_from_logits(drafts, target, draft_logits, temperature=self.temperature[:batch],
+                                                         num_draft_tokens=num_draft, seed=self.seed[:batch],
+                                                         offset=self.steps[:batch])
+            kept = torch.zeros(self.cache.batch_size, dtype=torch.int32, device=device)
+            kept[:batch] = (out.num_accepted + 1) * live  # idle rows keep nothing
+            self.cache.truncate(kept, free_pages=False)
+            return out
+
+        out = self.graphs.run(("verify", batch, width, any_k, any_p, draft_logits is not None), step,
+                              (ids, num_draft, live, draft_logits), state=[self.cache.cache_seqlens])
+        return out, t[0] or time.perf_counter()
+
+    # ------------------------------------------------------------------------------------- scheduler helpers
+    def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id):
+        c = self.target.config
+        prompts = check_prompts(prompts, c.vocab_size)
+        n = len(prompts)
+        max_new = per_request(max_new_tokens, "max_new_tokens", n, int)
+        temps = per_request(temperature, "temperature", n, (int, float))
+        top_ks = per_request(top_k, "top_k", n, int)
+        top_ps = per_request(top_p, "top_p", n, (int, float))
+        seeds = per_request(seed, "seed", n, int)
+        if any(m < 1 for m in max_new) or any(not (t >= 0 and math.isfinite(t)) for t in temps) or \
+                any(k < 0 for k in top_ks) or any(not 0 < p <= 1 for p in top_ps):
+            raise ValueError("max_new_tokens must be >= 1, temperature finite and >= 0, top_k >= 0 and top_p in (0, 1]")
+        if any(not -(2**63) <= s < 2**63 for s in seeds):
+            raise ValueError("seed must fit in a signed 64-bit integer")
+        if eos_token_id is None:
+            eos = set()
+        else:
+            eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+            if any(isinstance(e, bool) or not isinstance(e, int) for e in eos):
+                raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+        max_seq_len = self.max_seq_len or max(len(p) for p in prompts) + max(max_new)
+        for r, p in enumerate(prompts):
+            if len(p) >= max_seq_len:
+                raise ValueError(f"prompt {r} has {len(p)} tokens, max_seq_len is {max_seq_len}: no room to generate")
+        requests = [Request(i, p, m, float(t), k, float(q), s) for i, (p, m, t, k, q, s) in
+                    enumerate(zip(prompts, max_new, temps, top_ks, top_ps, seeds))]
+        return requests, eos, max_seq_len
+
+    def _bind(self, max_seq_len: int, drafter) -> None:
+        """Caches and per-slot parameter buffers, kept across calls while they are large enough (CUDA graphs
+        replay on these very tensors). The verify block of a request near max_seq_len may run up to k slots past
+        it (the batch's widest block), hence the margin."""
+        capacity = max_seq_len + self.num_speculative_tokens + 1
+        s, device = self.max_batch_size, self.target.device
+        if self.cache is None or self.capacity < capacity:
+            self.cache = self.target.new_kv_cache(s, capacity, paged=self.paged)
+            self.capacity = capacity
+            self.temperature = torch.zeros(s, dtype=torch.float32, device=device)
+            self.top_k = torch.zeros(s, dtype=torch.int64, device=device)
+            self.top_p = torch.ones(s, dtype=torch.float32, device=device)
+            self.seed = torch.zeros(s, dtype=torch.int64, device=device)
+            self.steps = torch.zeros(s, dtype=torch.int64, device=device)
+            self.graphs.clear()
+        for b in range(s):
+            self.cache.release(b)
+        if drafter is not None:
+            drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
+        self.drafter_is_model = drafter is not None and hasattr(drafter, "model")
+
+    def _admit(self, waiting, slots, drafter, stats) -> None:
+        """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled
+        into the target's cache (the last opens the first verify block) and handed to the drafter."""
+        admitted = []
+        for b in range(len(slots)):
+            if slots[b] is None and waiting:
+                r = waiting.popleft()
+                slots[b] = r
+                r.started = time.perf_counter()
+                r.k = self.num_speculative_tokens
+                self.temperature[b], self.top_k[b], self.top_p[b], self.seed[b] = r.temperature, r.top_k, r.top_p, r.seed
+                admitted.append(b)
+        if not admitted:
+            return
+        prefixes = [slots[b].prompt[:-1] for b in admitted]
+        stats.target_forwards += self.target.prefill(self.cache, admitted, prefixes)
+        if drafter is not None:
+            t0 = time.perf_counter()
+            drafter.admit(admitted, prefixes)
+            stats.draft_s += time.perf_counter() - t0
+
+    def _finish(self, r: Request, b: int, slots, drafter) -> None:
+        slots[b] = None
+        self.cache.release(b)
+        if drafter is not None:
+            drafter.release(b)
+        r.stats.generated_tokens = len(r.generated)
+        r.stats.elapsed_s = time.perf_counter() - r.started
+
+    def _upload_steps(self, slots, batch: int) -> None:
+        self.steps[:batch] = torch.tensor([len(r.generated) if r is not None else 0 for r in slots[:batch]])
+
+    def _round_inputs(self, slots, batch: int, ks: list) -> RoundInputs:
+        any_k, any_p = self._masks_in_use(slots[:batch])
+        return RoundInputs(batch, ks, [r.tokens if r is not None else None for r in slots[:batch]],
+                           self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
+                           self.steps[:batch], any_k, any_p)
+
+    @staticmethod
+    def _masks_in_use(slots) -> tuple[bool, bool]:
+        sampled = [r for r in slots if r is not None and r.temperature > 0]
+        return any(r.top_k > 0 for r in sampled), any(r.top_p < 1 for r in sampled)
+
+    # ------------------------------------------------------------------------------------------ adaptive k
+    def _next_k(self, r: Request, max_seq_len: int) -> int:
+        """The request's k for this round, cut so that the round cannot emit past max_new_tokens or
+        max_seq_len (a round emits at most k + 1 tokens)."""
+        room = min(r.max_new_tokens - len(r.generated), max_seq_len - len(r.tokens)) - 1
+        return max(0, min(r.k, room))
+
+    def _adapt(self, r: Request, k: int, accepted: int) -> None:
+        """Sets r.k for the next round from this round's k drafted and `accepted` (DESIGN §4)."""
+        k_max = self.num_speculative_tokens
+        if self.adaptive is False:
+            r.k = k_max
+        elif self.adaptive == "heuristic":  # transformers' assisted generation: +2 after a full round, else -1
+            if k:
+                r.k = min(k_max, r.k + 2) if accepted == k else max(1, r.k - 1)
+        else:
+            # Acceptance estimate: drafted tokens up to and including the first rejection are the trials,
+            # decayed so that it follows the request's text; prior 0.5 with the weight of two trials.
+            if k:
+                r.accepted_ewma = 0.9 * r.accepted_ewma + accepted
+                r.tried_ewma = 0.9 * r.tried_ewma + accepted + (accepted < k)
+            alpha = (r.accepted_ewma + 1.0) / (r.tried_ewma + 2.0)
+            r.k = self.costs.best_k(alpha, k_max)
+            if r.k == 0 and len(r.stats.k_per_round) % 8 == 7:
+                r.k = 1  # probe now and then, so that an estimate of 0 can recover
+
+
 @torch.no_grad()
 def generate_autoregressive(model, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                             eos_token_id=None, stream=None, max_seq_len=None, paged=False) -> GenerationOutput:
-    """Plain decoding of a batch of ragged prompts (lists of token ids). max_new_tokens, temperature, top_k,
-    top_p and seed: a scalar or one per prompt. eos_token_id: an int, a list of ints, or None. stream: called
-    as stream(request_index, new_token_ids) as tokens are emitted. max_seq_len: the cache's length per request
-    (default: the longest prompt plus the largest max_new_tokens); a request stops when prompt + generated
-    tokens reach it."""
-    start = time.perf_counter()
-    c = model.config
-    prompts = check_prompts(prompts, c.vocab_size)
-    batch = len(prompts)
-    max_new = per_request(max_new_tokens, "max_new_tokens", batch, int)
-    temps = per_request(temperature, "temperature", batch, (int, float))
-    top_ks = per_request(top_k, "top_k", batch, int)
-    top_ps = per_request(top_p, "top_p", batch, (int, float))
-    seeds = per_request(seed, "seed", batch, int)
-    if any(n < 1 for n in max_new) or any(t < 0 for t in temps) or any(k < 0 for k in top_ks) or \
-            any(not 0 < p <= 1 for p in top_ps):
-        raise ValueError("max_new_tokens must be >= 1, temperature >= 0, top_k >= 0 and top_p in (0, 1]")
-    eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-    max_seq_len = max_seq_len or max(len(p) for p in prompts) + max(max_new)
-    for r, p in enumerate(prompts):
-        if len(p) >= max_seq_len:
-            raise ValueError(f"prompt {r} has {len(p)} tokens, max_seq_len is {max_seq_len}: no room to generate")
-    device = model.device
-    cache = model.new_kv_cache(batch, max_seq_len, paged=paged)
-    cache.reserve(max_seq_len)  # every request may grow to max_seq_len (a no-op for the contiguous cache)
-    stats = GenerationStats()
-
-    # Prefill, one request at a time (each at its own length, no padding); only the last position is scored.
-    logits = torch.empty(batch, c.vocab_size, dtype=torch.float32, device=device)
-    for r, p in enumerate(prompts):
-        ids = torch.tensor([p], dtype=torch.long, device=device)
-        logits[r] = model(ids, cache, logits_indices=torch.tensor([len(p) - 1], device=device),
-                          cache_rows=slice(r, r + 1))[0, 0]
-        stats.target_forwards += 1
-    cache.advance(torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=device))
-
-    temperature_t = torch.tensor(temps, dtype=torch.float32, device=device)
-    top_k_t = torch.tensor(top_ks, dtype=torch.long, device=device)
-    top_p_t = torch.tensor(top_ps, dtype=torch.float32, device=device)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-    no_drafts = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-    sequences = [[] for _ in range(batch)]
-    active = [True] * batch
-    while True:
-        steps = torch.tensor([len(s) for s in sequences], dtype=torch.int64, device=device)
-        masked = mask_top_k_top_p(logits, temperature_t, top_k_t, top_p_t)
-        # K = 1 with no draft: the kernel draws the bonus token from row 0 (the same row twice, stride 0).
-        out = chain_speculative_sampling_from_logits(
-            no_drafts, masked.unsqueeze(1).expand(batch, 2, c.vocab_size), temperature=temperature_t,
-            num_draft_tokens=torch.zeros(batch, dtype=torch.int32, device=device), seed=seed_t, offset=steps)
-        tokens = out.output_token_ids[:, 0].tolist()  # the step's one host read
-        for r, t in enumerate(tokens):
-            if not active[r]:
-                continue
-            sequences[r].append(t)
-            if stream is not None:
-                stream(r, [t])
-            if t in eos or len(sequences[r]) >= max_new[r] or len(prompts[r]) + len(sequences[r]) >= max_seq_len:
-                active[r] = False
-        if not any(active):
-            break
-        # Finished requests are fed their last token again without advancing: their slot is rewritten in place.
-        last = torch.tensor([[s[-1]] for s in sequences], dtype=torch.long, device=device)
-        logits = model(last, cache)[:, 0]
-        stats.target_forwards += 1
-        cache.advance(torch.tensor(active, dtype=torch.int32, device=device))
-    stats.generated_tokens = sum(len(s) for s in sequences)
-    stats.elapsed_s = time.perf_counter() - start
-    return GenerationOutput(sequences, stats)
+    """Plain decoding of a batch of ragged prompts (lists of token ids), all at once: SpeculativeDecoder's
+    generate_autoregressive with one slot per prompt. max_new_tokens, temperature, top_k, top_p and seed: a
+    scalar or one per prompt. eos_token_id: an int, a list of ints, or None. stream: called as
+    stream(request_index, new_token_ids) as tokens are emitted. max_seq_len: prompt + generated tokens per
+    request (default: the longest prompt plus the largest max_new_tokens)."""
+    batch = len(prompts) if isinstance(prompts, (list, tuple)) and prompts else 1
+    decoder = SpeculativeDecoder(model, None, max_batch_size=batch, max_seq_len=max_seq_len, paged=paged)
+    return decoder.generate_autoregressive(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           seed=seed, eos_token_id=eos_token_id, stream=stream)

@@ -9,7 +9,9 @@ The protocol a model and a decoder use, the same for both caches:
   attention_args(layer, rows) (k, v, cache_seqlens, block_table) of one layer for verify_attention, for the
                              requests in `rows` (a slice; all by default)
   advance(num_tokens)        cache_seqlens[b] += num_tokens[b] after a forward wrote them (prefill, decode)
-  truncate(num_kept, ...)    after a verify block: keep num_kept of its tokens (truncate_kv_cache)
+  truncate(num_kept, ...)    after a verify block: keep num_kept of its tokens (truncate_kv_cache); with
+                             free_pages=False only the device part runs (no host read: CUDA-graph capture),
+                             and free_unused_pages() after the round's host read gives the pages back
   release(b)                 a finished request: length 0 (and its pages freed)
 """
 import torch
@@ -44,17 +46,20 @@ class StaticKVCache:
         """(k_cache, v_cache, cache_seqlens, block_table) of `layer` for the requests in `rows` (views)."""
         return self.k[layer, rows], self.v[layer, rows], self.cache_seqlens[rows], None
 
-    def reserve(self, num_tokens) -> None:
+    def reserve(self, num_tokens, requests=None) -> None:
         """Nothing to allocate: every request owns max_seq_len slots (the kernels check the range)."""
 
     def advance(self, num_tokens) -> None:
         """cache_seqlens[b] += num_tokens[b] (an int or [B] int32), after a forward wrote those tokens."""
         truncate_kv_cache(self.cache_seqlens, num_tokens, k_caches=self.k, v_caches=self.v)
 
-    def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
+    def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False, free_pages=True) -> None:
         """After verifying a block written at cache_seqlens: keep num_kept of its tokens in every layer."""
         truncate_kv_cache(self.cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                           k_caches=self.k, v_caches=self.v, clear=clear)
+
+    def free_unused_pages(self) -> None:
+        """No pages to give back."""
 
     def release(self, request: int) -> None:
         self.cache_seqlens[request] = 0
@@ -134,12 +139,17 @@ class PagedKVCache:
         truncate_kv_cache(self.cache_seqlens, num_tokens, k_caches=self.k, v_caches=self.v,
                           block_table=self.block_table)
 
-    def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False) -> None:
-        """After verifying a block: keep num_kept of its tokens in every layer, then free whole pages past
-        the new lengths. A request that truncation rejects raises on the CPU (set_strict(True) on CUDA);
-        the host's lengths are read back from the device, so they never disagree with cache_seqlens."""
+    def truncate(self, num_kept, *, block_len=None, kept_indices=None, clear=False, free_pages=True) -> None:
+        """After verifying a block: keep num_kept of its tokens in every layer, then (free_pages) free whole
+        pages past the new lengths. A request that truncation rejects raises on the CPU (set_strict(True) on
+        CUDA); the host's lengths are read back from the device, so they never disagree with cache_seqlens."""
         truncate_kv_cache(self.cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                           k_caches=self.k, v_caches=self.v, block_table=self.block_table, clear=clear)
+        if free_pages:
+            self.free_unused_pages()
+
+    def free_unused_pages(self) -> None:
+        """Gives back the pages past each request's length (a host read of the lengths)."""
         self._lengths = self.cache_seqlens.tolist()  # the round's one host read
         for b, length in enumerate(self._lengths):
             keep_pages = -(-length // self.page_size)

@@ -27,6 +27,14 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _refuse_frozen_scalar(value, name: str, op: str) -> None:
+    """While a CUDA graph is captured, a Python number would be baked into the graph and replayed unchanged
+    (a seed, an offset, a temperature): such arguments must be device tensors that the caller updates."""
+    if not isinstance(value, torch.Tensor) and _capturing():
+        raise ValueError(f"{op}: {name} is a Python {type(value).__name__} while a CUDA graph is being captured; "
+                         "it would be frozen into the graph: pass a device tensor and update it between replays")
+
+
 def _check_devices(op: str, device, what: str, **tensors) -> None:
     """Raises naming the tensor that is not on `device` (what: the name of the tensor that set it). Without this
     a tensor on another device (meta, say) would send the call to another backend's kernel."""
@@ -58,6 +66,7 @@ def _as_int32(t: torch.Tensor, name: str, op: str) -> torch.Tensor:
 
 def _request_vector(value, name: str, op: str, batch: int | None, device) -> torch.Tensor:
     """A per-request int64 vector from an int (broadcast to the batch) or a 0-/1-D integer tensor."""
+    _refuse_frozen_scalar(value, name, op)
     if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)):
         raise TypeError(f"{op}: {name} must be an int or an integer tensor, got {type(value).__name__}")
     if isinstance(value, int):
@@ -146,6 +155,7 @@ def _per_request(value, name: str, op: str, batch: int, device, dtype) -> torch.
     """A [B] tensor of `dtype` (int32, float32 or bool) on `device` from a Python scalar (broadcast) or a 0-/1-D
     tensor of the same kind: integers for int32 (checked to fit), real numbers for float32, bools for bool."""
     kind = {torch.int32: "an integer", torch.float32: "a real number", torch.bool: "a bool"}[dtype]
+    _refuse_frozen_scalar(value, name, op)
     if isinstance(value, torch.Tensor):
         if value.dim() > 1 or value.numel() not in (1, batch):
             raise ValueError(f"{op}: {name} must be a scalar or have B = {batch} entries, got shape {tuple(value.shape)}")
@@ -215,6 +225,7 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
         greedy = False if greedy_or_temperature is None else greedy_or_temperature
         control = _per_request(greedy, "greedy", op, batch, device, torch.bool)
     if seed is None:
+        _refuse_frozen_scalar(None, "seed", op)  # a seed drawn now would be replayed unchanged
         gen_device = generator.device if generator is not None else device
         seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
     else:
@@ -233,7 +244,7 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
        flags)
     _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
-    if _strict and target.dim() == 3 and target.shape[0]:
+    if _strict and target.dim() == 3 and target.shape[0] and not _capturing():  # (capture refused it above on CUDA)
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, logits)
     return out
 

@@ -236,6 +236,26 @@ class LlamaForCausalLM(nn.Module):
         logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
         return (logits, hidden) if output_hidden_states else logits
 
+    def prefill(self, kv_cache, rows: list, token_lists: list) -> int:
+        """Writes token_lists[i] into cache row rows[i] after its current length and advances it: one forward per
+        run of consecutive rows whose lists have one length (empty lists are skipped). Returns the forwards run."""
+        forwards, i, device = 0, 0, self.device
+        while i < len(rows):
+            j, n = i, len(token_lists[i])
+            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1 and len(token_lists[j + 1]) == n:
+                j += 1
+            if n:
+                kv_cache.reserve([n] * (j - i + 1), requests=rows[i:j + 1])
+                ids = torch.tensor(token_lists[i:j + 1], dtype=torch.long, device=device)
+                self(ids, kv_cache, logits_indices=torch.tensor([n - 1], device=device),
+                     cache_rows=slice(rows[i], rows[j] + 1))
+                grow = torch.zeros(kv_cache.batch_size, dtype=torch.int32)
+                grow[rows[i]:rows[j] + 1] = n
+                kv_cache.advance(grow.to(device))
+                forwards += 1
+            i = j + 1
+        return forwards
+
     # Loaders (loaders.py); here so that they read as the class's constructors.
     @classmethod
     def from_pretrained(cls, path, *, dtype=torch.float32, device="cpu") -> "LlamaForCausalLM":
