@@ -149,40 +149,42 @@ class Request:
 
 
 class CostModel:
-    """Measured seconds of a draft step and of a verify step at each Q (exponential moving averages), for the
-    adaptive choice of k. A verify step at an unmeasured Q is interpolated linearly between measured ones (and
-    extrapolated with the last slope), so the cost of a wider block counts, not only the draft's."""
+    """Seconds of a draft step and of a target verify step at Q = 1 and Q = k_max + 1 (linear between), for the
+    adaptive choice of k. Measured once per decoder, at batch 1 on a scratch cache, and then fixed: a request's
+    k then depends on its own acceptance only, so a fixed seed reproduces its tokens whatever its batch (live
+    timings would make k, and with it the sampled tokens, depend on the machine's load)."""
 
-    def __init__(self):
-        self.draft = 0.0
-        self.verify = {}
+    def __init__(self, draft_s: float = 0.0, verify_s: tuple = (1.0, 1.0), k_max: int = 1):
+        self.draft_s, self.verify_s, self.k_max = draft_s, verify_s, k_max
 
-    def observe(self, q: int, draft_s: float, verify_s: float, draft_steps: int) -> None:
-        ema = lambda old, new: new if old is None else 0.8 * old + 0.2 * new
-        self.verify[q] = ema(self.verify.get(q), verify_s)
-        if draft_steps:
-            self.draft = ema(self.draft or None, draft_s / draft_steps)
+    @classmethod
+    def measure(cls, target, draft_model, k_max: int, repeats: int = 3) -> "CostModel":
+        def seconds(model, q):
+            cache = model.new_kv_cache(1, q + 1)
+            ids = torch.zeros(1, q, dtype=torch.long, device=model.device)
+            times = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(ids, cache)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            return sorted(times[1:])[len(times[1:]) // 2]
+
+        draft_s = seconds(draft_model, 1) if draft_model is not None else 0.0
+        return cls(draft_s, (seconds(target, 1), seconds(target, k_max + 1)), k_max)
 
     def verify_cost(self, q: int) -> float:
-        known = sorted(self.verify)
-        if not known:
-            return 1.0
-        if q in self.verify or len(known) == 1:
-            return self.verify.get(q, self.verify[known[0]])
-        lo = max([x for x in known if x < q], default=None)
-        hi = min([x for x in known if x > q], default=None)
-        if lo is None or hi is None:  # extrapolate from the two nearest measured points
-            a, b = (known[0], known[1]) if hi is not None else (known[-2], known[-1])
-        else:
-            a, b = lo, hi
-        slope = (self.verify[b] - self.verify[a]) / (b - a)
-        return max(self.verify[a] + slope * (q - a), 1e-9)
+        lo, hi = self.verify_s
+        return lo + (hi - lo) * (q - 1) / max(self.k_max, 1)
 
     def best_k(self, alpha: float, k_max: int) -> int:
         """argmax over k in [0, k_max] of expected tokens per round over its cost (Leviathan et al.:
         (1 - alpha^(k+1)) / (1 - alpha) tokens for k draft steps and a verify step of Q = k + 1)."""
         alpha = min(alpha, 0.999)
-        rate = lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * self.draft + self.verify_cost(k + 1))
+        rate = lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * self.draft_s + self.verify_cost(k + 1))
         return max(range(k_max + 1), key=rate)
 
 
@@ -192,10 +194,13 @@ class SpeculativeDecoder:
     request from its acceptance estimate and the measured costs), "heuristic" (+2 after a fully accepted round,
     -1 otherwise) or False (always num_speculative_tokens). max_batch_size: requests decoded at once; the rest
     wait and are admitted as slots free up. max_seq_len: prompt + generated tokens per request (default: per
-    call, the longest prompt plus the largest max_new_tokens). cuda_graphs: "auto" (on CUDA), True or False."""
+    call, the longest prompt plus the largest max_new_tokens). cuda_graphs: "auto" (on CUDA), True or False.
+    paged: PagedKVCache for target and draft (pages freed as requests finish). monitor: an AcceptanceMonitor fed
+    every round. costs: the CostModel of adaptive k (default: measured on first use)."""
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
-                 cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, monitor=None):
+                 cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, monitor=None,
+                 costs: "CostModel | None" = None):
         k_limit = LIMITS["max_draft_tokens"]
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or \
                 not 1 <= num_speculative_tokens <= k_limit:
@@ -217,7 +222,7 @@ class SpeculativeDecoder:
         self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
         self.paged, self.monitor = paged, monitor
         self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
-        self.costs = CostModel()
+        self.costs = costs  # CostModel; measured on first use with a drafter when adaptive=True and None
         self.cache = None
 
     # ------------------------------------------------------------------------------------------------ public
@@ -274,7 +279,6 @@ class SpeculativeDecoder:
             stats.verify_s += t2 - t1
             stats.sample_s += t3 - t2
             stats.target_forwards += 1
-            self.costs.observe(max(ks) + 1, t1 - t0, t3 - t1, max(ks) if self.drafter_is_model else 0)
 
             # 4. Advance every request by its own count; finish, stream.
             t0 = time.perf_counter()
@@ -294,7 +298,8 @@ class SpeculativeDecoder:
                 stats.add_round(ks[b], a)
                 if self.monitor is not None and ks[b]:
                     self.monitor.observe(ks[b], a)
-                self._adapt(r, ks[b], a)
+                if drafter is not None:
+                    self._adapt(r, ks[b], a)
                 if stream is not None:
                     stream(r.index, new)
                 if cut is not None or len(r.generated) >= r.max_new_tokens or len(r.tokens) >= max_seq_len:
@@ -391,7 +396,8 @@ class SpeculativeDecoder:
             self.cache.release(b)
         if drafter is not None:
             drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
-        self.drafter_is_model = drafter is not None and hasattr(drafter, "model")
+        if drafter is not None and self.adaptive is True and self.costs is None:
+            self.costs = CostModel.measure(self.target, getattr(drafter, "model", None), self.num_speculative_tokens)
 
     def _admit(self, waiting, slots, drafter, stats) -> None:
         """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled

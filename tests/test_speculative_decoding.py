@@ -1,0 +1,337 @@
+"""SpeculativeDecoder with NgramDrafter and ModelDrafter on tiny random transformers models: greedy output equals
+plain decoding token for token, the law of the first tokens at temperature > 0 is the target's exact law
+(chi-square over every sequence, float64 conditionals from transformers), both caches hold what a fresh
+prefill would after every round, seeds reproduce and a request ignores its batch, adaptive k, stats, bad
+input. Fixed seeds throughout."""
+import itertools
+import math
+
+import pytest
+import torch
+from scipy import stats
+from test_plain_decoding import VOCAB, exact_distribution, random_prompts, tiny_hf
+
+import specdec_ext
+from specdec_ext import AcceptanceMonitor, ModelDrafter, NgramDrafter, SpeculativeDecoder
+from specdec_ext import ops as ops_module
+from specdec_ext.decoding import CostModel, generate_autoregressive
+from specdec_ext.models import LlamaForCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A target and a different, smaller draft of the same vocabulary (random: acceptance is low but not 0 at
+    temperature > 0), plus the target drafting for itself (acceptance 1 when greedy)."""
+    target = LlamaForCausalLM.from_hf(tiny_hf(seed=1234))
+    draft = LlamaForCausalLM.from_hf(tiny_hf(seed=77, layers=1, hidden=32, heads=2, kv_heads=1))
+    return target, draft
+
+
+def drafters(target, draft):
+    return {"ngram": NgramDrafter(3, 1), "model": ModelDrafter(draft), "self": ModelDrafter(target)}
+
+
+def repetitive_prompts(seed, lengths):
+    """Prompts that repeat a short random phrase (prompt lookup finds matches), of the given lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        phrase = torch.randint(VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+        out.append((phrase * n)[:n])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ greedy
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["ngram", "model", "self"])
+def test_greedy_equals_plain_decoding_with_continuous_batching(pair, name, paged):
+    """7 ragged prompts through 3 slots: requests finish at different rounds (max_new_tokens per request) and
+    waiting ones are admitted into the freed slots; k adaptive."""
+    target, draft = pair
+    prompts = random_prompts(5, [5, 21, 12, 3, 9, 1, 30])[:4] + repetitive_prompts(6, [14, 2, 25])
+    max_new = [24, 7, 16, 30, 3, 20, 11]
+    plain = generate_autoregressive(target, prompts, max_new)
+    dec = SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, paged=paged)
+    out = dec.generate(prompts, max_new)
+    assert out.sequences == plain.sequences
+    assert [len(s) for s in out.sequences] == max_new
+    if name == "self":  # drafting with the target itself: every greedy draft is accepted
+        assert out.stats.acceptance_rate == 1.0 and out.stats.mean_acceptance_length > 3
+    # The decoder's own plain decoding agrees too, and the decoder can be reused.
+    assert dec.generate_autoregressive(prompts, max_new).sequences == plain.sequences
+
+
+def test_greedy_with_eos_and_max_seq_len(pair):
+    target, draft = pair
+    prompts = repetitive_prompts(8, [6, 14, 9])
+    free = generate_autoregressive(target, prompts, 16).sequences
+    eos = free[0][5]
+    assert eos not in free[0][:5], "pick another prompt seed"
+    cut = lambda s: s[:s.index(eos) + 1] if eos in s else s
+    for drafter in (NgramDrafter(), ModelDrafter(target)):  # ModelDrafter(target) drafts across the EOS
+        dec = SpeculativeDecoder(target, drafter, 4, max_seq_len=20)
+        got = dec.generate(prompts, 16, eos_token_id=eos).sequences
+        assert got == [cut(s[:20 - len(p)]) for s, p in zip(free, prompts)]
+        assert got[0][-1] == eos and len(got[0]) == 6
+
+
+# ------------------------------------------------------------------------------------------------ lossless law
+
+LAW_VOCAB, LAW_TOKENS, LAW_SAMPLES = 8, 3, 60_000
+LAW_CASES = {"T=1": (1.0, 0, 1.0), "T=0.7,top-k 5,top-p 0.9": (0.7, 5, 0.9)}
+
+
+@pytest.fixture(scope="module")
+def law_models():
+    """A target and a different draft with 8 tokens and spread-out distributions (the draft's are far from the
+    target's: acceptance ~0.5-0.7), transformers' float64 copy of the target for the exact law."""
+    hf = tiny_hf(vocab=LAW_VOCAB, layers=1, seed=99, logit_scale=0.15)
+    target = LlamaForCausalLM.from_hf(hf)
+    draft = LlamaForCausalLM.from_hf(tiny_hf(vocab=LAW_VOCAB, layers=1, hidden=32, seed=5, logit_scale=0.15))
+    return hf.double(), target, draft
+
+
+def exact_law(hf, prompt, temperature, top_k, top_p) -> dict:
+    """P(first LAW_TOKENS tokens = s) for every s in V^L, from the target's float64 conditionals under the same
+    temperature / top-k / top-p (transformers' warpers)."""
+    law = {(): 1.0}
+    for _ in range(LAW_TOKENS):
+        prefixes = list(law)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(p) for p in prefixes]), use_cache=False).logits[:, -1]
+        law = {p + (t,): law[p] * float(q[t]) for p, row in zip(prefixes, logits)
+               for q in [exact_distribution(row, temperature, top_k, top_p)] for t in range(LAW_VOCAB)}
+    return law
+
+
+def chi_square_power(law: dict, n: int, df: int, alpha: float = 1e-3) -> float:
+    """Power against the hardest 1% bias: 0.01 of probability mass moved between the two most likely
+    sequences (the shift with the smallest noncentrality n * 0.01^2 * (1/p1 + 1/p2))."""
+    p1, p2 = sorted(law.values())[-2:]
+    noncentrality = n * 0.01 ** 2 * (1 / p1 + 1 / p2)
+    critical = stats.chi2.ppf(1 - alpha, df)
+    return float(stats.ncx2.sf(critical, df, noncentrality))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAW_CASES))
+@pytest.mark.parametrize("name", ["ngram", "model"])
+def test_law_of_the_first_tokens_is_the_targets(law_models, name, case):
+    """60,000 requests (seeds 0..59999) of one prompt, k = 2 fixed: the sequences of their first 3 tokens
+    (512 possible) against the exact law by chi-square (cells expected < 5 pooled), p > 1e-3. The power
+    against the hardest 1% bias (see chi_square_power) is checked to be >= 0.9 for the law at hand; a
+    concentrated error (a masked token sampled, a wrong q) moves far more. Mutation run once: handing the
+    kernel the draft's unprocessed logits as q (ModelDrafter, top-k/top-p case) fails this test."""
+    hf, target, draft = law_models
+    temperature, top_k, top_p = LAW_CASES[case]
+    prompt = [1, 2, 3, 1, 2]
+    law = exact_law(hf, prompt, temperature, top_k, top_p)
+    drafter = NgramDrafter(2, 1) if name == "ngram" else ModelDrafter(draft)
+    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=4096)
+    counts = dict.fromkeys(law, 0)
+    accepted = drafted = 0
+    for start in range(0, LAW_SAMPLES, 20_000):
+        out = dec.generate([prompt] * 20_000, LAW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=list(range(start, start + 20_000)))
+        for s in out.sequences:
+            counts[tuple(s)] += 1
+        accepted += out.stats.num_accepted_tokens
+        drafted += out.stats.num_draft_tokens
+    assert drafted > LAW_SAMPLES and 0.1 < accepted / drafted < 0.95, "the test needs drafts accepted and rejected"
+    assert sum(counts[s] for s, p in law.items() if p == 0) == 0, "a sequence of probability 0 was emitted"
+    expected = {s: p * LAW_SAMPLES for s, p in law.items() if p > 0}
+    big = [s for s, e in expected.items() if e >= 5]
+    observed = [counts[s] for s in big] + [sum(counts[s] for s in expected if s not in big)]
+    cells = [expected[s] for s in big] + [sum(e for s, e in expected.items() if s not in big)]
+    if cells[-1] == 0:
+        observed, cells = observed[:-1], cells[:-1]
+    assert chi_square_power(law, LAW_SAMPLES, len(cells) - 1) >= 0.9
+    assert stats.chisquare(observed, cells).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------- rollback
+
+def fresh_cache_rows(model, tokens, paged):
+    """K/V of every layer for `tokens`, from a prefill into a fresh cache: [L, n, Hkv, D] each."""
+    cache = model.new_kv_cache(1, len(tokens) + 1)
+    model.prefill(cache, [0], [tokens])
+    n = len(tokens)
+    return cache.k[:, 0, :n], cache.v[:, 0, :n]
+
+
+def cache_rows(cache, b, n):
+    if cache.block_table is None:
+        return cache.k[:, b, :n], cache.v[:, b, :n]
+    pos = torch.arange(n)
+    pages = cache.block_table[b, pos // cache.page_size].long()
+    return cache.k[:, pages, pos % cache.page_size], cache.v[:, pages, pos % cache.page_size]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_caches_hold_a_fresh_prefill_after_every_round(pair, paged):
+    """After each round (when the stream callback runs) the target's cache holds the request's tokens but the
+    last emitted one, and the draft's a prefix of them, K and V equal to a fresh prefill of those tokens."""
+    target, draft = pair
+    prompts = random_prompts(31, [7, 15, 4])
+    drafter = ModelDrafter(draft)
+    dec = SpeculativeDecoder(target, drafter, 3, max_batch_size=3, paged=paged, adaptive=False)
+    tokens = [list(p) for p in prompts]
+    checked = []
+
+    def check(r, new):
+        tokens[r] += new
+        n = int(dec.cache.cache_seqlens[r])
+        assert n == len(tokens[r]) - 1
+        m = int(drafter.cache.cache_seqlens[r])
+        assert m == drafter.lengths[r] and len(tokens[r]) - 2 <= m <= len(tokens[r]) - 1
+        for model, cache, length in ((target, dec.cache, n), (draft, drafter.cache, m)):
+            k, v = cache_rows(cache, r, length)
+            want_k, want_v = fresh_cache_rows(model, tokens[r][:length], paged)
+            torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-5)
+        checked.append((r, len(new)))
+
+    out = dec.generate(prompts, 12, temperature=0.9, seed=[4, 5, 6], stream=check)
+    assert [t[len(p):] for t, p in zip(tokens, prompts)] == out.sequences
+    assert len(checked) >= 3 * 3 and any(n > 1 for _, n in checked), "rounds with accepted drafts needed"
+    if paged:  # every page back in the pool once the requests finished
+        assert dec.cache.free_pages == dec.cache.k.shape[1] and drafter.cache.free_pages == drafter.cache.k.shape[1]
+
+
+# ---------------------------------------------------------------------------------------- determinism, batching
+
+SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
+
+
+@pytest.mark.parametrize("name", ["ngram", "model"])
+def test_seeds_reproduce_and_a_request_ignores_its_batch(pair, name):
+    """CPU, float32: request a's tokens alone equal its tokens in a batch with other prompts, seeds and
+    parameters at another index (the batch has at most 15 rows of B x Q, so every GEMM row takes the same path;
+    the attention's splits are batch invariant). Adaptive k from one cost model: a decoder that measures its
+    own may choose other k, hence other (equally distributed) tokens; with adaptive=False no cost enters."""
+    target, draft = pair
+    a, b, c = repetitive_prompts(9, [11, 6, 17])
+    costs = CostModel(draft_s=0.2 if name == "model" else 0.0, verify_s=(1.0, 1.3), k_max=4)
+    make = lambda: SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, costs=costs)
+    alone = make().generate([a], 24, seed=7, **SAMPLING).sequences[0]
+    assert make().generate([a], 24, seed=7, **SAMPLING).sequences[0] == alone
+    batch = make().generate([b, a, c], [10, 24, 30], seed=[3, 7, 11], temperature=[1.0, 0.8, 0.0],
+                            top_k=[0, 20, 3], top_p=[0.5, 0.9, 1.0])
+    assert batch.sequences[1] == alone
+    assert make().generate([a], 24, seed=8, **SAMPLING).sequences[0] != alone
+    fixed = lambda: SpeculativeDecoder(target, drafters(target, draft)[name], 3, adaptive=False, max_batch_size=3)
+    alone = fixed().generate([a], 24, seed=7, **SAMPLING).sequences[0]
+    assert fixed().generate([c, a], [30, 24], seed=[11, 7], temperature=[0.0, 0.8], top_k=[3, 20],
+                            top_p=[1.0, 0.9]).sequences[1] == alone
+
+
+# ------------------------------------------------------------------------------------------- adaptive k, stats
+
+def test_adaptive_k_follows_acceptance_and_stats_add_up(pair):
+    target, draft = pair
+    prompts = random_prompts(41, [9, 13])
+    # A draft step costing 0.1 of a verify step, which grows 20% from Q = 1 to Q = 7: k = 6 pays at acceptance 1.
+    costs = CostModel(draft_s=0.1, verify_s=(1.0, 1.2), k_max=6)
+    # By hand: at alpha 0.2, k = 1 gives 1.2 / 1.133 = 1.06 tokens per verify cost, k = 0 gives 1, k = 2 0.98;
+    # at 0.5, k = 2 gives 1.75 / 1.267 = 1.38 against 1.32 (k = 1) and 1.34 (k = 3).
+    assert [costs.best_k(a, 6) for a in (0.0, 0.2, 0.5, 0.9, 1.0)] == [0, 1, 2, 6, 6]
+    good = SpeculativeDecoder(target, ModelDrafter(target), 6, costs=costs).generate(prompts, 40)
+    bad = SpeculativeDecoder(target, ModelDrafter(draft), 6, costs=costs).generate(prompts, 40)
+    for out in (good, bad):
+        for s in out.request_stats:
+            assert all(0 <= k <= 6 for k in s.k_per_round)
+            assert s.generated_tokens == s.num_accepted_tokens + s.target_forwards  # no EOS here
+            assert sum(s.accepted_per_position) == s.num_accepted_tokens
+            assert s.num_draft_tokens == sum(s.k_per_round)
+        total = out.stats
+        assert total.generated_tokens == 80
+        assert total.num_accepted_tokens == sum(s.num_accepted_tokens for s in out.request_stats)
+        assert sum(total.accepted_per_position) == total.num_accepted_tokens
+        assert total.draft_s > 0 and total.verify_s > 0 and total.sample_s > 0
+    mean_k = lambda out: sum(sum(s.k_per_round) for s in out.request_stats) / sum(
+        len(s.k_per_round) for s in out.request_stats)
+    # The self-drafter is always right: k stays high; the random draft is rarely right: k falls (to 0, with probes).
+    assert mean_k(good) > 4 and mean_k(bad) < 1.5, (mean_k(good), mean_k(bad))
+    assert good.stats.acceptance_rate == 1.0 and bad.stats.acceptance_rate < 0.2
+    # heuristic: +2 after a full round, -1 after a rejection, within [1, k]
+    h = SpeculativeDecoder(target, ModelDrafter(draft), 6, adaptive="heuristic").generate(prompts, 30)
+    for s in h.request_stats:
+        ks = s.k_per_round
+        assert ks[0] == 6 and min(ks[:-1]) >= 1  # the last round's k is cut to the 1 token left
+        assert all(b in (max(1, a - 1), min(6, a + 2)) for a, b in zip(ks, ks[1:-1])), ks
+    fixed = SpeculativeDecoder(target, ModelDrafter(draft), 3, adaptive=False).generate(prompts[:1], 30)
+    assert set(fixed.request_stats[0].k_per_round[:-3]) == {3}
+
+
+def test_acceptance_monitor_warns_under_its_threshold():
+    monitor = AcceptanceMonitor(window=10, threshold=0.5)
+    monitor.observe(4, 4)
+    monitor.observe(4, 3)
+    assert monitor.acceptance_rate == 7 / 8
+    with pytest.warns(RuntimeWarning, match="below 0.50"):
+        for _ in range(3):
+            monitor.observe(4, 0)
+    assert monitor.acceptance_rate == 0.0  # the window holds the last 10 outcomes only
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("k", [0, -1, 17, 2.5, True])
+def test_bad_num_speculative_tokens(pair, k):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeDecoder(pair[0], NgramDrafter(), k)
+
+
+def test_bad_inputs_raise_and_leave_nothing_half_done(pair):
+    target, draft = pair
+    other_vocab = LlamaForCausalLM.from_hf(tiny_hf(vocab=VOCAB + 3, layers=1, hidden=32, seed=3))
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeDecoder(target, ModelDrafter(other_vocab)).generate([[1, 2]], 4)
+    with pytest.raises(ValueError, match="no drafter"):
+        SpeculativeDecoder(target, None).generate([[1, 2]], 4)
+    dec = SpeculativeDecoder(target, ModelDrafter(draft), 4, max_batch_size=2, max_seq_len=16)
+    want = dec.generate([[1, 2, 3], [4, 5]], 8, temperature=0.7, seed=[1, 2]).sequences
+    for args, kwargs in [(([[1, 2], []], 4), {}), (([[1] * 16], 4), {}), (([[1] * 20], 4), {}),
+                         (([[1], [2]], [4, 4, 4]), {}), (([[1], [2]], 4), {"seed": [1]}),
+                         (([[1], [2]], 4), {"temperature": [0.5, 0.5, 0.5]}), (([[1, VOCAB]], 4), {}),
+                         (([[1]], 4), {"top_p": 0.0, "temperature": 1.0}), (([], 4), {})]:
+        with pytest.raises(ValueError):
+            dec.generate(*args, **kwargs)
+    assert dec.generate([[1, 2, 3], [4, 5]], 8, temperature=0.7, seed=[1, 2]).sequences == want
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramDrafter(2, 3)
+
+
+def test_ngram_lookup_takes_the_longest_latest_match():
+    d = NgramDrafter(3, 1)
+    assert d.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]  # latest occurrence of [1, 2, 3]
+    assert d.lookup([4, 2, 3, 8, 1, 2, 3], 3) == [8, 1, 2]  # [1, 2, 3] unseen: [2, 3]
+    assert d.lookup([5, 6, 7, 6], 4) == [7, 6]  # only [6] matches; the draft ends at the sequence's end
+    assert d.lookup([1, 2, 3], 4) == [] and d.lookup([1], 4) == []
+    assert NgramDrafter(3, 2).lookup([5, 6, 7, 6], 4) == []  # min_ngram 2
+
+
+# ------------------------------------------------------------------------------------------ CUDA-graph safety
+
+def test_op_wrappers_refuse_python_scalars_while_capturing(monkeypatch):
+    """Under CUDA-graph capture a Python seed, offset, temperature or count would be frozen into the graph:
+    the wrappers raise (the capture state is simulated here; tests/gpu captures for real)."""
+    b, k, v = 2, 3, 16
+    logits = torch.randn(b, k + 1, v)
+    drafts = torch.randint(v, (b, k))
+    tensors = dict(temperature=torch.full((b,), 0.5), seed=torch.arange(b), offset=torch.zeros(b, dtype=torch.int64),
+                   num_draft_tokens=torch.full((b,), k, dtype=torch.int32))
+    monkeypatch.setattr(ops_module, "_capturing", lambda: True)
+    specdec_ext.chain_speculative_sampling_from_logits(drafts, logits, **tensors)  # all tensors: fine
+    for name, scalar in [("temperature", 0.5), ("seed", 3), ("offset", 0), ("num_draft_tokens", 2)]:
+        with pytest.raises(ValueError, match=f"{name} is a Python .* CUDA graph"):
+            specdec_ext.chain_speculative_sampling_from_logits(drafts, logits, **{**tensors, name: scalar})
+    with pytest.raises(ValueError, match="seed is a Python"):
+        specdec_ext.chain_speculative_sampling_from_logits(drafts, logits, **{**tensors, "seed": None})
+    with pytest.raises(ValueError, match="offset is a Python"):
+        specdec_ext.philox_uniform(torch.arange(2), 5, 4)
+    with pytest.raises(ValueError, match="num_kept is a Python"):
+        specdec_ext.truncate_kv_cache(torch.zeros(2, dtype=torch.int32), 1)
