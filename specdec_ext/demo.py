@@ -2,7 +2,7 @@
 
 It shows the RNG every sampling op draws from (per-request Philox streams that do not depend on batch
 composition or device), one verify round of chain speculative sampling, and the shipped model answering a chat
-question through this library's forward (plain decoding; speculative decoding comes with the decoder).
+question through speculative decoding, against plain decoding.
 """
 import time
 
@@ -34,25 +34,43 @@ def sampling_demo(device: torch.device) -> bool:
 
 
 def chat_demo(device: torch.device) -> bool:
-    """The shipped model (SmolLM2-135M-Instruct) answers a chat question through this library's forward,
-    greedy plain decoding, streamed as it is generated."""
-    from specdec_ext.decoding import generate_autoregressive
-    from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
+    """The shipped model (SmolLM2-135M-Instruct) answers a chat question through speculative decoding with the
+    n-gram drafter, streamed as it is generated; then the same request by plain decoding: the same tokens
+    (greedy), the speedup and the acceptance stats."""
+    from specdec_ext import NgramDrafter, SpeculativeDecoder
+    from specdec_ext.generate import load, prompt_ids
+    from specdec_ext.models import default_model_path
 
     path = default_model_path()
     t0 = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(path, device=device)
-    tokenizer = load_tokenizer(path)
+    model, tokenizer = load(path, device)
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s")
-    question = "What is the capital of France, and what is it famous for? Answer in two sentences."
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    question = ("Here is a sentence: 'The Eiffel Tower in Paris was completed in 1889 and is 330 metres tall.' "
+                "What is the capital of France? Answer with a sentence that repeats the facts above.")
+    ids = prompt_ids(tokenizer, question, chat=True)
+    dec = SpeculativeDecoder(model, NgramDrafter(), num_speculative_tokens=6, max_batch_size=1)
     print(f"user: {question}\nassistant: ", end="", flush=True)
-    out = generate_autoregressive(model, [ids], 64, eos_token_id=tokenizer.eos_token_id,
-                                  stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="",
-                                                              flush=True))
-    print(f"\n({out.stats.generated_tokens} tokens at {out.stats.tokens_per_second:.1f} tokens/s, prefill included)")
-    return "paris" in tokenizer.decode(out.sequences[0]).lower()
+    spec = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id,
+                        stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
+    plain = dec.generate_autoregressive([ids], 96, eos_token_id=tokenizer.eos_token_id)
+    again = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id)  # timed after a warm run, like plain
+    s, p = again.stats, plain.stats
+    print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative (n-gram, k <= 6, adaptive) "
+          f"{s.tokens_per_second:.1f} tokens/s: speedup {s.tokens_per_second / p.tokens_per_second:.2f}x "
+          f"({s.generated_tokens} tokens, prefill included)")
+    print(f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
+          f"{s.num_draft_tokens} draft tokens in {s.num_drafts} rounds with drafts, accepted per position "
+          f"{s.accepted_per_position}; time: draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, "
+          f"sample {s.sample_s:.2f} s, other {s.other_s:.2f} s")
+    same = spec.sequences == plain.sequences == again.sequences
+    print(f"speculative tokens equal plain greedy decoding's: {same}")
+    return same and "paris" in tokenizer.decode(spec.sequences[0]).lower()
+
+
+def register(sub) -> None:
+    demo = sub.add_parser("demo", help="the ops end to end, and the shipped model speculative against plain")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    demo.set_defaults(fn=lambda args: main(device=args.device))
 
 
 def main(device: str | None = None) -> int:

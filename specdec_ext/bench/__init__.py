@@ -1,0 +1,25 @@
+"""`specdec bench NAME`: the kernel microbenchmarks (ours against the PyTorch reference) and the end-to-end
+decoding benchmark, shipped with the package so that an installed wheel runs them."""
+import importlib
+
+BENCHMARKS = ("attention", "e2e", "philox", "sampling")
+
+
+def run(args) -> int:
+    return importlib.import_module(f"{__name__}.{args.name}").main(args)
+
+
+def register(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: kernels against the PyTorch reference, decoding end to end")
+    bench.add_argument("name", choices=BENCHMARKS)
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--repeats", type=int, default=50, help="timed repeats after warm-up (median reported)")
+    bench.add_argument("--json", default=None, help="write the results to this JSON file")
+    bench.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG file")
+    bench.add_argument("--batch", default=None, help="comma-separated batch sizes (default: the benchmark's grid)")
+    bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens (attention: queries Q)")
+    bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")
+    bench.add_argument("--flex", action="store_true", help="attention: also time FlexAttention (compiles per shape)")
+    bench.add_argument("--dtype", default=None, help="e2e: comma-separated dtypes (default float32,bfloat16)")
+    bench.add_argument("--new-tokens", type=int, default=None, help="e2e: tokens generated per request (default 128)")
+    bench.set_defaults(fn=run)

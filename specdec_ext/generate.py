@@ -1,0 +1,73 @@
+"""`specdec generate`: text in, text out, streamed, through speculative decoding of any supported model."""
+import sys
+import time
+
+
+def load(path, device):
+    """A model and its tokenizer from an HF directory or a .gguf file, with a progress bar."""
+    from tqdm import tqdm
+
+    from .models import LlamaForCausalLM, load_tokenizer
+
+    with tqdm(total=2, desc=f"loading {path}", unit="part", file=sys.stderr, leave=False) as bar:
+        model = LlamaForCausalLM.from_pretrained(path, device=device)
+        bar.update()
+        tokenizer = load_tokenizer(path)
+        bar.update()
+    return model, tokenizer
+
+
+def make_drafter(spec: str, device):
+    """'ngram' or 'model:PATH'."""
+    from .drafting import ModelDrafter, NgramDrafter
+    from .models import LlamaForCausalLM
+
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec.startswith("model:"):
+        return ModelDrafter(LlamaForCausalLM.from_pretrained(spec.removeprefix("model:"), device=device))
+    raise ValueError(f"--drafter must be 'ngram' or 'model:PATH', got {spec!r}")
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list:
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer(text)["input_ids"]
+
+
+def main(args) -> int:
+    import torch
+
+    from .decoding import SpeculativeDecoder
+    from .models import default_model_path
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tokenizer = load(args.model or default_model_path(), device)
+    dec = SpeculativeDecoder(model, make_drafter(args.drafter, device), args.k)
+    ids = prompt_ids(tokenizer, args.prompt, args.chat)
+    t0 = time.perf_counter()
+    out = dec.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, eos_token_id=tokenizer.eos_token_id,
+                       stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
+    s = out.stats
+    print(f"\n[{s.generated_tokens} tokens in {time.perf_counter() - t0:.2f} s, {s.tokens_per_second:.1f} tokens/s; "
+          f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}]",
+          file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="stream text from a model through speculative decoding")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the shipped SmolLM2-135M)")
+    p.add_argument("--drafter", default="ngram", help="ngram (prompt lookup) or model:PATH (a draft model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=4, help="num_speculative_tokens (largest k; adaptive below it)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.set_defaults(fn=main)
