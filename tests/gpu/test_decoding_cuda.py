@@ -1,0 +1,51 @@
+"""SpeculativeDecoder on CUDA: the verify and draft steps replayed from CUDA graphs give exactly the eager
+tokens (greedy and sampled, both drafters, contiguous and paged), and the op wrappers refuse a Python seed
+while a graph is captured."""
+import pytest
+import torch
+from test_plain_decoding import random_prompts, tiny_hf
+
+import specdec_ext
+from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from specdec_ext.decoding import CostModel
+from specdec_ext.models import LlamaForCausalLM
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # head dim 64 and bfloat16: what the CUDA verify attention takes
+    load = lambda hf: LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16, device="cuda")
+    return load(tiny_hf(hidden=128, heads=2, kv_heads=1, seed=1234)), load(tiny_hf(hidden=128, heads=2, kv_heads=1,
+                                                                                 layers=1, seed=7))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("name", ["ngram", "model"])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, top_p=0.9, seed=[1, 2, 3, 4, 5])])
+def test_graph_replay_equals_eager(pair, name, paged, sampling):
+    target, draft = pair
+    prompts = random_prompts(3, [5, 21, 12, 9, 30])
+    costs = CostModel(draft_s=0.1, verify_s=(1.0, 1.2), k_max=4)
+    runs = []
+    for graphs in (False, True):
+        drafter = NgramDrafter() if name == "ngram" else ModelDrafter(draft)
+        dec = SpeculativeDecoder(target, drafter, 4, max_batch_size=3, cuda_graphs=graphs, paged=paged, costs=costs)
+        runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)
+        if graphs:
+            assert dec.graphs.graphs, "nothing was captured"
+            runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)  # replay only
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_capture_refuses_a_python_seed():
+    logits = torch.randn(2, 3, 16, device="cuda")
+    drafts = torch.randint(16, (2, 2), device="cuda")
+    temperature = torch.full((2,), 0.5, device="cuda")
+    offset = torch.zeros(2, dtype=torch.int64, device="cuda")
+    specdec_ext.chain_speculative_sampling_from_logits(drafts, logits, temperature=temperature, seed=torch.arange(
+        2, device="cuda"), offset=offset)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="seed is a Python int while a CUDA graph"):
+        with torch.cuda.graph(graph):
+            specdec_ext.chain_speculative_sampling_from_logits(drafts, logits, temperature=temperature, seed=3,
+                                                               offset=offset)
