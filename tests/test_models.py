@@ -420,3 +420,20 @@ def test_shipped_model_greedy_tokens_match_transformers(shipped):
     assert want[0][-1] == eos and len(want[0]) >= 4 and len(want[1]) == 32 and eos not in want[1]
     got = generate_autoregressive(ours, prompts, 32, eos_token_id=eos).sequences  # both in one ragged batch
     assert got == want, [(tokenizer.decode(g), tokenizer.decode(w)) for g, w in zip(got, want)]
+
+
+def test_shipped_model_speculative_greedy_equals_plain(shipped):
+    """The shipped model, greedy, n-gram speculation (adaptive k up to 6): token for token plain decoding's
+    output; both prompts through one slot (the second admitted when the first finishes at EOS), paged."""
+    from specdec_ext import NgramDrafter, SpeculativeDecoder
+    from specdec_ext.decoding import generate_autoregressive
+
+    ours, _, tokenizer, prompts = shipped
+    eos = tokenizer.eos_token_id
+    summarise = chat_ids(tokenizer, "Repeat this sentence twice: 'The lighthouse keeper climbed the stairs at dusk "
+                                    "to light the lamp for the ships.'")
+    want = [generate_autoregressive(ours, [p], 40, eos_token_id=eos).sequences[0] for p in prompts + [summarise]]
+    dec = SpeculativeDecoder(ours, NgramDrafter(), 6, max_batch_size=1, paged=True)
+    out = dec.generate(prompts + [summarise], 40, eos_token_id=eos)
+    assert out.sequences == want, [tokenizer.decode(s) for s in out.sequences]
+    assert out.request_stats[2].num_accepted_tokens > 0  # the repeated sentence is drafted from the prompt

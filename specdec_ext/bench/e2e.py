@@ -1,8 +1,13 @@
-"""`specdec bench e2e`: plain greedy decoding of the shipped model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised)
-by this library's forward against transformers' `generate` on the same weights, dtype and thread count, in
-the same process: tokens/s (median of repeats after a warm-up run), the ratio, peak RSS, and each row against
-the weight-read floor (weight bytes per decode step over the read bandwidth measured here). Then the cost of
-one forward of Q = 1, 2, 3, 5, 9 new tokens relative to Q = 1: what a verify step of speculative decoding costs.
+"""`specdec bench e2e`: the shipped model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised) end to end, in one process
+on the same weights, dtype and thread count, tokens/s as the median of repeats after a warm-up run.
+
+1. Plain greedy decoding by this library's forward against transformers' `generate`: the ratio, peak RSS, and
+   each row against the weight-read floor (weight bytes per decode step over the read bandwidth measured
+   here); then the cost of one forward of Q = 1, 2, 3, 5, 9 new tokens relative to Q = 1.
+2. Speculative decoding (SpeculativeDecoder, n-gram drafter and, with --draft, a model drafter; fixed k and
+   adaptive), greedy and sampled (temperature 0.7, top-p 0.9), against our plain decoding of the same requests
+   and against transformers' plain and prompt-lookup generate (prompt_lookup_num_tokens=10, batch 1 only):
+   speedups, acceptance rate, mean acceptance length and the time split.
 """
 import resource
 import statistics
@@ -10,7 +15,8 @@ import time
 
 import torch
 
-from specdec_ext.decoding import generate_autoregressive
+from specdec_ext.decoding import SpeculativeDecoder, generate_autoregressive
+from specdec_ext.drafting import ModelDrafter, NgramDrafter
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
 
 from .common import median_us, report, save
@@ -50,14 +56,19 @@ def tokens_per_second(run, repeats: int) -> tuple[float, list]:
     return statistics.median(rates), sequences
 
 
-def transformers_generate(hf_model, tokenizer, prompts, new_tokens):
-    """Greedy generate of a left-padded batch; returns each request's new tokens up to and including EOS."""
+SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def transformers_generate(hf_model, tokenizer, prompts, new_tokens, sampling=None, **extra):
+    """generate() of a left-padded batch, greedy or with `sampling` (temperature, top_p), exactly new_tokens new
+    tokens each; extra: e.g. prompt_lookup_num_tokens (batch 1)."""
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf_model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, pad_token_id=pad)[:, width:]
+    sample = dict(do_sample=True, top_k=0, **sampling) if sampling else dict(do_sample=False)
+    out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            pad_token_id=pad, **sample, **extra)[:, width:]
     return [row.tolist() for row in out]
 
 
@@ -76,20 +87,20 @@ def forward_costs(model, repeats: int) -> list[dict]:
     return rows
 
 
-def main(args) -> int:
+def chat_prompts(tokenizer) -> list:
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+           for p in PROMPTS.values()]
+    return [c["input_ids"] if hasattr(c, "keys") else list(c) for c in ids]
+
+
+def batch_of(chat, i, batch):
+    """Prompt i, and for B > 1 the other prompts after it."""
+    return [chat[(i + j) % len(chat)] for j in range(batch)]
+
+
+def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats, bandwidth):
     import transformers
 
-    path = default_model_path()
-    tokenizer = load_tokenizer(path)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 4]
-    dtypes = [getattr(torch, d) for d in (args.dtype or "float32,bfloat16").split(",")]
-    new_tokens = args.new_tokens or 128
-    repeats = max(1, args.repeats if args.repeats != 50 else 3)
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-            for p in PROMPTS.values()]
-    chat = [c["input_ids"] if hasattr(c, "keys") else list(c) for c in chat]
-    bandwidth = read_bandwidth_gbs()
-    print(f"read bandwidth {bandwidth:.1f} GB/s, {torch.get_num_threads()} threads, {new_tokens} new tokens", flush=True)
     rows, costs = [], []
     for dtype in dtypes:
         ours = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
@@ -99,7 +110,7 @@ def main(args) -> int:
         floor = bandwidth * 1e9 / weight_bytes  # decode steps per second if only the weights were read
         for batch in batches:
             for i, name in enumerate(PROMPTS):
-                prompts = [chat[(i + j) % len(chat)] for j in range(batch)]  # B > 1: the other prompts after it
+                prompts = batch_of(chat, i, batch)
                 ours_tps, ours_seq = tokens_per_second(
                     lambda: generate_autoregressive(ours, prompts, new_tokens).sequences, repeats)
                 ours_rss = peak_rss_mb()
@@ -120,6 +131,87 @@ def main(args) -> int:
             "same_tokens", "peak_rss_mb"])
     report("one forward of Q new tokens (context 200, B = 1), relative to Q = 1", costs,
            ["dtype", "Q", "forward_ms", "vs_Q1"])
-    save(args, {"title": "plain decoding, ours vs transformers", "read_bw_gbs": bandwidth, "forward_costs": costs},
-         rows, ["dtype", "B", "prompt"])
+    return rows, costs
+
+
+def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, repeats):
+    """Per prompt, sampling mode and B: our plain decoding and transformers' plain (and, at B = 1, prompt-lookup)
+    generate, then every drafter and k. Sampled runs use seeds 0..B-1 (transformers its global RNG)."""
+    import transformers
+
+    target = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    drafters = {"ngram": NgramDrafter(3, 1)}
+    if args.draft:
+        drafters["model"] = ModelDrafter(LlamaForCausalLM.from_pretrained(args.draft, dtype=dtype))
+    ks = (args.k or "2,4,8,adaptive").split(",")
+    names = (args.prompts or ",".join(PROMPTS)).split(",")
+    modes = (args.sampling or "greedy,sampled").split(",")
+    rows = []
+    for batch in batches:
+        for name in names:
+            prompts = batch_of(chat, list(PROMPTS).index(name), batch)
+            for mode in modes:
+                sampling = SAMPLING[mode]
+                seeds = list(range(batch))
+                plain = SpeculativeDecoder(target, None, max_batch_size=batch)
+                plain_tps, plain_seq = tokens_per_second(lambda: plain.generate_autoregressive(
+                    prompts, new_tokens, seed=seeds, **sampling).sequences, repeats)
+                with torch.no_grad():
+                    hf_tps, _ = tokens_per_second(
+                        lambda: transformers_generate(hf, tokenizer, prompts, new_tokens, sampling), repeats)
+                    lookup_tps = tokens_per_second(lambda: transformers_generate(
+                        hf, tokenizer, prompts, new_tokens, sampling, prompt_lookup_num_tokens=10), repeats)[0] \
+                        if batch == 1 else float("nan")
+                for drafter_name, drafter in drafters.items():
+                    for k in ks:
+                        adaptive = k == "adaptive"
+                        dec = SpeculativeDecoder(target, drafter, 8 if adaptive else int(k), adaptive=adaptive,
+                                                 max_batch_size=batch)
+                        last = {}
+
+                        def run():
+                            last["out"] = dec.generate(prompts, new_tokens, seed=seeds, **sampling)
+                            return last["out"].sequences
+
+                        tps, seq = tokens_per_second(run, repeats)
+                        st = last["out"].stats
+                        spent = max(st.elapsed_s, 1e-9)
+                        rows.append({"B": batch, "prompt": name, "sampling": mode, "drafter": drafter_name, "k": k,
+                                     "tok_s": tps, "plain_tok_s": plain_tps, "speedup": tps / plain_tps,
+                                     "vs_hf_plain": tps / hf_tps, "vs_hf_lookup": tps / lookup_tps,
+                                     "acceptance": st.acceptance_rate, "mean_acc_len": st.mean_acceptance_length,
+                                     "draft": st.draft_s / spent, "verify": st.verify_s / spent,
+                                     "sample": st.sample_s / spent, "other": st.other_s / spent,
+                                     "same_as_plain": seq == plain_seq if mode == "greedy" else "-"})
+                        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in rows[-1].items()), flush=True)
+    report(f"speculative decoding, SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, CPU, "
+           f"{torch.get_num_threads()} threads, {new_tokens} new tokens; speedup = against our plain decoding, "
+           f"vs_hf_* = against transformers' plain / prompt-lookup generate; draft..other: shares of the time", rows,
+           ["B", "prompt", "sampling", "drafter", "k", "tok_s", "plain_tok_s", "speedup", "vs_hf_plain", "vs_hf_lookup",
+            "acceptance", "mean_acc_len", "draft", "verify", "sample", "other", "same_as_plain"])
+    return rows
+
+
+def main(args) -> int:
+    path = default_model_path()
+    tokenizer = load_tokenizer(path)
+    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 4]
+    dtypes = [getattr(torch, d) for d in (args.dtype or "float32,bfloat16").split(",")]
+    new_tokens = args.new_tokens or 128
+    repeats = max(1, args.repeats if args.repeats != 50 else 3)
+    chat = chat_prompts(tokenizer)
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth {bandwidth:.1f} GB/s, {torch.get_num_threads()} threads, {new_tokens} new tokens", flush=True)
+    meta = {"title": "decoding end to end", "read_bw_gbs": bandwidth}
+    rows = []
+    if not args.speculative_only:
+        plain, meta["forward_costs"] = plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats,
+                                                  bandwidth)
+        rows += [{"table": "plain", **r} for r in plain]
+    if not args.plain_only:
+        rows += [{"table": "speculative", **r} for r in speculative_rows(args, path, tokenizer, chat, batches,
+                                                                         dtypes[0], new_tokens, repeats)]
+    save(args, meta, rows, ["table", "B", "prompt"] + (["sampling", "drafter", "k"] if not args.plain_only else []))
     return 0
