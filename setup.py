@@ -120,6 +120,7 @@ setup(
     version=VERSION,
     description="CUDA kernels for lossless speculative decoding: verify attention, rejection sampling, KV-cache truncation",
     packages=find_packages(include=["specdec_ext", "specdec_ext.*"]),
+    package_data={"specdec_ext": ["data/*.jsonl", "data/*.safetensors"]},  # the prompt set, the trained heads
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     python_requires=">=3.10",

@@ -5,7 +5,7 @@ references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emula
 """
 from ._version import __version__
 from .decoding import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
-from .drafting import ModelDrafter, NgramDrafter
+from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from .kv_cache import PagedKVCache, StaticKVCache
 from .ops import (
     SamplingOutput,
@@ -29,6 +29,8 @@ def build_info() -> dict:
 __all__ = [
     "__version__",
     "AcceptanceMonitor",
+    "EagleDrafter",
+    "MedusaDrafter",
     "GenerationOutput",
     "GenerationStats",
     "ModelDrafter",

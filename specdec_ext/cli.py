@@ -42,9 +42,9 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="the build: versions, CUDA architectures compiled in, CPU features, emulator")
     info.set_defaults(fn=cmd_info)
-    from . import bench, demo, generate
+    from . import bench, demo, generate, training
 
-    for module in (demo, generate, bench):
+    for module in (demo, generate, bench, training):
         module.register(sub)
     args = parser.parse_args(argv)
     return args.fn(args)

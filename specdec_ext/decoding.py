@@ -148,44 +148,67 @@ class Request:
         return self.prompt + self.generated
 
 
-class CostModel:
-    """Seconds of a draft step and of a target verify step at Q = 1 and Q = k_max + 1 (linear between), for the
-    adaptive choice of k. Measured once per decoder, at batch 1 on a scratch cache, and then fixed: a request's
-    k then depends on its own acceptance only, so a fixed seed reproduces its tokens whatever its batch (live
-    timings would make k, and with it the sampled tokens, depend on the machine's load)."""
+def interpolate(points: dict, x: float) -> float:
+    """Piecewise linear through {x: y} points; flat below the first (and for one point), extended with the last
+    slope above the last."""
+    xs = sorted(points)
+    if x <= xs[0] or len(xs) == 1:
+        return points[xs[0]]
+    hi = next((i for i, v in enumerate(xs) if v >= x), len(xs) - 1)
+    x0, x1 = xs[hi - 1], xs[hi]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
 
-    def __init__(self, draft_s: float = 0.0, verify_s: tuple = (1.0, 1.0), k_max: int = 1):
-        self.draft_s, self.verify_s, self.k_max = draft_s, verify_s, k_max
+
+ROW_POINTS = (1, 2, 4, 8, 9, 12, 16, 17, 24, 32, 48, 64)  # around the CPU GEMM's 8-row passes and 16-row path
+
+
+class CostModel:
+    """Seconds of a target forward over R rows (batch x Q tokens) and of a draft model's forward over R rows, at
+    measured points R (interpolated between), for the adaptive choice of k: on a CPU a verify block's cost
+    jumps where its rows need another pass over the weights, and on any device it grows with the batch.
+    Measured once per decoder (a forward of Q = R at batch 1 on a scratch cache, for each R up to what the
+    decoder can ask) and then fixed: live timings would make k, and with it the sampled tokens, depend on the
+    machine's load. draft: None for drafters whose cost is not a forward (n-gram lookup: ~0)."""
+
+    def __init__(self, verify: dict, draft: dict | None = None):
+        if not verify or any(r < 1 or t < 0 for r, t in verify.items()):
+            raise ValueError("CostModel: verify must map row counts >= 1 to seconds >= 0")
+        self.verify, self.draft = dict(verify), dict(draft or {})
 
     @classmethod
-    def measure(cls, target, draft_model, k_max: int, repeats: int = 3) -> "CostModel":
-        def seconds(model, q):
-            cache = model.new_kv_cache(1, q + 1)
-            ids = torch.zeros(1, q, dtype=torch.long, device=model.device)
+    def measure(cls, target, draft_model, max_rows: int, max_draft_rows: int, repeats: int = 3) -> "CostModel":
+        def seconds(model, rows):
+            cache = model.new_kv_cache(1, rows + 1)
+            ids = torch.zeros(1, rows, dtype=torch.long, device=model.device)
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                model(ids, cache)
+                model(ids, cache, logits_indices=torch.arange(rows, device=model.device))
                 if model.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             return sorted(times[1:])[len(times[1:]) // 2]
 
-        draft_s = seconds(draft_model, 1) if draft_model is not None else 0.0
-        return cls(draft_s, (seconds(target, 1), seconds(target, k_max + 1)), k_max)
+        points = lambda limit: [r for r in ROW_POINTS if r <= limit] or [1]
+        verify = {r: seconds(target, r) for r in points(max_rows)}
+        draft = {r: seconds(draft_model, r) for r in points(max_draft_rows)} if draft_model is not None else None
+        return cls(verify, draft)
 
-    def verify_cost(self, q: int) -> float:
-        lo, hi = self.verify_s
-        return lo + (hi - lo) * (q - 1) / max(self.k_max, 1)
+    def verify_cost(self, rows: int) -> float:
+        return interpolate(self.verify, rows)
 
-    def best_k(self, alpha: float, k_max: int) -> int:
-        """argmax over k in [0, k_max] of expected tokens per round over its cost (Leviathan et al.:
-        (1 - alpha^(k+1)) / (1 - alpha) tokens for k draft steps and a verify step of Q = k + 1)."""
+    def draft_cost(self, rows: int) -> float:
+        return interpolate(self.draft, rows) if self.draft else 0.0
+
+    def best_k(self, alpha: float, k_max: int, batch: int = 1) -> int:
+        """argmax over k in [0, k_max] of expected tokens per round over its cost, for a request in a round of
+        `batch` requests drafting alike (Leviathan et al.: (1 - alpha^(k+1)) / (1 - alpha) tokens for k draft
+        steps over `batch` rows and a verify block of batch x (k + 1) rows)."""
         alpha = min(alpha, 0.999)
-        rate = lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / (k * self.draft_s + self.verify_cost(k + 1))
-        return max(range(k_max + 1), key=rate)
+        cost = lambda k: k * self.draft_cost(batch) + self.verify_cost(batch * (k + 1))
+        return max(range(k_max + 1), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / cost(k))
 
 
 class SpeculativeDecoder:
@@ -196,7 +219,11 @@ class SpeculativeDecoder:
     wait and are admitted as slots free up. max_seq_len: prompt + generated tokens per request (default: per
     call, the longest prompt plus the largest max_new_tokens). cuda_graphs: "auto" (on CUDA), True or False.
     paged: PagedKVCache for target and draft (pages freed as requests finish). monitor: an AcceptanceMonitor fed
-    every round. costs: the CostModel of adaptive k (default: measured on first use)."""
+    every round. costs: the CostModel of adaptive k (default: measured on first use).
+
+    Reproducibility: a fixed seed reproduces a request's tokens. With adaptive=False (or "heuristic") they do not
+    depend on the other requests in its batch; with adaptive=True its k depends on how many requests share its
+    rounds (a wider batch makes verify blocks dearer), and so do its sampled tokens (not their law)."""
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
                  cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, monitor=None,
@@ -269,11 +296,11 @@ class SpeculativeDecoder:
                 ks = proposal.num_draft_tokens
             t1 = time.perf_counter()
             # 2.-3. Verify: one target forward over the last token and the drafts, sampling, truncation.
-            out, t2 = self._verify(slots, batch, ks, proposal)
+            out, hidden, t2 = self._verify(slots, batch, ks, proposal, drafter)
             tokens, num_accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()  # the round's host read
             t3 = time.perf_counter()
-            if drafter is not None and proposal is not None:
-                drafter.rollback(num_accepted)
+            if drafter is not None:
+                drafter.rollback([a if r is not None else -1 for a, r in zip(num_accepted, slots)], hidden)
             self.cache.free_unused_pages()
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
@@ -299,7 +326,7 @@ class SpeculativeDecoder:
                 if self.monitor is not None and ks[b]:
                     self.monitor.observe(ks[b], a)
                 if drafter is not None:
-                    self._adapt(r, ks[b], a)
+                    self._adapt(r, ks[b], a, sum(x is not None for x in slots[:batch]))
                 if stream is not None:
                     stream(r.index, new)
                 if cut is not None or len(r.generated) >= r.max_new_tokens or len(r.tokens) >= max_seq_len:
@@ -310,9 +337,11 @@ class SpeculativeDecoder:
         stats.elapsed_s = time.perf_counter() - start
         return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests])
 
-    def _verify(self, slots, batch: int, ks: list, proposal):
+    def _verify(self, slots, batch: int, ks: list, proposal, drafter):
         """The verify step: target forward over [last token, drafts], masks, sampling, truncation (a CUDA graph
-        per (batch, Q) on CUDA). Returns the sampling output and the time its forward was done (CPU timing)."""
+        per (batch, Q) on CUDA). Returns the sampling output, the target's hidden states of the block when the
+        drafter needs them (else None), and the time its forward was done (CPU timing)."""
+        hidden_states = drafter is not None and drafter.needs_hidden_states
         width = max(ks)
         device = self.target.device
         ids = torch.zeros(batch, width + 1, dtype=torch.int64)
@@ -324,14 +353,15 @@ class SpeculativeDecoder:
         num_draft = torch.tensor(ks, dtype=torch.int32, device=device)
         live = torch.tensor([r is not None for r in slots[:batch]], dtype=torch.int32, device=device)
         draft_logits = proposal.draft_logits if proposal is not None else None
-        any_k, any_p = self._masks_in_use(slots[:batch])
+        max_k, any_p = self._masks_in_use(slots[:batch])
         t = [0.0]
 
         def step(ids, num_draft, live, draft_logits):
-            logits = self.target(ids, self.cache, cache_rows=slice(0, batch))  # [batch, Q, V] float32
+            logits = self.target(ids, self.cache, cache_rows=slice(0, batch), output_hidden_states=hidden_states)
+            logits, hidden = logits if hidden_states else (logits, None)  # [batch, Q, V] float32, [batch, Q, H]
             t[0] = time.perf_counter()
             target_logits = mask_top_k_top_p(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
-                                             any_top_k=any_k, any_top_p=any_p)
+                                             max_top_k=max_k, any_top_p=any_p)
             if width:
                 drafts, target = ids[:, 1:].contiguous(), target_logits
             else:  # no drafts: K = 1 with none proposed, the bonus token drawn from row 0 (stride 0, no copy)
@@ -342,11 +372,11 @@ class SpeculativeDecoder:
             kept = torch.zeros(self.cache.batch_size, dtype=torch.int32, device=device)
             kept[:batch] = (out.num_accepted + 1) * live  # idle rows keep nothing
             self.cache.truncate(kept, free_pages=False)
-            return out
+            return out, hidden
 
-        out = self.graphs.run(("verify", batch, width, any_k, any_p, draft_logits is not None), step,
-                              (ids, num_draft, live, draft_logits), state=[self.cache.cache_seqlens])
-        return out, t[0] or time.perf_counter()
+        out, hidden = self.graphs.run(("verify", batch, width, max_k, any_p, draft_logits is not None, hidden_states),
+                                      step, (ids, num_draft, live, draft_logits), state=[self.cache.cache_seqlens])
+        return out, hidden, t[0] or time.perf_counter()
 
     # ------------------------------------------------------------------------------------- scheduler helpers
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id):
@@ -397,7 +427,8 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
         if drafter is not None and self.adaptive is True and self.costs is None:
-            self.costs = CostModel.measure(self.target, getattr(drafter, "model", None), self.num_speculative_tokens)
+            self.costs = CostModel.measure(self.target, getattr(drafter, "model", None),
+                                           s * (self.num_speculative_tokens + 1), s)
 
     def _admit(self, waiting, slots, drafter, stats) -> None:
         """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled
@@ -414,10 +445,15 @@ class SpeculativeDecoder:
         if not admitted:
             return
         prefixes = [slots[b].prompt[:-1] for b in admitted]
-        stats.target_forwards += self.target.prefill(self.cache, admitted, prefixes)
+        hidden = None
+        if drafter is not None and drafter.needs_hidden_states:
+            forwards, hidden = self.target.prefill(self.cache, admitted, prefixes, output_hidden_states=True)
+        else:
+            forwards = self.target.prefill(self.cache, admitted, prefixes)
+        stats.target_forwards += forwards
         if drafter is not None:
             t0 = time.perf_counter()
-            drafter.admit(admitted, prefixes)
+            drafter.admit(admitted, prefixes, hidden)
             stats.draft_s += time.perf_counter() - t0
 
     def _finish(self, r: Request, b: int, slots, drafter) -> None:
@@ -432,15 +468,17 @@ class SpeculativeDecoder:
         self.steps[:batch] = torch.tensor([len(r.generated) if r is not None else 0 for r in slots[:batch]])
 
     def _round_inputs(self, slots, batch: int, ks: list) -> RoundInputs:
-        any_k, any_p = self._masks_in_use(slots[:batch])
+        max_k, any_p = self._masks_in_use(slots[:batch])
         return RoundInputs(batch, ks, [r.tokens if r is not None else None for r in slots[:batch]],
                            self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
-                           self.steps[:batch], any_k, any_p)
+                           self.steps[:batch], max_k, any_p)
 
     @staticmethod
-    def _masks_in_use(slots) -> tuple[bool, bool]:
+    def _masks_in_use(slots) -> tuple[int, bool]:
+        """(the largest top_k of a sampled request or 0, whether one has top_p < 1): known on the host, so the
+        masks read nothing back (and a CUDA graph is captured per combination)."""
         sampled = [r for r in slots if r is not None and r.temperature > 0]
-        return any(r.top_k > 0 for r in sampled), any(r.top_p < 1 for r in sampled)
+        return max((r.top_k for r in sampled), default=0), any(r.top_p < 1 for r in sampled)
 
     # ------------------------------------------------------------------------------------------ adaptive k
     def _next_k(self, r: Request, max_seq_len: int) -> int:
@@ -449,8 +487,9 @@ class SpeculativeDecoder:
         room = min(r.max_new_tokens - len(r.generated), max_seq_len - len(r.tokens)) - 1
         return max(0, min(r.k, room))
 
-    def _adapt(self, r: Request, k: int, accepted: int) -> None:
-        """Sets r.k for the next round from this round's k drafted and `accepted` (DESIGN §4)."""
+    def _adapt(self, r: Request, k: int, accepted: int, batch: int) -> None:
+        """Sets r.k for the next round from this round's k drafted and `accepted` (DESIGN §4), `batch` requests
+        running."""
         k_max = self.num_speculative_tokens
         if self.adaptive is False:
             r.k = k_max
@@ -464,7 +503,7 @@ class SpeculativeDecoder:
                 r.accepted_ewma = 0.9 * r.accepted_ewma + accepted
                 r.tried_ewma = 0.9 * r.tried_ewma + accepted + (accepted < k)
             alpha = (r.accepted_ewma + 1.0) / (r.tried_ewma + 2.0)
-            r.k = self.costs.best_k(alpha, k_max)
+            r.k = self.costs.best_k(alpha, k_max, batch)
             if r.k == 0 and len(r.stats.k_per_round) % 8 == 7:
                 r.k = 1  # probe now and then, so that an estimate of 0 can recover
 

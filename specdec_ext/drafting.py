@@ -2,10 +2,15 @@
 
 The protocol (what SpeculativeDecoder calls), over the decoder's request slots [0, max_batch_size):
   bind(target, max_batch_size, capacity, paged)  before a run: check the target, allocate what the drafter keeps
-  admit(slots, prefixes)         new requests: each prompt but its last token (which opens the first round)
+  admit(slots, prefixes, hidden_states=None)  new requests: each prompt but its last token (which opens the first
+                                 round), and the target's hidden states of those tokens when the drafter asks
   propose(round) -> Proposal     up to round.num_tokens[b] tokens for each slot b < round.batch (ragged, 0 allowed)
-  rollback(num_accepted)         after the round: keep what the target accepted ([batch] ints), drop the rest
+  rollback(num_accepted, hidden_states=None)  after every round: keep what the target accepted ([batch] ints, -1
+                                 for a row without a request), drop the rest; hidden_states [batch, Q, H]: the
+                                 target's, of the round's block
   release(slot)                  a finished request
+A drafter whose needs_hidden_states is True (the trained heads) gets the target's last-layer hidden states, which
+the target's forwards return alongside the logits (no second pass).
 
 A Proposal holds draft_token_ids [batch, K] int64 (-padded with valid ids past each row's count), the count per
 row, and draft_logits [batch, K, V] (the processed logits the drafts were drawn from: q = softmax(logits / T),
@@ -35,7 +40,7 @@ class RoundInputs:
     top_p: torch.Tensor
     seed: torch.Tensor      # [batch] int64: the requests' seeds
     steps: torch.Tensor     # [batch] int64: tokens generated so far (the Philox counter of this round)
-    any_top_k: bool = False
+    max_top_k: int = 0      # the largest top_k of a sampled request (0: none), and whether one has top_p < 1
     any_top_p: bool = False
 
 
@@ -60,13 +65,15 @@ class NgramDrafter:
     def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
         self.device = target.device
 
-    def admit(self, slots: list, prefixes: list) -> None:
+    needs_hidden_states = False
+
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
         pass
 
     def release(self, slot: int) -> None:
         pass
 
-    def rollback(self, num_accepted: list) -> None:
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
         pass
 
     def lookup(self, tokens, k: int) -> list:
@@ -101,6 +108,8 @@ class ModelDrafter:
     emitted one; two after a round whose drafts were all accepted, since the last draft was never fed; more
     after rounds without drafts) is fed in one ragged forward, whose last position gives the first draft."""
 
+    needs_hidden_states = False
+
     def __init__(self, draft_model):
         self.model = draft_model
         self.cache = None
@@ -121,7 +130,7 @@ class ModelDrafter:
         self.lengths = [0] * max_batch_size  # host mirror: how many of request b's tokens the cache holds
         self.round = None
 
-    def admit(self, slots: list, prefixes: list) -> None:
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
         self.model.prefill(self.cache, slots, prefixes)
         for b, p in zip(slots, prefixes):
             self.lengths[b] = len(p)
@@ -159,7 +168,7 @@ class ModelDrafter:
 
         def step(logits, offset, grow, feed: bool):
             """Draws a token per row from the processed logits; feeds it (next logits) unless it is the last."""
-            masked = mask_top_k_top_p(logits, r.temperature, r.top_k, r.top_p, any_top_k=r.any_top_k,
+            masked = mask_top_k_top_p(logits, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k,
                                       any_top_p=r.any_top_p)
             token = sample_from_logits(masked, r.temperature, r.seed ^ DRAFT_KEY, offset).long()
             if not feed:
@@ -173,7 +182,7 @@ class ModelDrafter:
         for i in range(kmax):
             feed = i + 1 < kmax
             grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
-            key = ("draft", r.batch, r.any_top_k, r.any_top_p, feed)
+            key = ("draft", r.batch, r.max_top_k, r.any_top_p, feed)
             masked, token, next_logits = self.graphs.run(key, lambda l, o, g: step(l, o, g, feed),
                                                          (logits, r.steps + i, grow),
                                                          state=[self.cache.cache_seqlens])
@@ -182,9 +191,10 @@ class ModelDrafter:
         self.round = (base, pending, list(r.num_tokens))
         return Proposal(draft_ids, list(r.num_tokens), draft_logits)
 
-    def rollback(self, num_accepted: list) -> None:
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
         """Keeps the tokens fed this round that the target accepted: the pending ones and the accepted drafts
-        that were fed (every draft but the last is); an idle row keeps nothing."""
+        that were fed (every draft but the last is); an idle row keeps nothing. Nothing to do after a round
+        without drafts: the tokens wait in the history for the next propose."""
         if self.round is None:
             return
         base, pending, asked = self.round
@@ -195,3 +205,156 @@ class ModelDrafter:
         self.cache.truncate(self._per_slot(kept))
         for b, n in kept.items():
             self.lengths[b] += n
+
+
+def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, r: RoundInputs,
+                          offset: torch.Tensor):
+    """Logits over a draft vocabulary [B, Vd] -> (processed logits over the full vocabulary [B, V], -inf outside
+    the draft vocabulary, and the token drawn from them [B] int64): q is zero outside it."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    full[:, draft_vocab] = logits
+    masked = mask_top_k_top_p(full, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k, any_top_p=r.any_top_p)
+    return masked, sample_from_logits(masked, r.temperature, r.seed ^ DRAFT_KEY, offset).long()
+
+
+class EagleDrafter:
+    """Drafts with an EagleHead (specdec_ext.models.draft_heads) on the target's own hidden states.
+
+    The head's cache holds pairs (feature of token j, token j + 1) whose features are the target's. At a round's
+    start every pair not yet in it is fed in one ragged forward (the features the target's last verify block and
+    the prefill returned); its last output gives the first draft, and each later draft step feeds the head's own
+    predicted feature with the token just drafted. Those draft-step pairs are dropped after the round: the next
+    round feeds the target's features of whatever was accepted instead."""
+
+    needs_hidden_states = True
+
+    def __init__(self, target, head):
+        from .models.draft_heads import check_target
+
+        check_target(head.target_config, target, "EagleDrafter")
+        self.target, self.head = target, head
+        self.cache = None
+
+    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
+        if target is not self.target:
+            raise ValueError("EagleDrafter: made for another target model than the decoder's")
+        if self.cache is None or (self.cache.batch_size, self.capacity, self.paged) != (max_batch_size, capacity, paged):
+            self.cache = self.head.decoder.new_kv_cache(max_batch_size, capacity, paged=paged)
+            self.capacity, self.paged = capacity, paged
+        for b in range(max_batch_size):
+            self.cache.release(b)
+        self.lengths = [0] * max_batch_size  # pairs in the head's cache
+        self.pending = [[] for _ in range(max_batch_size)]  # target features not yet fed: [n, H] tensors
+        self.base = None
+
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
+        for b, h in zip(slots, hidden_states):
+            self.lengths[b], self.pending[b] = 0, [h] if len(h) else []
+
+    def release(self, slot: int) -> None:
+        self.cache.release(slot)
+        self.lengths[slot], self.pending[slot] = 0, []
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, vocab = self.target.device, self.target.config.vocab_size
+        feats = [torch.cat(self.pending[b]) if r.histories[b] is not None and self.pending[b] else None
+                 for b in range(r.batch)]
+        counts = [len(f) if f is not None else 0 for f in feats]
+        # A request whose prompt is one token has no feature yet: it drafts from the next round on.
+        asked = [k if n else 0 for k, n in zip(r.num_tokens, counts)]
+        kmax = max(asked)
+        width = max(max(counts), 1)
+        self.cache.reserve([width + kmax] * r.batch, requests=list(range(r.batch)))
+        tokens = torch.zeros(r.batch, width, dtype=torch.int64)
+        features = torch.zeros(r.batch, width, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
+        for b, (f, n) in enumerate(zip(feats, counts)):
+            if n:
+                start = self.lengths[b] + 1  # pair j joins feature j with token j + 1
+                tokens[b, :n] = torch.tensor(r.histories[b][start:start + n])
+                features[b, :n] = f
+        last = torch.tensor([[max(n - 1, 0)] for n in counts], device=device)
+        logits, hidden = self.head(tokens.to(device), features, self.cache, cache_rows=slice(0, r.batch),
+                                   logits_indices=last)
+        feature = hidden.gather(1, last.unsqueeze(-1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
+        self.cache.advance(self.per_slot(counts))
+        for b, n in enumerate(counts):
+            self.lengths[b] += n
+            self.pending[b] = []
+        self.base = self.cache.cache_seqlens.clone()
+        draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
+        draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
+        wants = torch.tensor(asked, device=device)
+        for i in range(kmax):
+            masked, token = draw_from_draft_vocab(logits[:, 0], self.head.draft_vocab, vocab, r, r.steps + i)
+            draft_ids[:, i], draft_logits[:, i] = token, masked
+            if i + 1 < kmax:
+                logits, feature = self.head(token.unsqueeze(1), feature, self.cache, cache_rows=slice(0, r.batch))
+                grow = torch.zeros(self.cache.batch_size, dtype=torch.int32, device=device)
+                grow[:r.batch] = (wants > i + 1).int()
+                self.cache.advance(grow)
+        return Proposal(draft_ids, asked, draft_logits)
+
+    def per_slot(self, counts: list) -> torch.Tensor:
+        full = [0] * self.cache.batch_size
+        full[:len(counts)] = counts
+        return torch.tensor(full, dtype=torch.int32, device=self.target.device)
+
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+        """Drops the draft-step pairs; queues the target's features of the round's accepted tokens (the last
+        emitted token's and the accepted drafts')."""
+        if self.base is not None:
+            self.cache.cache_seqlens.copy_(self.base)
+            self.cache.free_unused_pages()
+            self.base = None
+        for b, a in enumerate(num_accepted):
+            if a >= 0:
+                self.pending[b].append(hidden_states[b, :a + 1])
+
+
+class MedusaDrafter:
+    """Drafts with MedusaHeads from the target's hidden state of the last scored token (the one whose logits
+    drew the request's last token): head i proposes the token i + 1 places after it, all heads at once, one
+    proposal chain per round. k is at most the number of heads."""
+
+    needs_hidden_states = True
+
+    def __init__(self, target, heads):
+        from .models.draft_heads import check_target
+
+        check_target(heads.target_config, target, "MedusaDrafter")
+        self.target, self.heads = target, heads
+
+    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
+        if target is not self.target:
+            raise ValueError("MedusaDrafter: made for another target model than the decoder's")
+        self.features = [None] * max_batch_size  # [H]: the target's feature of the last scored token
+
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
+        for b, h in zip(slots, hidden_states):
+            self.features[b] = h[-1] if len(h) else None
+
+    def release(self, slot: int) -> None:
+        self.features[slot] = None
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, vocab = self.target.device, self.target.config.vocab_size
+        asked = [min(k, self.heads.num_heads) if r.histories[b] is not None and self.features[b] is not None else 0
+                 for b, k in enumerate(r.num_tokens)]
+        kmax = max(asked)
+        features = torch.stack([self.features[b] if self.features[b] is not None else
+                                torch.zeros(self.target.config.hidden_size, dtype=self.target.dtype, device=device)
+                                for b in range(r.batch)])
+        logits = self.heads(features)  # [B, heads, Vd]
+        draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
+        draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
+        for i in range(kmax):
+            masked, token = draw_from_draft_vocab(logits[:, i], self.heads.draft_vocab, vocab, r, r.steps + i)
+            draft_ids[:, i], draft_logits[:, i] = token, masked
+        return Proposal(draft_ids, asked, draft_logits)
+
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+        for b, a in enumerate(num_accepted):
+            if a >= 0:
+                self.features[b] = hidden_states[b, a]

@@ -17,16 +17,22 @@ def load(path, device):
     return model, tokenizer
 
 
-def make_drafter(spec: str, device):
-    """'ngram' or 'model:PATH'."""
-    from .drafting import ModelDrafter, NgramDrafter
+def make_drafter(spec: str, target):
+    """'ngram', 'model:PATH' (a draft model), 'eagle:PATH' or 'medusa:PATH' (trained heads for the target)."""
+    from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
     from .models import LlamaForCausalLM
+    from .models.draft_heads import EagleHead, MedusaHeads
 
+    kind, _, path = spec.partition(":")
     if spec == "ngram":
         return NgramDrafter()
-    if spec.startswith("model:"):
-        return ModelDrafter(LlamaForCausalLM.from_pretrained(spec.removeprefix("model:"), device=device))
-    raise ValueError(f"--drafter must be 'ngram' or 'model:PATH', got {spec!r}")
+    if kind == "model" and path:
+        return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device))
+    if kind == "eagle" and path:
+        return EagleDrafter(target, EagleHead.load(path, target))
+    if kind == "medusa" and path:
+        return MedusaDrafter(target, MedusaHeads.load(path, target))
+    raise ValueError(f"--drafter must be ngram, model:PATH, eagle:PATH or medusa:PATH, got {spec!r}")
 
 
 def prompt_ids(tokenizer, text: str, chat: bool) -> list:
@@ -44,7 +50,7 @@ def main(args) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tokenizer = load(args.model or default_model_path(), device)
-    dec = SpeculativeDecoder(model, make_drafter(args.drafter, device), args.k)
+    dec = SpeculativeDecoder(model, make_drafter(args.drafter, model), args.k)
     ids = prompt_ids(tokenizer, args.prompt, args.chat)
     t0 = time.perf_counter()
     out = dec.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -60,7 +66,8 @@ def main(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("generate", help="stream text from a model through speculative decoding")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the shipped SmolLM2-135M)")
-    p.add_argument("--drafter", default="ngram", help="ngram (prompt lookup) or model:PATH (a draft model)")
+    p.add_argument("--drafter", default="ngram", help="ngram (prompt lookup), model:PATH (a draft model), "
+                                                      "eagle:PATH or medusa:PATH (trained heads for the model)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0)

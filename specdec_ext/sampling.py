@@ -8,24 +8,27 @@ from .ops import chain_speculative_sampling_from_logits
 
 
 def mask_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, *, any_top_k: bool | None = None,
+                     top_p: torch.Tensor, *, max_top_k: int | None = None,
                      any_top_p: bool | None = None) -> torch.Tensor:
     """logits [B, ..., V] float32; temperature, top_k (0 = off), top_p (1.0 = off): [B]. Returns the logits with
     the entries outside each row's top-k, then outside the smallest set whose probability at the request's
     temperature reaches top_p, set to -inf (ties at a boundary are kept, at least one entry always is).
     Greedy rows (temperature 0) are returned unchanged: the masks never remove the argmax.
-    any_top_k / any_top_p: whether some sampled request uses the mask, when the caller knows (no host read:
-    CUDA-graph capture); None reads it from the tensors."""
+    max_top_k (the largest top_k of a sampled request, 0 if none) and any_top_p (whether a sampled request has
+    top_p < 1), when the caller knows them: no host read (CUDA-graph capture); None reads them from the tensors."""
     b, v = logits.shape[0], logits.shape[-1]
     shape = (b,) + (1,) * (logits.dim() - 1)
     sampled = temperature > 0
     k = torch.where(sampled & (top_k > 0), top_k.clamp(max=v), v).long()
     p = torch.where(sampled, top_p, 1.0)
-    if any_top_k is None:
-        any_top_k = bool((k < v).any())  # one host read: skip the sort when no request asks for top-k
-    if any_top_k:
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k.view(shape) - 1).expand(*logits.shape[:-1], 1))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    masked = (k < v).view(shape)
+    if max_top_k is None:
+        max_top_k = int(torch.where(k < v, k, 0).max()) if b else 0  # one host read: no top-k, no topk()
+    max_top_k = min(max_top_k, v)
+    if max_top_k > 0:
+        kth = logits.topk(max_top_k, dim=-1).values.gather(
+            -1, (k.clamp(max=max_top_k).view(shape) - 1).expand(*logits.shape[:-1], 1))
+        logits = logits.masked_fill(masked & (logits < kth), float("-inf"))
     if any_top_p is None:
         any_top_p = bool((p < 1.0).any())
     if any_top_p:

@@ -212,18 +212,23 @@ SAMPLING = dict(temperature=0.8, top_k=20, top_p=0.9)
 def test_seeds_reproduce_and_a_request_ignores_its_batch(pair, name):
     """CPU, float32: request a's tokens alone equal its tokens in a batch with other prompts, seeds and
     parameters at another index (the batch has at most 15 rows of B x Q, so every GEMM row takes the same path;
-    the attention's splits are batch invariant). Adaptive k from one cost model: a decoder that measures its
-    own may choose other k, hence other (equally distributed) tokens; with adaptive=False no cost enters."""
+    the attention's splits are batch invariant). adaptive=False: no cost enters k. Adaptive k from one cost model
+    (a decoder that measures its own may choose other k, hence other, equally distributed, tokens) reproduces
+    a run; its k depends on the batch size, so batch independence is checked with a cost that does not grow
+    with the rows."""
     target, draft = pair
     a, b, c = repetitive_prompts(9, [11, 6, 17])
-    costs = CostModel(draft_s=0.2 if name == "model" else 0.0, verify_s=(1.0, 1.3), k_max=4)
-    make = lambda: SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, costs=costs)
-    alone = make().generate([a], 24, seed=7, **SAMPLING).sequences[0]
-    assert make().generate([a], 24, seed=7, **SAMPLING).sequences[0] == alone
-    batch = make().generate([b, a, c], [10, 24, 30], seed=[3, 7, 11], temperature=[1.0, 0.8, 0.0],
-                            top_k=[0, 20, 3], top_p=[0.5, 0.9, 1.0])
+    draft_cost = {1: 0.2} if name == "model" else None
+    costs = CostModel({1: 1.0, 5: 1.3}, draft_cost)
+    make = lambda costs: SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, costs=costs)
+    alone = make(costs).generate([a], 24, seed=7, **SAMPLING).sequences[0]
+    assert make(costs).generate([a], 24, seed=7, **SAMPLING).sequences[0] == alone
+    assert make(costs).generate([a], 24, seed=8, **SAMPLING).sequences[0] != alone
+    flat = CostModel({1: 1.0, 64: 1.0}, draft_cost)
+    alone = make(flat).generate([a], 24, seed=7, **SAMPLING).sequences[0]
+    batch = make(flat).generate([b, a, c], [10, 24, 30], seed=[3, 7, 11], temperature=[1.0, 0.8, 0.0],
+                                top_k=[0, 20, 3], top_p=[0.5, 0.9, 1.0])
     assert batch.sequences[1] == alone
-    assert make().generate([a], 24, seed=8, **SAMPLING).sequences[0] != alone
     fixed = lambda: SpeculativeDecoder(target, drafters(target, draft)[name], 3, adaptive=False, max_batch_size=3)
     alone = fixed().generate([a], 24, seed=7, **SAMPLING).sequences[0]
     assert fixed().generate([c, a], [30, 24], seed=[11, 7], temperature=[0.0, 0.8], top_k=[3, 20],
@@ -236,10 +241,15 @@ def test_adaptive_k_follows_acceptance_and_stats_add_up(pair):
     target, draft = pair
     prompts = random_prompts(41, [9, 13])
     # A draft step costing 0.1 of a verify step, which grows 20% from Q = 1 to Q = 7: k = 6 pays at acceptance 1.
-    costs = CostModel(draft_s=0.1, verify_s=(1.0, 1.2), k_max=6)
+    costs = CostModel({1: 1.0, 7: 1.2}, {1: 0.1})
     # By hand: at alpha 0.2, k = 1 gives 1.2 / 1.133 = 1.06 tokens per verify cost, k = 0 gives 1, k = 2 0.98;
     # at 0.5, k = 2 gives 1.75 / 1.267 = 1.38 against 1.32 (k = 1) and 1.34 (k = 3).
     assert [costs.best_k(a, 6) for a in (0.0, 0.2, 0.5, 0.9, 1.0)] == [0, 1, 2, 6, 6]
+    # A verify cost that doubles past 4 rows (as a CPU GEMM's extra pass over the weights), drafts free, alpha
+    # 0.8, k <= 3: at batch 1, k = 3 (4 rows) gives 2.95 tokens per unit; at batch 2, k = 1 (4 rows) gives 1.8,
+    # k = 3 (8 rows) 2.95 / 2 = 1.48.
+    step = CostModel({1: 1.0, 4: 1.0, 5: 2.0, 8: 2.0})
+    assert step.best_k(0.8, 3, batch=1) == 3 and step.best_k(0.8, 3, batch=2) == 1
     good = SpeculativeDecoder(target, ModelDrafter(target), 6, costs=costs).generate(prompts, 40)
     bad = SpeculativeDecoder(target, ModelDrafter(draft), 6, costs=costs).generate(prompts, 40)
     for out in (good, bad):
@@ -337,3 +347,20 @@ def test_op_wrappers_refuse_python_scalars_while_capturing(monkeypatch):
         specdec_ext.philox_uniform(torch.arange(2), 5, 4)
     with pytest.raises(ValueError, match="num_kept is a Python"):
         specdec_ext.truncate_kv_cache(torch.zeros(2, dtype=torch.int32), 1)
+
+
+def test_masks_with_host_known_parameters_equal_the_read_back_ones():
+    """The decoder passes max_top_k / any_top_p from the host (nothing read back under a CUDA graph): the same
+    masks as when mask_top_k_top_p reads them, for a batch mixing greedy, top-k, top-p and unmasked rows."""
+    from specdec_ext.sampling import mask_top_k_top_p
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 3, 50, generator=g) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9])
+    top_k = torch.tensor([4, 7, 0, 60, 2])
+    top_p = torch.tensor([0.5, 1.0, 0.8, 1.0, 0.9])
+    want = mask_top_k_top_p(logits, temperature, top_k, top_p)
+    assert torch.equal(mask_top_k_top_p(logits, temperature, top_k, top_p, max_top_k=60, any_top_p=True), want)
+    kept = (~want.isneginf()).sum(-1)
+    assert kept[0].eq(50).all() and kept[1].eq(7).all() and kept[4].le(2).all() and kept[2].lt(50).all()
+    assert kept[3].eq(50).all()  # top_k 60 > V and top_p 1: nothing masked

@@ -59,6 +59,24 @@ def tokens_per_second(run, repeats: int) -> tuple[float, list]:
 SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 
 
+def paired_tokens_per_second(run_a, run_b, repeats: int) -> tuple:
+    """run_a and run_b alternated `repeats` times after one warm-up each, so that a drift in the machine's speed
+    hits both: (median tokens/s of a, of b, median of the per-repeat ratios b / a, a's and b's sequences)."""
+    run_a(), run_b()
+    rates_a, rates_b = [], []
+    for _ in range(repeats):
+        for run, rates in ((run_a, rates_a), (run_b, rates_b)):
+            t0 = time.perf_counter()
+            sequences = run()
+            rates.append(sum(len(s) for s in sequences) / (time.perf_counter() - t0))
+            if run is run_a:
+                seq_a = sequences
+            else:
+                seq_b = sequences
+    ratio = statistics.median(b / a for a, b in zip(rates_a, rates_b))
+    return statistics.median(rates_a), statistics.median(rates_b), ratio, seq_a, seq_b
+
+
 def transformers_generate(hf_model, tokenizer, prompts, new_tokens, sampling=None, **extra):
     """generate() of a left-padded batch, greedy or with `sampling` (temperature, top_p), exactly new_tokens new
     tokens each; extra: e.g. prompt_lookup_num_tokens (batch 1)."""
@@ -135,8 +153,9 @@ def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats
 
 
 def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, repeats):
-    """Per prompt, sampling mode and B: our plain decoding and transformers' plain (and, at B = 1, prompt-lookup)
-    generate, then every drafter and k. Sampled runs use seeds 0..B-1 (transformers its global RNG)."""
+    """Per prompt, sampling mode and B: transformers' plain (and, at B = 1, prompt-lookup) generate, then every
+    drafter and k, each alternated with our plain decoding of the same requests (the speedup is the median of
+    the paired ratios). Sampled runs use seeds 0..B-1 (transformers its global RNG)."""
     import transformers
 
     target = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
@@ -155,8 +174,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                 sampling = SAMPLING[mode]
                 seeds = list(range(batch))
                 plain = SpeculativeDecoder(target, None, max_batch_size=batch)
-                plain_tps, plain_seq = tokens_per_second(lambda: plain.generate_autoregressive(
-                    prompts, new_tokens, seed=seeds, **sampling).sequences, repeats)
+                run_plain = lambda: plain.generate_autoregressive(prompts, new_tokens, seed=seeds, **sampling).sequences
                 with torch.no_grad():
                     hf_tps, _ = tokens_per_second(
                         lambda: transformers_generate(hf, tokenizer, prompts, new_tokens, sampling), repeats)
@@ -174,11 +192,11 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                             last["out"] = dec.generate(prompts, new_tokens, seed=seeds, **sampling)
                             return last["out"].sequences
 
-                        tps, seq = tokens_per_second(run, repeats)
+                        plain_tps, tps, speedup, plain_seq, seq = paired_tokens_per_second(run_plain, run, repeats)
                         st = last["out"].stats
                         spent = max(st.elapsed_s, 1e-9)
                         rows.append({"B": batch, "prompt": name, "sampling": mode, "drafter": drafter_name, "k": k,
-                                     "tok_s": tps, "plain_tok_s": plain_tps, "speedup": tps / plain_tps,
+                                     "tok_s": tps, "plain_tok_s": plain_tps, "speedup": speedup,
                                      "vs_hf_plain": tps / hf_tps, "vs_hf_lookup": tps / lookup_tps,
                                      "acceptance": st.acceptance_rate, "mean_acc_len": st.mean_acceptance_length,
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,

@@ -41,8 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x @ weight.T (+ bias). On the CPU, up to 16 rows (decode and verify steps): skinny_linear, which reads the
     weight once with every core (MKL's sgemv uses one). More rows (prefill): weight @ x.T, the orientation MKL
     runs 2.5-4x faster than F.linear's for few rows and never slower up to 64 (bench/RESULTS.md)."""
-    if x.device.type != "cpu":
-        return F.linear(x, weight, bias)
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return F.linear(x, weight, bias)  # (training: skinny_linear has no backward)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= LIMITS["max_skinny_rows"] and weight.dtype in (torch.float32, torch.bfloat16) and \
             rows.dtype == weight.dtype:
@@ -169,6 +169,10 @@ class LlamaForCausalLM(nn.Module):
     def attention(self, q, k, v, kv_cache, layer: int, rows, tree_mask) -> torch.Tensor:
         """Appends k/v at the cache lengths and attends; blocks longer than verify_attention takes are chunked,
         each chunk seeing the cache and the chunks before it."""
+        if kv_cache is None:  # a whole sequence, causal, differentiable (training a draft head)
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True)
+            return out.transpose(1, 2)
         k_cache, v_cache, seqlens, table = kv_cache.attention_args(layer, rows)
         n = q.shape[1]
         if n <= MAX_ATTENTION_QUERIES:
@@ -182,41 +186,55 @@ class LlamaForCausalLM(nn.Module):
                                                     block_table=table).to(q.dtype))
         return torch.cat(chunks, dim=1)
 
-    def check_input(self, input_ids: torch.Tensor, kv_cache, rows: slice, tree_mask) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
-                                                                                                       torch.int32):
+    def check_input(self, input_ids, inputs_embeds, kv_cache, rows: slice, tree_mask) -> None:
+        if inputs_embeds is not None:
+            if input_ids is not None:
+                raise ValueError("LlamaForCausalLM: pass input_ids or inputs_embeds, not both")
+            if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or \
+                    inputs_embeds.shape[-1] != self.config.hidden_size or inputs_embeds.dtype != self.dtype:
+                raise ValueError(f"LlamaForCausalLM: inputs_embeds must be a [B, Q, {self.config.hidden_size}] "
+                                 f"{self.dtype} tensor")
+            shape = inputs_embeds.shape[:2]
+        elif not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64,
+                                                                                                         torch.int32):
             raise ValueError("LlamaForCausalLM: input_ids must be a [B, Q] int64 tensor")
-        rows_in_cache = len(range(*rows.indices(kv_cache.batch_size)))
-        if input_ids.shape[0] != rows_in_cache:
-            raise ValueError(f"LlamaForCausalLM: input_ids has {input_ids.shape[0]} requests, the cache rows "
-                             f"{rows_in_cache}")
-        if input_ids.shape[1] == 0:
+        else:
+            shape = input_ids.shape
+        rows_in_cache = len(range(*rows.indices(kv_cache.batch_size))) if kv_cache is not None else shape[0]
+        if shape[0] != rows_in_cache:
+            raise ValueError(f"LlamaForCausalLM: input_ids has {shape[0]} requests, the cache rows {rows_in_cache}")
+        if shape[1] == 0:
             raise ValueError("LlamaForCausalLM: input_ids has no tokens")
-        if tree_mask is not None and input_ids.shape[1] > MAX_ATTENTION_QUERIES:
+        if tree_mask is not None and shape[1] > MAX_ATTENTION_QUERIES:
             raise ValueError(f"LlamaForCausalLM: a tree holds at most {MAX_ATTENTION_QUERIES} tokens")
+        if input_ids is None:
+            return
         capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing and input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < \
                 self.config.vocab_size:  # a host read; inside a CUDA graph the ids come from the sampler
             raise ValueError(f"LlamaForCausalLM: input_ids holds token ids outside [0, {self.config.vocab_size})")
 
     def forward(self, input_ids, kv_cache, *, tree_mask=None, logits_indices=None, output_hidden_states=False,
-                cache_rows: slice = slice(None)):
+                cache_rows: slice = slice(None), inputs_embeds=None):
         """input_ids [B, Q]: the new tokens of each request, written into the cache at cache_seqlens[b] + i (at
         positions cache_seqlens[b] + i, or + depth with a tree_mask [Q, Q] / [B, Q, Q] bool). cache_seqlens is not
         advanced: the caller advances or truncates. cache_rows: which requests of the cache the B rows are.
         logits_indices [B, n] (or [n]): the positions to score (default all Q; a prefill needs the last only).
         Returns logits [B, Q or n, V] float32, and the last layer's hidden states [B, Q, H] with
-        output_hidden_states (before the final norm, as EAGLE-style heads take them)."""
+        output_hidden_states (before the final norm, as EAGLE-style heads take them). inputs_embeds [B, Q, H]
+        instead of input_ids: the first layer's input (a draft head's own input projection). kv_cache None: each
+        row is a whole sequence from position 0, attended causally by torch (differentiable, for training)."""
         c = self.config
-        self.check_input(input_ids, kv_cache, cache_rows, tree_mask)
-        b, n = input_ids.shape
-        seqlens = kv_cache.attention_args(0, cache_rows)[2]
+        self.check_input(input_ids, inputs_embeds, kv_cache, cache_rows, tree_mask)
+        x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
+        b, n = x.shape[:2]
+        seqlens = kv_cache.attention_args(0, cache_rows)[2] if kv_cache is not None else \
+            torch.zeros(b, dtype=torch.int32, device=x.device)
         pos = self.positions(seqlens, n, tree_mask)
         angles = pos.unsqueeze(-1).float() * self.inv_freq  # [B, Q, D/2], float32 as transformers computes them
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
             qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
@@ -236,10 +254,12 @@ class LlamaForCausalLM(nn.Module):
         logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
         return (logits, hidden) if output_hidden_states else logits
 
-    def prefill(self, kv_cache, rows: list, token_lists: list) -> int:
+    def prefill(self, kv_cache, rows: list, token_lists: list, *, output_hidden_states: bool = False):
         """Writes token_lists[i] into cache row rows[i] after its current length and advances it: one forward per
-        run of consecutive rows whose lists have one length (empty lists are skipped). Returns the forwards run."""
+        run of consecutive rows whose lists have one length (empty lists are skipped). Returns the number of
+        forwards run, and with output_hidden_states also each list's last-layer hidden states [n_i, H]."""
         forwards, i, device = 0, 0, self.device
+        hidden_states = [torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device)] * len(rows)
         while i < len(rows):
             j, n = i, len(token_lists[i])
             while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1 and len(token_lists[j + 1]) == n:
@@ -247,14 +267,15 @@ class LlamaForCausalLM(nn.Module):
             if n:
                 kv_cache.reserve([n] * (j - i + 1), requests=rows[i:j + 1])
                 ids = torch.tensor(token_lists[i:j + 1], dtype=torch.long, device=device)
-                self(ids, kv_cache, logits_indices=torch.tensor([n - 1], device=device),
-                     cache_rows=slice(rows[i], rows[j] + 1))
+                _, hidden = self(ids, kv_cache, logits_indices=torch.tensor([n - 1], device=device),
+                                 cache_rows=slice(rows[i], rows[j] + 1), output_hidden_states=True)
+                hidden_states[i:j + 1] = hidden.unbind(0)
                 grow = torch.zeros(kv_cache.batch_size, dtype=torch.int32)
                 grow[rows[i]:rows[j] + 1] = n
                 kv_cache.advance(grow.to(device))
                 forwards += 1
             i = j + 1
-        return forwards
+        return (forwards, hidden_states) if output_hidden_states else forwards
 
     # Loaders (loaders.py); here so that they read as the class's constructors.
     @classmethod

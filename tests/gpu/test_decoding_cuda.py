@@ -25,7 +25,7 @@ def pair():
 def test_graph_replay_equals_eager(pair, name, paged, sampling):
     target, draft = pair
     prompts = random_prompts(3, [5, 21, 12, 9, 30])
-    costs = CostModel(draft_s=0.1, verify_s=(1.0, 1.2), k_max=4)
+    costs = CostModel({1: 1.0, 5: 1.2}, {1: 0.1})
     runs = []
     for graphs in (False, True):
         drafter = NgramDrafter() if name == "ngram" else ModelDrafter(draft)

@@ -1,0 +1,187 @@
+"""Draft heads trained on a target model's own hidden states (its last layer's output, before the final norm).
+
+EagleHead (EAGLE, Li et al. 2024): fc(concat(embedding of token j+1, feature of token j)) -> one Llama decoder
+layer with its own KV cache -> the target's final norm -> the target's LM head restricted to a draft vocabulary.
+Its output at pair j is its estimate of the feature of token j+1, so later draft steps feed their own outputs.
+
+MedusaHeads (Medusa, Cai et al. 2024): head i = ResBlock (z + SiLU(W_i z + b_i)) on the normed feature z of the
+last scored token -> the same restricted LM head, predicting the token i + 1 places after the one that feature
+predicts.
+
+Both score only the draft vocabulary (a sorted list of token ids, the frequent ones): q is zero elsewhere, which
+keeps speculative sampling lossless (a target token outside it comes through the residual) and makes a draft step
+cheap next to the target's full LM head. The target's embedding, final norm and LM head are shared, never copied
+into a head's file: a file holds the trained weights, the draft vocabulary and the target's shape it was made for.
+"""
+import dataclasses
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import LlamaConfig
+from .llama import LlamaForCausalLM, linear, rms_norm
+
+
+def check_draft_vocab(draft_vocab: torch.Tensor, vocab_size: int, what: str) -> torch.Tensor:
+    if not isinstance(draft_vocab, torch.Tensor) or draft_vocab.dim() != 1 or draft_vocab.numel() == 0 or \
+            draft_vocab.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{what}: draft_vocab must be a non-empty 1-D integer tensor of token ids")
+    ids = draft_vocab.long().cpu()
+    if not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0 or int(ids[-1]) >= vocab_size:
+        raise ValueError(f"{what}: draft_vocab must be sorted, distinct token ids in [0, {vocab_size})")
+    return ids
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target: LlamaForCausalLM, draft_vocab: torch.Tensor):
+        super().__init__()
+        c = target.config
+        self.draft_vocab = check_draft_vocab(draft_vocab, c.vocab_size, "EagleHead").to(target.device)
+        # One decoder layer whose tied "embedding" is the restricted LM head: its forward runs on inputs_embeds.
+        layer_config = dataclasses.replace(c, num_hidden_layers=1, vocab_size=len(self.draft_vocab),
+                                           tie_word_embeddings=True)
+        self.decoder = LlamaForCausalLM(layer_config, dtype=target.dtype, device=target.device, ops=target.ops)
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True, dtype=target.dtype, device=target.device)
+        self.target_config = c
+        self.share_target_weights(target)
+
+    def share_target_weights(self, target: LlamaForCausalLM) -> None:
+        """The target's embedding (for token j+1), final norm and restricted LM head: views, frozen."""
+        check_target(self.target_config, target, "EagleHead")
+        self.embed = target.embed_tokens.detach()  # a plain tensor: not one of the head's parameters
+        with torch.no_grad():
+            self.decoder.norm.copy_(target.norm)
+            self.decoder.embed_tokens.copy_(target.lm_head[self.draft_vocab])
+        self.decoder.norm.requires_grad_(False)
+        self.decoder.embed_tokens.requires_grad_(False)
+
+    def init_weights(self, generator: torch.Generator | None = None) -> "EagleHead":
+        """Random weights (std 1/sqrt(fan-in), norms 1): the start of training, and the heads of tests."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if not p.requires_grad and name.startswith("decoder.") and "layers." not in name:
+                    continue  # the target's norm and LM head rows
+                if p.dim() == 1:
+                    p.fill_(1.0 if "norm" in name else 0.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
+        return self
+
+    def inputs(self, next_tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[B, P] tokens j+1 and [B, P, H] features of tokens j -> the decoder layer's input [B, P, H]."""
+        return linear(torch.cat((F.embedding(next_tokens, self.embed), features), dim=-1), self.fc.weight, self.fc.bias)
+
+    def forward(self, next_tokens, features, kv_cache, *, cache_rows=slice(None), logits_indices=None):
+        """Returns (logits over the draft vocabulary [B, P or n, Vd] float32, predicted features [B, P, H])."""
+        return self.decoder(None, kv_cache, inputs_embeds=self.inputs(next_tokens, features), cache_rows=cache_rows,
+                            logits_indices=logits_indices, output_hidden_states=True)
+
+    def trained_state(self) -> dict:
+        """The weights a file holds: fc and the decoder layer (not the target's shared tensors)."""
+        state = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        layer = self.decoder.layers[0]
+        for name in ("input_layernorm", "qkv_proj", "qkv_bias", "o_proj", "post_attention_layernorm", "gate_up_proj",
+                     "down_proj"):
+            if getattr(layer, name) is not None:
+                state[f"layer.{name}"] = getattr(layer, name)
+        return state
+
+    def save(self, path) -> None:
+        save_head(path, "eagle", self.trained_state(), self.draft_vocab, self.target_config, {})
+
+    @classmethod
+    def load(cls, path, target: LlamaForCausalLM) -> "EagleHead":
+        tensors, meta = load_head(path, "eagle", target)
+        head = cls(target, tensors.pop("draft_vocab"))
+        with torch.no_grad():
+            head.fc.weight.copy_(tensors.pop("fc.weight"))
+            head.fc.bias.copy_(tensors.pop("fc.bias"))
+            layer = head.decoder.layers[0]
+            for name, t in tensors.items():
+                getattr(layer, name.removeprefix("layer.")).copy_(t)
+        return head
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, target: LlamaForCausalLM, draft_vocab: torch.Tensor, num_heads: int):
+        super().__init__()
+        c = target.config
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or not 1 <= num_heads <= 16:
+            raise ValueError(f"MedusaHeads: num_heads must be an int in [1, 16], got {num_heads!r}")
+        self.draft_vocab = check_draft_vocab(draft_vocab, c.vocab_size, "MedusaHeads").to(target.device)
+        h = c.hidden_size
+        self.weight = nn.Parameter(torch.zeros(num_heads, h, h, dtype=target.dtype, device=target.device))
+        self.bias = nn.Parameter(torch.zeros(num_heads, h, dtype=target.dtype, device=target.device))
+        self.target_config = c
+        self.share_target_weights(target)
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    def share_target_weights(self, target: LlamaForCausalLM) -> None:
+        check_target(self.target_config, target, "MedusaHeads")
+        self.norm, self.eps = target.norm.detach(), target.config.rms_norm_eps
+        self.lm_head = target.lm_head[self.draft_vocab].detach()  # [Vd, H]: a copy of the rows, frozen
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, H] (the target's, of the last scored token) -> logits [B, num_heads, Vd] float32: head i
+        for the token i + 1 places after the one those features predict."""
+        z = rms_norm(features, self.norm, self.eps).unsqueeze(1)  # [B, 1, H]
+        h = z + F.silu(torch.einsum("bxh,koh->bko", z, self.weight) + self.bias)
+        return linear(h, self.lm_head).float()
+
+    def save(self, path) -> None:
+        save_head(path, "medusa", {"weight": self.weight, "bias": self.bias}, self.draft_vocab, self.target_config,
+                  {"num_heads": self.num_heads})
+
+    @classmethod
+    def load(cls, path, target: LlamaForCausalLM) -> "MedusaHeads":
+        tensors, meta = load_head(path, "medusa", target)
+        heads = cls(target, tensors["draft_vocab"], int(meta["num_heads"]))
+        with torch.no_grad():
+            heads.weight.copy_(tensors["weight"])
+            heads.bias.copy_(tensors["bias"])
+        return heads
+
+
+# -------------------------------------------------------------------------------------------------- files
+
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim")
+
+
+def check_target(made_for: LlamaConfig, target: LlamaForCausalLM, what: str) -> None:
+    have = target.config
+    wrong = [f"{k} {getattr(made_for, k)} (the target has {getattr(have, k)})" for k in SHAPE_KEYS
+             if getattr(made_for, k) != getattr(have, k)]
+    if wrong:
+        raise ValueError(f"{what}: made for another model: " + ", ".join(wrong))
+
+
+def save_head(path, kind: str, state: dict, draft_vocab: torch.Tensor, config: LlamaConfig, extra: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tensors["draft_vocab"] = draft_vocab.cpu().to(torch.int64)
+    meta = {"kind": kind, "target": json.dumps({k: getattr(config, k) for k in SHAPE_KEYS}),
+            **{k: str(v) for k, v in extra.items()}}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_head(path, kind: str, target: LlamaForCausalLM):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("kind") != kind:
+        raise ValueError(f"{path}: a {meta.get('kind', 'unknown')!r} head file, expected {kind!r}")
+    made_for = json.loads(meta["target"])
+    wrong = [f"{k} {made_for[k]} (the target has {getattr(target.config, k)})" for k in SHAPE_KEYS
+             if made_for.get(k) != getattr(target.config, k)]
+    if wrong:
+        raise ValueError(f"{path}: draft head made for another model: " + ", ".join(wrong))
+    return tensors, meta

@@ -1,0 +1,155 @@
+"""EagleDrafter and MedusaDrafter on a tiny random target with randomly initialised heads over a restricted draft
+vocabulary: greedy output equals plain decoding, the law of the first tokens is the target's (tokens outside the
+draft vocabulary come through the residual), q is zero outside the draft vocabulary, head files round-trip and
+refuse another model. Fixed seeds throughout."""
+import pytest
+import torch
+from scipy import stats
+from test_plain_decoding import random_prompts, tiny_hf
+from test_speculative_decoding import LAW_CASES, LAW_TOKENS, LAW_VOCAB, chi_square_power, exact_law
+
+from specdec_ext import SpeculativeDecoder
+from specdec_ext.decoding import generate_autoregressive
+from specdec_ext.drafting import EagleDrafter, MedusaDrafter
+from specdec_ext.models import LlamaForCausalLM
+from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+def random_vocab(vocab: int, size: int, seed: int) -> torch.Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+
+
+def random_medusa(target, vocab, num_heads, seed):
+    heads = MedusaHeads(target, vocab, num_heads)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(heads.weight.shape, generator=g) / heads.weight.shape[-1] ** 0.5)
+        heads.bias.copy_(torch.randn(heads.bias.shape, generator=g) * 0.1)
+    return heads
+
+
+def make_drafter(name, target, vocab, seed=0):
+    if name == "eagle":
+        return EagleDrafter(target, EagleHead(target, vocab).init_weights(torch.Generator().manual_seed(seed)))
+    return MedusaDrafter(target, random_medusa(target, vocab, 4, seed))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaForCausalLM.from_hf(tiny_hf(seed=1234))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_greedy_equals_plain_decoding(target, name, paged):
+    """7 ragged prompts (one of a single token: no feature before its first round) through 3 slots."""
+    prompts = random_prompts(5, [5, 21, 12, 1, 9, 3, 30])
+    max_new = [24, 7, 16, 30, 3, 20, 11]
+    plain = generate_autoregressive(target, prompts, max_new)
+    vocab = random_vocab(target.config.vocab_size, 64, 1)
+    dec = SpeculativeDecoder(target, make_drafter(name, target, vocab), 4, adaptive=False, max_batch_size=3,
+                             paged=paged)
+    out = dec.generate(prompts, max_new)
+    assert out.sequences == plain.sequences
+    assert out.stats.num_draft_tokens > 50
+
+
+def test_q_is_zero_outside_the_draft_vocabulary(target):
+    vocab = random_vocab(target.config.vocab_size, 40, 2)
+    for name in ("eagle", "medusa"):
+        drafter = make_drafter(name, target, vocab)
+        seen = []
+        propose = drafter.propose
+        drafter.propose = lambda r: seen.append(propose(r)) or seen[-1]
+        SpeculativeDecoder(target, drafter, 3, adaptive=False).generate(random_prompts(6, [7, 11]), 12,
+                                                                         temperature=0.9, seed=[1, 2])
+        assert seen
+        outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+        outside[vocab] = False
+        for p in seen:
+            q = torch.softmax(p.draft_logits / 0.9, dim=-1)
+            assert torch.equal(q[..., outside], torch.zeros_like(q[..., outside]))
+            torch.testing.assert_close(q[..., vocab].sum(-1), torch.ones(q.shape[:2]))
+            assert not outside[p.draft_token_ids].any()
+
+
+@pytest.fixture(scope="module")
+def law_target():
+    hf = tiny_hf(vocab=LAW_VOCAB, layers=1, seed=99, logit_scale=0.15)
+    return hf.double(), LlamaForCausalLM.from_hf(hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(LAW_CASES))
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_law_of_the_first_tokens_is_the_targets(law_target, name, case):
+    """As test_speculative_decoding's law test (70,000 seeds, chi-square over the 512 sequences of 3 tokens,
+    power >= 0.9 against a 1% bias), with a draft vocabulary of 5 of the 8 tokens: the 3 others are emitted only
+    through the residual, with their exact probability."""
+    from test_speculative_decoding import LAW_SAMPLES
+
+    hf, target = law_target
+    temperature, top_k, top_p = LAW_CASES[case]
+    prompt = [0, 4, 0, 0, 4, 0]
+    law = exact_law(hf, prompt, temperature, top_k, top_p)
+    vocab = torch.tensor([0, 2, 4, 5, 7])
+    drafter = make_drafter(name, target, vocab, seed=11)
+    per_call = 5000
+    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call)
+    counts = dict.fromkeys(law, 0)
+    accepted = drafted = 0
+    for start in range(0, LAW_SAMPLES, per_call):
+        out = dec.generate([prompt] * per_call, LAW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=list(range(start, start + per_call)))
+        for s in out.sequences:
+            counts[tuple(s)] += 1
+        accepted += out.stats.num_accepted_tokens
+        drafted += out.stats.num_draft_tokens
+    assert drafted > LAW_SAMPLES and 0.05 < accepted / drafted < 0.95, accepted / drafted
+    outside = [t for t in range(LAW_VOCAB) if t not in vocab.tolist()]
+    assert sum(c for s, c in counts.items() if any(t in outside for t in s)) > 1000  # they do come through
+    assert sum(counts[s] for s, p in law.items() if p == 0) == 0
+    expected = {s: p * LAW_SAMPLES for s, p in law.items() if p > 0}
+    big = [s for s, e in expected.items() if e >= 5]
+    observed = [counts[s] for s in big] + [sum(counts[s] for s in expected if s not in big)]
+    cells = [expected[s] for s in big] + [sum(e for s, e in expected.items() if s not in big)]
+    if cells[-1] == 0:
+        observed, cells = observed[:-1], cells[:-1]
+    assert chi_square_power(law, LAW_SAMPLES, len(cells) - 1) >= 0.9
+    assert stats.chisquare(observed, cells).pvalue > 1e-3
+
+
+def test_head_files_round_trip_and_refuse_another_model(target, tmp_path):
+    vocab = random_vocab(target.config.vocab_size, 32, 3)
+    eagle = EagleHead(target, vocab).init_weights(torch.Generator().manual_seed(4))
+    medusa = random_medusa(target, vocab, 3, 5)
+    eagle.save(tmp_path / "eagle.safetensors")
+    medusa.save(tmp_path / "medusa.safetensors")
+    eagle2 = EagleHead.load(tmp_path / "eagle.safetensors", target)
+    medusa2 = MedusaHeads.load(tmp_path / "medusa.safetensors", target)
+    for a, b in ((eagle.trained_state(), eagle2.trained_state()),
+                 ({"w": medusa.weight, "b": medusa.bias}, {"w": medusa2.weight, "b": medusa2.bias})):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(eagle2.draft_vocab, vocab) and medusa2.num_heads == 3
+    prompts = random_prompts(8, [6, 10])
+    want = SpeculativeDecoder(target, EagleDrafter(target, eagle), 3, adaptive=False).generate(prompts, 10,
+                                                                                             temperature=0.8)
+    got = SpeculativeDecoder(target, EagleDrafter(target, eagle2), 3, adaptive=False).generate(prompts, 10,
+                                                                                             temperature=0.8)
+    assert got.sequences == want.sequences and got.stats.num_accepted_tokens == want.stats.num_accepted_tokens
+    wider = LlamaForCausalLM.from_hf(tiny_hf(seed=1, hidden=96))
+    other_vocab = LlamaForCausalLM.from_hf(tiny_hf(seed=1, vocab=100))
+    for other, what in ((wider, "hidden_size"), (other_vocab, "vocab_size")):
+        for cls in (EagleHead, MedusaHeads):
+            with pytest.raises(ValueError, match=what):
+                cls.load(tmp_path / f"{'eagle' if cls is EagleHead else 'medusa'}.safetensors", other)
+        with pytest.raises(ValueError, match=what):
+            EagleDrafter(other, eagle)
+    with pytest.raises(ValueError, match="medusa"):
+        EagleHead.load(tmp_path / "medusa.safetensors", target)
+    with pytest.raises(ValueError, match="sorted"):
+        EagleHead(target, torch.tensor([5, 3]))
+    with pytest.raises(ValueError, match="sorted"):
+        MedusaHeads(target, torch.tensor([0, target.config.vocab_size]), 2)
