@@ -202,13 +202,16 @@ class CostModel:
     def draft_cost(self, rows: int) -> float:
         return interpolate(self.draft, rows) if self.draft else 0.0
 
-    def best_k(self, alpha: float, k_max: int, batch: int = 1) -> int:
-        """argmax over k in [0, k_max] of expected tokens per round over its cost, for a request in a round of
-        `batch` requests drafting alike (Leviathan et al.: (1 - alpha^(k+1)) / (1 - alpha) tokens for k draft
-        steps over `batch` rows and a verify block of batch x (k + 1) rows)."""
-        alpha = min(alpha, 0.999)
+    def best_k(self, alphas, k_max: int) -> int:
+        """argmax over k in [0, k_max] of a round's expected tokens over its cost, for requests of acceptance
+        estimates `alphas` (a list, one per request, or one float: a batch of 1) all drafting k (Leviathan et
+        al.: (1 - alpha^(k+1)) / (1 - alpha) tokens each for k draft steps over B rows and a verify block of
+        B x (k + 1) rows)."""
+        alphas = [min(a, 0.999) for a in (alphas if isinstance(alphas, (list, tuple)) else [alphas])]
+        batch = len(alphas)
         cost = lambda k: k * self.draft_cost(batch) + self.verify_cost(batch * (k + 1))
-        return max(range(k_max + 1), key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / cost(k))
+        tokens = lambda k: sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
+        return max(range(k_max + 1), key=lambda k: tokens(k) / cost(k))
 
 
 class SpeculativeDecoder:
@@ -284,6 +287,8 @@ class SpeculativeDecoder:
             self._admit(waiting, slots, drafter, stats)
             batch = max(b for b, r in enumerate(slots) if r is not None) + 1
             batch = self.graphs.bucket(batch, self.max_batch_size)
+            if drafter is not None and self.adaptive is True:
+                self._choose_width([r for r in slots[:batch] if r is not None], stats.target_forwards)
             ks = [self._next_k(r, max_seq_len) if r is not None and drafter is not None else 0 for r in slots[:batch]]
             self._upload_steps(slots, batch)
             stats.other_s += time.perf_counter() - t0
@@ -326,7 +331,7 @@ class SpeculativeDecoder:
                 if self.monitor is not None and ks[b]:
                     self.monitor.observe(ks[b], a)
                 if drafter is not None:
-                    self._adapt(r, ks[b], a, sum(x is not None for x in slots[:batch]))
+                    self._adapt(r, ks[b], a)
                 if stream is not None:
                     stream(r.index, new)
                 if cut is not None or len(r.generated) >= r.max_new_tokens or len(r.tokens) >= max_seq_len:
@@ -487,25 +492,30 @@ class SpeculativeDecoder:
         room = min(r.max_new_tokens - len(r.generated), max_seq_len - len(r.tokens)) - 1
         return max(0, min(r.k, room))
 
-    def _adapt(self, r: Request, k: int, accepted: int, batch: int) -> None:
-        """Sets r.k for the next round from this round's k drafted and `accepted` (DESIGN §4), `batch` requests
-        running."""
+    def _adapt(self, r: Request, k: int, accepted: int) -> None:
+        """After a round in which r drafted k and `accepted` were accepted (DESIGN §4): r.k for "heuristic" and
+        False; for True, r's acceptance estimate (drafted tokens up to and including the first rejection are the
+        trials, decayed so that it follows the request's text; prior 0.5 with the weight of two trials)."""
         k_max = self.num_speculative_tokens
         if self.adaptive is False:
             r.k = k_max
         elif self.adaptive == "heuristic":  # transformers' assisted generation: +2 after a full round, else -1
             if k:
                 r.k = min(k_max, r.k + 2) if accepted == k else max(1, r.k - 1)
-        else:
-            # Acceptance estimate: drafted tokens up to and including the first rejection are the trials,
-            # decayed so that it follows the request's text; prior 0.5 with the weight of two trials.
-            if k:
-                r.accepted_ewma = 0.9 * r.accepted_ewma + accepted
-                r.tried_ewma = 0.9 * r.tried_ewma + accepted + (accepted < k)
-            alpha = (r.accepted_ewma + 1.0) / (r.tried_ewma + 2.0)
-            r.k = self.costs.best_k(alpha, k_max, batch)
-            if r.k == 0 and len(r.stats.k_per_round) % 8 == 7:
-                r.k = 1  # probe now and then, so that an estimate of 0 can recover
+        elif k:
+            r.accepted_ewma = 0.9 * r.accepted_ewma + accepted
+            r.tried_ewma = 0.9 * r.tried_ewma + accepted + (accepted < k)
+
+    def _choose_width(self, running: list, round_index: int) -> None:
+        """adaptive=True: one k for the round's requests (their verify block is as wide as the widest, so a wider
+        k for one costs every row), the k in [0, num_speculative_tokens] that maximises their expected tokens
+        over the round's cost; k = 0 probes k = 1 every 8th round, so that low estimates can recover."""
+        alphas = [(r.accepted_ewma + 1.0) / (r.tried_ewma + 2.0) for r in running]
+        k = self.costs.best_k(alphas, self.num_speculative_tokens)
+        if k == 0 and round_index % 8 == 7:
+            k = 1
+        for r in running:
+            r.k = k
 
 
 @torch.no_grad()

@@ -49,12 +49,14 @@ def repetitive_prompts(seed, lengths):
 @pytest.mark.parametrize("name", ["ngram", "model", "self"])
 def test_greedy_equals_plain_decoding_with_continuous_batching(pair, name, paged):
     """7 ragged prompts through 3 slots: requests finish at different rounds (max_new_tokens per request) and
-    waiting ones are admitted into the freed slots; k adaptive."""
+    waiting ones are admitted into the freed slots; k adaptive (fixed for the self-drafter)."""
     target, draft = pair
     prompts = random_prompts(5, [5, 21, 12, 3, 9, 1, 30])[:4] + repetitive_prompts(6, [14, 2, 25])
     max_new = [24, 7, 16, 30, 3, 20, 11]
     plain = generate_autoregressive(target, prompts, max_new)
-    dec = SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, paged=paged)
+    # The target drafting for itself never pays (adaptive k would switch it off): fixed k.
+    dec = SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, paged=paged,
+                             adaptive=name != "self")
     out = dec.generate(prompts, max_new)
     assert out.sequences == plain.sequences
     assert [len(s) for s in out.sequences] == max_new
@@ -249,7 +251,9 @@ def test_adaptive_k_follows_acceptance_and_stats_add_up(pair):
     # 0.8, k <= 3: at batch 1, k = 3 (4 rows) gives 2.95 tokens per unit; at batch 2, k = 1 (4 rows) gives 1.8,
     # k = 3 (8 rows) 2.95 / 2 = 1.48.
     step = CostModel({1: 1.0, 4: 1.0, 5: 2.0, 8: 2.0})
-    assert step.best_k(0.8, 3, batch=1) == 3 and step.best_k(0.8, 3, batch=2) == 1
+    assert step.best_k(0.8, 3) == 3 and step.best_k([0.8, 0.8], 3) == 1
+    # One request that drafts well and one that never does: 1.8 + 1 tokens for 4 rows beats 2 for 2 rows.
+    assert step.best_k([0.8, 0.0], 3) == 1 and step.best_k([0.0, 0.0], 3) == 0
     good = SpeculativeDecoder(target, ModelDrafter(target), 6, costs=costs).generate(prompts, 40)
     bad = SpeculativeDecoder(target, ModelDrafter(draft), 6, costs=costs).generate(prompts, 40)
     for out in (good, bad):
