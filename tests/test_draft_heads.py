@@ -78,7 +78,8 @@ def test_q_is_zero_outside_the_draft_vocabulary(target):
 @pytest.fixture(scope="module")
 def law_target():
     hf = tiny_hf(vocab=LAW_VOCAB, layers=1, seed=99, logit_scale=0.15)
-    return hf.double(), LlamaForCausalLM.from_hf(hf)
+    target = LlamaForCausalLM.from_hf(hf)  # float32, before the float64 copy
+    return hf.double(), target
 
 
 @pytest.mark.slow
