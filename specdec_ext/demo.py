@@ -45,8 +45,11 @@ def chat_demo(device: torch.device) -> bool:
     t0 = time.perf_counter()
     model, tokenizer = load(path, device)
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s")
-    question = ("Here is a sentence: 'The Eiffel Tower in Paris was completed in 1889 and is 330 metres tall.' "
-                "What is the capital of France? Answer with a sentence that repeats the facts above.")
+    # A rewriting request, as in retrieval-augmented chat: the answer reuses the note's wording, which prompt
+    # lookup drafts from (on answers that copy nothing it gains little: bench/RESULTS.md).
+    question = ("Here is a note: 'Paris is the capital of France. The Eiffel Tower in Paris was completed in 1889 "
+                "and is 330 metres tall. The Louvre in Paris is the most visited museum in the world.' Rewrite the "
+                "note as a bulleted list, keeping its wording.")
     ids = prompt_ids(tokenizer, question, chat=True)
     dec = SpeculativeDecoder(model, NgramDrafter(), num_speculative_tokens=6, max_batch_size=1)
     print(f"user: {question}\nassistant: ", end="", flush=True)
