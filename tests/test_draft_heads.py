@@ -4,9 +4,8 @@ draft vocabulary come through the residual), q is zero outside the draft vocabul
 refuse another model. Fixed seeds throughout."""
 import pytest
 import torch
-from scipy import stats
 from test_plain_decoding import random_prompts, tiny_hf
-from test_speculative_decoding import LAW_CASES, LAW_TOKENS, LAW_VOCAB, chi_square_power, exact_law
+from test_speculative_decoding import LAW_CASES, LAW_VOCAB, assert_law, sample_first_tokens
 
 from specdec_ext import SpeculativeDecoder
 from specdec_ext.decoding import generate_autoregressive
@@ -89,37 +88,13 @@ def test_law_of_the_first_tokens_is_the_targets(law_target, name, case):
     """As test_speculative_decoding's law test (70,000 seeds, chi-square over the 512 sequences of 3 tokens,
     power >= 0.9 against a 1% bias), with a draft vocabulary of 5 of the 8 tokens: the 3 others are emitted only
     through the residual, with their exact probability."""
-    from test_speculative_decoding import LAW_SAMPLES
-
     hf, target = law_target
-    temperature, top_k, top_p = LAW_CASES[case]
-    prompt = [0, 4, 0, 0, 4, 0]
-    law = exact_law(hf, prompt, temperature, top_k, top_p)
     vocab = torch.tensor([0, 2, 4, 5, 7])
-    drafter = make_drafter(name, target, vocab, seed=11)
-    per_call = 5000
-    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call)
-    counts = dict.fromkeys(law, 0)
-    accepted = drafted = 0
-    for start in range(0, LAW_SAMPLES, per_call):
-        out = dec.generate([prompt] * per_call, LAW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=list(range(start, start + per_call)))
-        for s in out.sequences:
-            counts[tuple(s)] += 1
-        accepted += out.stats.num_accepted_tokens
-        drafted += out.stats.num_draft_tokens
-    assert drafted > LAW_SAMPLES and 0.05 < accepted / drafted < 0.95, accepted / drafted
+    counts, law, acceptance = sample_first_tokens(hf, target, make_drafter(name, target, vocab, seed=11), case)
+    assert 0.05 < acceptance < 0.95, acceptance
     outside = [t for t in range(LAW_VOCAB) if t not in vocab.tolist()]
     assert sum(c for s, c in counts.items() if any(t in outside for t in s)) > 1000  # they do come through
-    assert sum(counts[s] for s, p in law.items() if p == 0) == 0
-    expected = {s: p * LAW_SAMPLES for s, p in law.items() if p > 0}
-    big = [s for s, e in expected.items() if e >= 5]
-    observed = [counts[s] for s in big] + [sum(counts[s] for s in expected if s not in big)]
-    cells = [expected[s] for s in big] + [sum(e for s, e in expected.items() if s not in big)]
-    if cells[-1] == 0:
-        observed, cells = observed[:-1], cells[:-1]
-    assert chi_square_power(law, LAW_SAMPLES, len(cells) - 1) >= 0.9
-    assert stats.chisquare(observed, cells).pvalue > 1e-3
+    assert_law(counts, law)
 
 
 def test_head_files_round_trip_and_refuse_another_model(target, tmp_path):
