@@ -51,6 +51,15 @@ class Proposal:
     draft_logits: torch.Tensor | None = None  # [batch, K, V] float32, or None: point proposals
 
 
+def per_slot(counts: dict, cache) -> torch.Tensor:
+    """{slot: count} as a [cache.batch_size] int32 tensor on the cache's device (0 elsewhere): what advance and
+    truncate take."""
+    full = [0] * cache.batch_size
+    for b, n in counts.items():
+        full[b] = n
+    return torch.tensor(full, dtype=torch.int32, device=cache.cache_seqlens.device)
+
+
 class NgramDrafter:
     """Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest suffix of the
     request's tokens (prompt + generated), suffixes of max_ngram down to min_ngram tokens. Point proposals."""
@@ -139,12 +148,6 @@ class ModelDrafter:
         self.cache.release(slot)
         self.lengths[slot] = 0
 
-    def _per_slot(self, counts: dict) -> torch.Tensor:
-        full = [0] * self.cache.batch_size
-        for b, n in counts.items():
-            full[b] = n
-        return torch.tensor(full, dtype=torch.int32, device=self.model.device)
-
     @torch.no_grad()
     def propose(self, r: RoundInputs) -> Proposal:
         device, kmax = self.model.device, max(r.num_tokens)
@@ -160,7 +163,7 @@ class ModelDrafter:
         last = torch.tensor([[len(p) - 1 if p is not None else 0] for p in pending], device=device)
         # Rows padded past their pending tokens write past their length: nothing reads those slots.
         logits = self.model(ids.to(device), self.cache, logits_indices=last, cache_rows=slice(0, r.batch))[:, 0]
-        self.cache.advance(self._per_slot({b: len(p) for b, p in enumerate(pending) if p is not None}))
+        self.cache.advance(per_slot({b: len(p) for b, p in enumerate(pending) if p is not None}, self.cache))
         draft_ids = torch.empty(r.batch, kmax, dtype=torch.int64, device=device)
         draft_logits = torch.empty(r.batch, kmax, logits.shape[-1], dtype=torch.float32, device=device)
         wants = torch.tensor(r.num_tokens, device=device)
@@ -202,7 +205,7 @@ class ModelDrafter:
         kept = {b: len(p) + min(a, max(k - 1, 0)) for b, (p, k, a) in enumerate(zip(pending, asked, num_accepted))
                 if p is not None}
         self.cache.cache_seqlens.copy_(base)
-        self.cache.truncate(self._per_slot(kept))
+        self.cache.truncate(per_slot(kept, self.cache))
         for b, n in kept.items():
             self.lengths[b] += n
 
@@ -277,7 +280,7 @@ class EagleDrafter:
         logits, hidden = self.head(tokens.to(device), features, self.cache, cache_rows=slice(0, r.batch),
                                    logits_indices=last)
         feature = hidden.gather(1, last.unsqueeze(-1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
-        self.cache.advance(self.per_slot(counts))
+        self.cache.advance(per_slot(dict(enumerate(counts)), self.cache))
         for b, n in enumerate(counts):
             self.lengths[b] += n
             self.pending[b] = []
@@ -295,10 +298,6 @@ class EagleDrafter:
                 self.cache.advance(grow)
         return Proposal(draft_ids, asked, draft_logits)
 
-    def per_slot(self, counts: list) -> torch.Tensor:
-        full = [0] * self.cache.batch_size
-        full[:len(counts)] = counts
-        return torch.tensor(full, dtype=torch.int32, device=self.target.device)
 
     def rollback(self, num_accepted: list, hidden_states=None) -> None:
         """Drops the draft-step pairs; queues the target's features of the round's accepted tokens (the last
