@@ -34,6 +34,7 @@ class GenerationStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list = field(default_factory=list)  # [i]: rounds whose draft i (0-based) was accepted
+    drafted_per_position: list = field(default_factory=list)   # [i]: rounds that drafted a token i
     target_forwards: int = 0         # per request: verify rounds it took part in; in total: every target forward
     generated_tokens: int = 0
     elapsed_s: float = 0.0
@@ -53,6 +54,12 @@ class GenerationStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     @property
+    def acceptance_rate_per_position(self) -> list:
+        """[i]: the share of rounds drafting a token i whose token i was accepted (vLLM's per-position rate)."""
+        return [(self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0) / n
+                for i, n in enumerate(self.drafted_per_position)]
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
@@ -61,6 +68,10 @@ class GenerationStats:
             self.num_drafts += 1
             self.num_draft_tokens += num_draft
             self.num_accepted_tokens += num_accepted
+            if len(self.drafted_per_position) < num_draft:
+                self.drafted_per_position += [0] * (num_draft - len(self.drafted_per_position))
+            for i in range(num_draft):
+                self.drafted_per_position[i] += 1
             if len(self.accepted_per_position) < num_accepted:
                 self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
             for i in range(num_accepted):

@@ -33,32 +33,41 @@ def sampling_demo(device: torch.device) -> bool:
     return tv < 0.02
 
 
-def chat_demo(device: torch.device) -> bool:
-    """The shipped model (SmolLM2-135M-Instruct) answers a chat question through speculative decoding with the
-    n-gram drafter, streamed as it is generated; then the same request by plain decoding: the same tokens
-    (greedy), the speedup and the acceptance stats."""
-    from specdec_ext import NgramDrafter, SpeculativeDecoder
-    from specdec_ext.generate import load, prompt_ids
+# An ordinary chat question for the trained heads; a rewriting request, as in retrieval-augmented chat, for prompt
+# lookup: its answer reuses the note's wording, which the n-gram drafter drafts from (on answers that copy nothing
+# it gains little: bench/RESULTS.md).
+QUESTIONS = {
+    "eagle": "What is the capital of France? Tell me about the city in a few sentences.",
+    "ngram": "Here is a note: 'Paris is the capital of France. The Eiffel Tower in Paris was completed in 1889 and is "
+             "330 metres tall. The Louvre in Paris is the most visited museum in the world.' Rewrite the note as a "
+             "bulleted list, keeping its wording.",
+}
+QUESTIONS["medusa"] = QUESTIONS["eagle"]
+
+
+def chat_demo(device: torch.device, drafter: str = "eagle") -> bool:
+    """The shipped model (SmolLM2-135M-Instruct) answers a chat question through speculative decoding with its
+    shipped EAGLE head (or Medusa heads, or the n-gram drafter), streamed as it is generated; then the same request
+    by plain decoding: the same tokens (greedy), the speedup and the acceptance stats."""
+    from specdec_ext import SpeculativeDecoder
+    from specdec_ext.generate import load, make_drafter, prompt_ids
     from specdec_ext.models import default_model_path
 
     path = default_model_path()
     t0 = time.perf_counter()
     model, tokenizer = load(path, device)
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s")
-    # A rewriting request, as in retrieval-augmented chat: the answer reuses the note's wording, which prompt
-    # lookup drafts from (on answers that copy nothing it gains little: bench/RESULTS.md).
-    question = ("Here is a note: 'Paris is the capital of France. The Eiffel Tower in Paris was completed in 1889 "
-                "and is 330 metres tall. The Louvre in Paris is the most visited museum in the world.' Rewrite the "
-                "note as a bulleted list, keeping its wording.")
+    question = QUESTIONS[drafter]
     ids = prompt_ids(tokenizer, question, chat=True)
-    dec = SpeculativeDecoder(model, NgramDrafter(), num_speculative_tokens=6, max_batch_size=1)
+    k = 6 if drafter == "ngram" else 4
+    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), num_speculative_tokens=k, max_batch_size=1)
     print(f"user: {question}\nassistant: ", end="", flush=True)
     spec = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id,
                         stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
     plain = dec.generate_autoregressive([ids], 96, eos_token_id=tokenizer.eos_token_id)
     again = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id)  # timed after a warm run, like plain
     s, p = again.stats, plain.stats
-    print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative (n-gram, k <= 6, adaptive) "
+    print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative ({drafter}, k <= {k}, adaptive) "
           f"{s.tokens_per_second:.1f} tokens/s: speedup {s.tokens_per_second / p.tokens_per_second:.2f}x "
           f"({s.generated_tokens} tokens, prefill included)")
     print(f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
@@ -73,10 +82,12 @@ def chat_demo(device: torch.device) -> bool:
 def register(sub) -> None:
     demo = sub.add_parser("demo", help="the ops end to end, and the shipped model speculative against plain")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.set_defaults(fn=lambda args: main(device=args.device))
+    demo.add_argument("--drafter", default="eagle", choices=sorted(QUESTIONS),
+                      help="the shipped model's drafter: its trained EAGLE head (default), Medusa heads, or prompt lookup")
+    demo.set_defaults(fn=lambda args: main(device=args.device, drafter=args.drafter))
 
 
-def main(device: str | None = None) -> int:
+def main(device: str | None = None, drafter: str = "eagle") -> int:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"specdec_ext {specdec_ext.__version__} on {device}")
     seeds = torch.tensor([2024, 7, 2**62 + 1, -5], device=device)
@@ -102,7 +113,7 @@ def main(device: str | None = None) -> int:
         print("emulator extension not built: skipped")
 
     ok = sampling_demo(device) and ok
-    ok = chat_demo(device) and ok
+    ok = chat_demo(device, drafter) and ok
 
     big = 1 << 24
     specdec_ext.philox_uniform(seeds, steps, big)  # warm-up

@@ -223,9 +223,9 @@ def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab
 class EagleDrafter:
     """Drafts with an EagleHead (specdec_ext.models.draft_heads) on the target's own hidden states.
 
-    The head's cache holds pairs (feature of token j, token j + 1) whose features are the target's. At a round's
-    start every pair not yet in it is fed in one ragged forward (the features the target's last verify block and
-    the prefill returned); its last output gives the first draft, and each later draft step feeds the head's own
+    The head's cache holds pairs (feature of token j, token j + 1) whose features are the target's. A prompt's
+    pairs are fed at admission; at a round's start every pair not yet in it is fed in one ragged forward (the
+    features the target's last verify block returned); its last output gives the first draft, and each later draft step feeds the head's own
     predicted feature with the token just drafted. Those draft-step pairs are dropped after the round: the next
     round feeds the target's features of whatever was accepted instead."""
 
@@ -250,9 +250,20 @@ class EagleDrafter:
         self.pending = [[] for _ in range(max_batch_size)]  # target features not yet fed: [n, H] tensors
         self.base = None
 
+    @torch.no_grad()
     def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
-        for b, h in zip(slots, hidden_states):
-            self.lengths[b], self.pending[b] = 0, [h] if len(h) else []
+        """Feeds each prefix's pairs whose two halves it holds (one forward per slot); the last feature waits for
+        the token after the prefix. So a round's ragged forward is at most k + 1 wide and its padded rows stay
+        inside the cache (a prompt's width there could run a row near its end past it)."""
+        for b, p, h in zip(slots, prefixes, hidden_states):
+            self.lengths[b], self.pending[b] = 0, [h[-1:]] if len(h) else []
+            n = len(h) - 1
+            if n > 0:
+                self.cache.reserve([n], requests=[b])
+                self.head(torch.tensor([p[1:]], device=self.target.device), h[:-1].unsqueeze(0), self.cache,
+                          cache_rows=slice(b, b + 1), logits_indices=torch.tensor([[n - 1]], device=self.target.device))
+                self.cache.advance(per_slot({b: n}, self.cache))
+                self.lengths[b] = n
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)

@@ -1,16 +1,17 @@
 """Training draft heads by self-distillation: the target answers the shipped prompt set (specdec_ext/data/
-prompts.jsonl, its "train" split; "heldout" is never trained on), and its own hidden states and next-token
-distributions on those answers are the labels.
+prompts.jsonl, its "train" split; "heldout" is never trained on), greedily and (sampled_answers) at temperature
+0.8, and its own hidden states and next-token distributions on those answers are the labels.
 
-  data = distillation_data(target, tokenizer, prompts)           the target's greedy answers and features
-  vocab = draft_vocabulary(data, size)                           the most frequent tokens
-  head = train_eagle(target, data, vocab, out_dir=...)           or train_medusa(...)
+  data = distillation_data(target, prompt_ids, sampled_answers=2)   the target's answers and features
+  vocab = draft_vocabulary(data, size, vocab_size)                  the most frequent tokens
+  head = train("eagle", target, data, vocab, out_dir=...)           or "medusa"
 
-EAGLE loss (Li et al.): smooth L1 between the head's predicted feature of token j+1 and the target's, plus 0.1 x
-the cross-entropy of the head's distribution (over the draft vocabulary) against the target's at that token,
-with uniform noise on the input features so that the head tolerates its own inexact features at later draft
-steps. Medusa loss: cross-entropy of head i against the token i + 1 places ahead, weighted 0.8^(i-1).
-Checkpoints (head, optimiser, step) let a run resume; a loss curve is written as PNG.
+EAGLE loss (Li et al.): smooth L1 between the head's predicted feature of token j+1 and the target's, both through
+the target's final norm, plus 0.1 x the cross-entropy of the head's distribution (over the draft vocabulary)
+against the target's at that token, with uniform noise on the (normed) input features so that the head tolerates
+its own inexact features at later draft steps; unroll > 1 also trains on them (EAGLE-3's training-time test).
+Medusa loss: cross-entropy of head i against the token i + 2 places ahead, weighted 0.8^i. Checkpoints (head,
+optimiser, schedule, step) let a run resume; a loss curve is written as PNG.
 """
 import json
 import math
@@ -52,15 +53,23 @@ class DistillationData:
 
 @torch.no_grad()
 def distillation_data(target, prompt_ids: list, max_new_tokens: int = 192, *, eos_token_id=None,
-                      batch_size: int = 8, progress: bool = True) -> DistillationData:
-    """The target's greedy answers to prompt_ids (our plain decoding, continuous batching), then one forward per
-    sequence for its features."""
+                      sampled_answers: int = 0, temperature: float = 0.8, batch_size: int = 8,
+                      progress: bool = True) -> DistillationData:
+    """The target's answers to prompt_ids (our plain decoding, continuous batching): its greedy answer to each and
+    `sampled_answers` more drawn at `temperature` (seeds 1, 2, ...: more and varied text from the same prompts),
+    then one forward per sequence for its features."""
     from tqdm import tqdm
 
-    answers = SpeculativeDecoder(target, None, max_batch_size=batch_size).generate_autoregressive(
-        prompt_ids, max_new_tokens, eos_token_id=eos_token_id).sequences
+    n = 1 + sampled_answers
+    requests = [p for p in prompt_ids for _ in range(n)]
+    temperatures = [0.0 if i % n == 0 else temperature for i in range(len(requests))]
+    seeds = [i % n for i in range(len(requests))]
+    with tqdm(total=len(requests) * max_new_tokens, desc="target answers", unit="tok", disable=not progress) as bar:
+        answers = SpeculativeDecoder(target, None, max_batch_size=batch_size).generate_autoregressive(
+            requests, max_new_tokens, temperature=temperatures, seed=seeds, eos_token_id=eos_token_id,
+            stream=lambda r, new: bar.update(len(new))).sequences
     data = DistillationData([], [], [])
-    for p, a in tqdm(list(zip(prompt_ids, answers)), desc="target features", disable=not progress):
+    for p, a in tqdm(list(zip(requests, answers)), desc="target features", disable=not progress):
         seq = torch.tensor(p + a, device=target.device)
         _, hidden = target(seq.unsqueeze(0), None, logits_indices=torch.tensor([len(seq) - 1], device=target.device),
                            output_hidden_states=True)
@@ -70,11 +79,17 @@ def distillation_data(target, prompt_ids: list, max_new_tokens: int = 192, *, eo
     return data
 
 
-def draft_vocabulary(data: DistillationData, size: int) -> torch.Tensor:
-    """The `size` most frequent tokens of the sequences (sorted ids): what the heads score."""
-    counts = torch.bincount(torch.cat(data.tokens), minlength=1)
-    size = min(size, int((counts > 0).sum()))
-    return counts.topk(size).indices.sort().values
+def draft_vocabulary(data: DistillationData, size: int, vocab_size: int | None = None) -> torch.Tensor:
+    """The `size` most frequent tokens of the sequences (sorted ids): what the heads score. When the data hold fewer
+    distinct tokens, the lowest ids not in them fill the rest (a BPE vocabulary numbers its tokens in merge order,
+    roughly by frequency in the tokenizer's corpus): a head predicts features, so it can propose tokens that the
+    data never showed it."""
+    counts = torch.bincount(torch.cat(data.tokens), minlength=vocab_size or 1)
+    seen = int((counts > 0).sum())
+    if vocab_size is None or size <= seen:
+        return counts.topk(min(size, seen)).indices.sort().values
+    unseen = (counts == 0).nonzero().flatten()[: size - seen]
+    return torch.cat(((counts > 0).nonzero().flatten(), unseen)).sort().values
 
 
 def batches(data: DistillationData, tokens_per_batch: int, generator: torch.Generator):
@@ -102,22 +117,30 @@ def padded(data: DistillationData, idx: list):
     return tokens, features, valid
 
 
-def eagle_loss(head: EagleHead, tokens, features, valid, noise: float):
+def eagle_loss(head: EagleHead, tokens, features, valid, noise: float, unroll: int = 1):
     """Pairs j = (feature j, token j+1) for j < L - 1: the head predicts feature j+1 and the target's distribution
-    after token j+1 (from that feature through the final norm and the restricted LM head)."""
-    inputs = features[:, :-1] + (torch.rand_like(features[:, :-1]) - 0.5) * 2 * noise
-    logits, predicted = head.decoder(None, None, inputs_embeds=head.inputs(tokens[:, 1:], inputs),
-                                     output_hidden_states=True)
-    want = features[:, 1:]
-    mask = valid[:, 1:]
+    after token j+1 (from that feature through the final norm and the restricted LM head). The regression is on
+    the features through the target's final norm, what the LM head sees: the raw ones' scale means nothing to it.
+    unroll > 1 (EAGLE-3's training-time test): step s feeds the head its own step s-1 estimates as the features,
+    as a draft's later steps do, and its losses count as much as the first step's."""
+    norm, eps = head.decoder.norm, head.target_config.rms_norm_eps
     with torch.no_grad():
-        target_logits = linear(rms_norm(want, head.decoder.norm, head.target_config.rms_norm_eps),
-                               head.decoder.embed_tokens).float()
-        p = target_logits.softmax(-1)
-    regression = F.smooth_l1_loss(predicted, want, reduction="none").mean(-1)
-    ce = -(p * logits.log_softmax(-1)).sum(-1)
-    n = mask.sum().clamp(min=1)
-    return (regression * mask).sum() / n, (ce * mask).sum() / n
+        normed = rms_norm(features, norm, eps)
+        p = linear(normed, head.decoder.embed_tokens).float().softmax(-1)
+    regression = ce = 0.0
+    inputs = features[:, :-1]
+    steps = min(unroll, tokens.shape[1] - 1)
+    for s in range(steps):
+        # Step s: pairs j = s .. L-2, each with the head's estimate of feature j after s steps.
+        logits, predicted = head.decoder(None, None, inputs_embeds=head.inputs(tokens[:, 1 + s:], inputs, noise),
+                                         output_hidden_states=True)
+        mask = valid[:, 1 + s:]
+        n = mask.sum().clamp(min=1)
+        step_regression = F.smooth_l1_loss(rms_norm(predicted, norm, eps), normed[:, 1 + s:], reduction="none")
+        regression = regression + (step_regression.mean(-1) * mask).sum() / n
+        ce = ce - ((p[:, 1 + s:] * logits.log_softmax(-1)).sum(-1) * mask).sum() / n
+        inputs = predicted[:, :-1]
+    return regression / steps, ce / steps
 
 
 def medusa_loss(heads: MedusaHeads, tokens, features, valid, remap: torch.Tensor):
@@ -139,10 +162,11 @@ def medusa_loss(heads: MedusaHeads, tokens, features, valid, remap: torch.Tensor
 
 
 def train(kind: str, target, data: DistillationData, draft_vocab: torch.Tensor, *, out_dir, epochs: int = 8,
-          lr: float = 1e-3, tokens_per_batch: int = 2048, noise: float = 0.1, num_heads: int = 4, seed: int = 0,
-          checkpoint_every: int = 50, progress: bool = True):
-    """Trains an EAGLE head or Medusa heads on `data`; writes out_dir/{kind}.safetensors, a checkpoint to resume
-    from, loss.png and log.json. Returns the head."""
+          lr: float = 1e-3, tokens_per_batch: int = 512, noise: float = 0.1, ce_weight: float = 0.1,
+          unroll: int = 1, num_heads: int = 4, seed: int = 0,
+          checkpoint_every: int = 50, save_dtype: torch.dtype | None = None, progress: bool = True):
+    """Trains an EAGLE head or Medusa heads on `data`; writes out_dir/{kind}.safetensors (weights in save_dtype,
+    default the target's), a checkpoint to resume from, {kind}_loss.png and {kind}_log.json. Returns the head."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
@@ -150,7 +174,7 @@ def train(kind: str, target, data: DistillationData, draft_vocab: torch.Tensor, 
     g = torch.Generator().manual_seed(seed)
     if kind == "eagle":
         head = EagleHead(target, draft_vocab).init_weights(g)
-        params = [head.fc.weight, head.fc.bias] + [p for p in head.decoder.layers[0].parameters()]
+        params = [head.fc.weight, head.fc.bias, head.feature_norm] + list(head.decoder.layers[0].parameters())
     elif kind == "medusa":
         head = MedusaHeads(target, draft_vocab, num_heads)
         params = [head.weight, head.bias]  # zeros: every head starts as the target's own LM head
@@ -184,8 +208,8 @@ def train(kind: str, target, data: DistillationData, draft_vocab: torch.Tensor, 
         for idx in order[step - epoch * steps_per_epoch:]:
             tokens, features, valid = (t.to(target.device) for t in padded(data, idx))
             if kind == "eagle":
-                regression, ce = eagle_loss(head, tokens, features, valid, noise)
-                loss = regression + 0.1 * ce
+                regression, ce = eagle_loss(head, tokens, features, valid, noise, unroll)
+                loss = regression + ce_weight * ce
                 entry = {"step": step, "loss": loss.item(), "regression": regression.item(), "ce": ce.item()}
             else:
                 loss = medusa_loss(head, tokens, features, valid, remap)
@@ -205,8 +229,8 @@ def train(kind: str, target, data: DistillationData, draft_vocab: torch.Tensor, 
     bar.close()
     for p in params:
         p.requires_grad_(False)
-    head.save(out_dir / f"{kind}.safetensors")
-    (out_dir / "log.json").write_text(json.dumps({"kind": kind, "steps": step, "tokens": data.num_tokens,
+    head.save(out_dir / f"{kind}.safetensors", save_dtype)
+    (out_dir / f"{kind}_log.json").write_text(json.dumps({"kind": kind, "steps": step, "tokens": data.num_tokens,
                                                   "seconds": time.perf_counter() - start, "log": log}))
     plot_losses(log, out_dir / f"{kind}_loss.png", kind)
     return head
@@ -254,16 +278,20 @@ def main(args) -> int:
     else:
         prompts = load_prompts("train")[: args.limit or None]
         data = distillation_data(target, [chat_ids(tokenizer, p["prompt"]) for p in prompts], args.max_new_tokens,
-                                 eos_token_id=tokenizer.eos_token_id)
+                                 eos_token_id=tokenizer.eos_token_id, sampled_answers=args.sampled_answers)
         torch.save(vars(data), cache)
     print(f"data: {len(data.tokens)} sequences, {data.num_tokens} tokens ({time.perf_counter() - t0:.0f} s)")
-    vocab = draft_vocabulary(data, args.vocab_size)
+    vocab = draft_vocabulary(data, args.vocab_size, target.config.vocab_size)
     t0 = time.perf_counter()
-    head = train(args.kind, target, data, vocab.to(device), out_dir=out, epochs=args.epochs, lr=args.lr,
-                 num_heads=args.k)
-    print(f"trained {args.kind} in {time.perf_counter() - t0:.0f} s: {out / (args.kind + '.safetensors')}")
+    train(args.kind, target, data, vocab.to(device), out_dir=out, epochs=args.epochs, lr=args.lr,
+          tokens_per_batch=args.tokens_per_batch, unroll=args.unroll, num_heads=args.k,
+          save_dtype=getattr(torch, args.save_dtype))
+    path = out / f"{args.kind}.safetensors"
+    print(f"trained {args.kind} in {time.perf_counter() - t0:.0f} s: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     heldout = [chat_ids(tokenizer, p["prompt"]) for p in load_prompts("heldout")][: args.eval_prompts]
-    drafter = EagleDrafter(target, head) if args.kind == "eagle" else MedusaDrafter(target, head)
+    # Evaluated as loaded from the file (its weights in save_dtype), as users get it.
+    drafter = EagleDrafter(target, EagleHead.load(path, target)) if args.kind == "eagle" else \
+        MedusaDrafter(target, MedusaHeads.load(path, target))
     st = evaluate(target, drafter, heldout, k=args.k, eos_token_id=tokenizer.eos_token_id)
     print(f"held-out ({len(heldout)} prompts, greedy, k = {args.k}): mean acceptance length "
           f"{st.mean_acceptance_length:.2f}, acceptance rate {st.acceptance_rate:.2f}, accepted per position "
@@ -278,10 +306,16 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="output folder: the head, checkpoints, data cache, loss curve")
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary: the most frequent tokens")
+    p.add_argument("--tokens-per-batch", type=int, default=512)
+    p.add_argument("--unroll", type=int, default=1, help="EAGLE: draft steps unrolled in training (1: EAGLE-1)")
+    p.add_argument("--vocab-size", type=int, default=16384, help="draft vocabulary: the most frequent tokens")
     p.add_argument("--max-new-tokens", type=int, default=192, help="length of the target's answers")
+    p.add_argument("--sampled-answers", type=int, default=2,
+                   help="answers per prompt drawn at temperature 0.8, besides the greedy one")
     p.add_argument("--limit", type=int, default=0, help="train on the first N prompts only (0: all)")
     p.add_argument("-k", type=int, default=4, help="Medusa heads; k of the held-out evaluation")
     p.add_argument("--eval-prompts", type=int, default=16)
+    p.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the weights in the head's file")
     p.add_argument("--device", default=None)
     p.set_defaults(fn=main)

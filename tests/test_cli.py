@@ -43,3 +43,11 @@ def test_import_stays_light():
            "'tokenizers', 'gguf', 'safetensors') or m.startswith('specdec_ext.models')))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_generate_drafts_with_the_shipped_eagle_head_by_default():
+    r = run_cli("generate", "--device", "cpu", "--chat", "--max-new-tokens", "24", "--prompt",
+                "What is the capital of France? Answer in one sentence.")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "paris" in r.stdout.lower(), r.stdout
+    assert "[eagle drafter" in r.stderr and "mean acceptance length" in r.stderr, r.stderr

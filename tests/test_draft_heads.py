@@ -55,6 +55,19 @@ def test_greedy_equals_plain_decoding(target, name, paged):
     assert out.stats.num_draft_tokens > 50
 
 
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_long_prompt_admitted_beside_a_request_near_its_end(target, name):
+    """A 38-token prompt joins the batch when the other slot's request is ~70 tokens into a cache of 85: a round's
+    ragged draft forward must not pad that row past its cache (it once did, for EAGLE)."""
+    prompts = random_prompts(6, [40, 3, 38])
+    max_new = [40, 30, 4]
+    plain = generate_autoregressive(target, prompts, max_new)
+    vocab = random_vocab(target.config.vocab_size, 64, 1)
+    out = SpeculativeDecoder(target, make_drafter(name, target, vocab), 4, adaptive=False,
+                             max_batch_size=2).generate(prompts, max_new)
+    assert out.sequences == plain.sequences
+
+
 def test_q_is_zero_outside_the_draft_vocabulary(target):
     vocab = random_vocab(target.config.vocab_size, 40, 2)
     for name in ("eagle", "medusa"):
@@ -109,6 +122,12 @@ def test_head_files_round_trip_and_refuse_another_model(target, tmp_path):
                  ({"w": medusa.weight, "b": medusa.bias}, {"w": medusa2.weight, "b": medusa2.bias})):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(eagle2.draft_vocab, vocab) and medusa2.num_heads == 3
+    # A file in bfloat16 (as the shipped heads are) loads as the bfloat16-rounded weights, in the target's dtype.
+    eagle.save(tmp_path / "eagle_bf16.safetensors", torch.bfloat16)
+    small = EagleHead.load(tmp_path / "eagle_bf16.safetensors", target).trained_state()
+    assert (tmp_path / "eagle_bf16.safetensors").stat().st_size < 0.6 * (tmp_path / "eagle.safetensors").stat().st_size
+    for k, v in eagle.trained_state().items():
+        assert small[k].dtype == v.dtype and torch.equal(small[k], v.to(torch.bfloat16).to(v.dtype)), k
     prompts = random_prompts(8, [6, 10])
     want = SpeculativeDecoder(target, EagleDrafter(target, eagle), 3, adaptive=False).generate(prompts, 10,
                                                                                              temperature=0.8)

@@ -276,7 +276,11 @@ def test_adaptive_k_follows_acceptance_and_stats_add_up(pair):
             assert all(0 <= k <= 6 for k in s.k_per_round)
             assert s.generated_tokens == s.num_accepted_tokens + s.target_forwards  # no EOS here
             assert sum(s.accepted_per_position) == s.num_accepted_tokens
-            assert s.num_draft_tokens == sum(s.k_per_round)
+            assert s.num_draft_tokens == sum(s.k_per_round) == sum(s.drafted_per_position)
+            # Position i is drafted in the rounds with k > i; the self-drafter accepts every one of them.
+            assert s.drafted_per_position == [sum(k > i for k in s.k_per_round) for i in range(max(s.k_per_round))]
+            if out is good:
+                assert s.acceptance_rate_per_position == [1.0] * len(s.drafted_per_position)
         total = out.stats
         assert total.generated_tokens == 80
         assert total.num_accepted_tokens == sum(s.num_accepted_tokens for s in out.request_stats)

@@ -35,22 +35,39 @@ def test_distillation_data_and_vocabulary(setup):
     counts = torch.bincount(torch.cat(data.tokens), minlength=target.config.vocab_size)
     assert len(vocab) == 20 and bool((vocab[1:] > vocab[:-1]).all())
     assert counts[vocab].min() >= counts[~torch.isin(torch.arange(len(counts)), vocab)].max()
+    # Asked for more tokens than the data hold: every seen one, then the lowest unseen ids.
+    seen = (counts > 0).nonzero().flatten()
+    wide = draft_vocabulary(data, len(seen) + 10, target.config.vocab_size)
+    unseen = (counts == 0).nonzero().flatten()[:10]
+    assert wide.tolist() == sorted(seen.tolist() + unseen.tolist())
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_training_lowers_the_loss_writes_files_resumes_and_helps(setup, kind, tmp_path):
+def test_sampled_answers(setup):
+    target, prompts, data = setup
+    both = distillation_data(target, prompts[:3], 40, sampled_answers=1, batch_size=4, progress=False)
+    assert len(both.tokens) == 6
+    # Each prompt's greedy answer, then one drawn at temperature 0.8: a different text from the same prompt.
+    assert [t.tolist() for t in both.tokens[::2]] == [t.tolist() for t in data.tokens[:3]]
+    assert all(torch.equal(t[:len(p)], torch.tensor(p)) for t, p in zip(both.tokens[1::2], prompts))
+    assert all(not torch.equal(a, b) for a, b in zip(both.tokens[::2], both.tokens[1::2]))
+
+
+@pytest.mark.parametrize("kind,unroll", [("eagle", 1), ("eagle", 2), ("medusa", 1)],
+                         ids=["eagle", "eagle-unroll2", "medusa"])
+def test_training_lowers_the_loss_writes_files_resumes_and_helps(setup, kind, unroll, tmp_path):
     target, prompts, data = setup
     vocab = draft_vocabulary(data, 64)
     lr = 3e-3 if kind == "eagle" else 1e-2
     head = train(kind, target, data, vocab, out_dir=tmp_path, epochs=12, tokens_per_batch=120, lr=lr,
-                 checkpoint_every=5, progress=False)
-    log = json.loads((tmp_path / "log.json").read_text())["log"]
+                 unroll=unroll, checkpoint_every=5, progress=False)
+    log = json.loads((tmp_path / f"{kind}_log.json").read_text())["log"]
     first, last = sum(e["loss"] for e in log[:3]) / 3, sum(e["loss"] for e in log[-3:]) / 3
     assert last < 0.8 * first, (first, last)
     assert (tmp_path / f"{kind}.safetensors").exists() and (tmp_path / f"{kind}_loss.png").stat().st_size > 1000
     # Resuming with more epochs continues from the checkpoint's step.
-    train(kind, target, data, vocab, out_dir=tmp_path, epochs=13, tokens_per_batch=120, lr=lr, progress=False)
-    log2 = json.loads((tmp_path / "log.json").read_text())["log"]
+    train(kind, target, data, vocab, out_dir=tmp_path, epochs=13, tokens_per_batch=120, lr=lr, unroll=unroll,
+          progress=False)
+    log2 = json.loads((tmp_path / f"{kind}_log.json").read_text())["log"]
     assert log2[:len(log)] == log and len(log2) > len(log)
     cls, drafter = (EagleHead, EagleDrafter) if kind == "eagle" else (MedusaHeads, MedusaDrafter)
     trained = cls.load(tmp_path / f"{kind}.safetensors", target)

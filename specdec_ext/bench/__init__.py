@@ -23,7 +23,10 @@ def register(sub) -> None:
     bench.add_argument("--flex", action="store_true", help="attention: also time FlexAttention (compiles per shape)")
     bench.add_argument("--dtype", default=None, help="e2e: comma-separated dtypes (default float32,bfloat16)")
     bench.add_argument("--new-tokens", type=int, default=None, help="e2e: tokens generated per request (default 128)")
-    bench.add_argument("--prompts", default=None, help="e2e: comma-separated prompt names (chat,code,summarise)")
+    bench.add_argument("--prompts", default=None, help="e2e: comma-separated prompt names (chat,code,summarise, and "
+                       "heldout: held-out chat prompts of the shipped prompt set, never trained on)")
+    bench.add_argument("--drafters", default=None, help="e2e: comma-separated drafters (default ngram,eagle,medusa: "
+                       "prompt lookup and the shipped model's trained heads)")
     bench.add_argument("--sampling", default=None, help="e2e: greedy,sampled (sampled: temperature 0.7, top-p 0.9)")
     bench.add_argument("--draft", default=None, help="e2e: a draft model (HF dir or .gguf) for ModelDrafter rows")
     bench.add_argument("--plain-only", action="store_true", help="e2e: only plain decoding against transformers")

@@ -4,10 +4,12 @@ on the same weights, dtype and thread count, tokens/s as the median of repeats a
 1. Plain greedy decoding by this library's forward against transformers' `generate`: the ratio, peak RSS, and
    each row against the weight-read floor (weight bytes per decode step over the read bandwidth measured
    here); then the cost of one forward of Q = 1, 2, 3, 5, 9 new tokens relative to Q = 1.
-2. Speculative decoding (SpeculativeDecoder, n-gram drafter and, with --draft, a model drafter; fixed k and
-   adaptive), greedy and sampled (temperature 0.7, top-p 0.9), against our plain decoding of the same requests
-   and against transformers' plain and prompt-lookup generate (prompt_lookup_num_tokens=10, batch 1 only):
-   speedups, acceptance rate, mean acceptance length and the time split.
+2. Speculative decoding (SpeculativeDecoder; the n-gram drafter, the shipped EAGLE head and Medusa heads, and
+   with --draft a model drafter; fixed k and adaptive) on three fixed prompts and on held-out chat prompts of the
+   shipped prompt set (a run decodes them all, B at a time), greedy and sampled (temperature 0.7, top-p 0.9),
+   against our plain decoding of the same requests and against transformers' plain and prompt-lookup generate
+   (prompt_lookup_num_tokens=10, batch 1 only): speedups, acceptance rate (in total and per position), mean
+   acceptance length and the time split.
 """
 import resource
 import statistics
@@ -16,7 +18,7 @@ import time
 import torch
 
 from specdec_ext.decoding import SpeculativeDecoder, generate_autoregressive
-from specdec_ext.drafting import ModelDrafter, NgramDrafter
+from specdec_ext.generate import make_drafter
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
 
 from .common import median_us, report, save
@@ -32,6 +34,10 @@ PROMPTS = {
     "code": "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
     "summarise": f"Summarise this paragraph in two sentences, reusing its wording:\n\n{PARAGRAPH}",
 }
+# "heldout": the first HELDOUT_COUNT held-out prompts of the shipped prompt set in these categories (ordinary chat;
+# the draft heads never saw them).
+HELDOUT_CATEGORIES = ("chat", "explain", "list", "writing")
+HELDOUT_COUNT = 4
 
 
 def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
@@ -116,6 +122,13 @@ def batch_of(chat, i, batch):
     return [chat[(i + j) % len(chat)] for j in range(batch)]
 
 
+def heldout_prompts(tokenizer) -> list:
+    from specdec_ext.training import chat_ids, load_prompts
+
+    rows = [r for r in load_prompts("heldout") if r["category"] in HELDOUT_CATEGORIES][:HELDOUT_COUNT]
+    return [chat_ids(tokenizer, r["prompt"]) for r in rows]
+
+
 def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats, bandwidth):
     import transformers
 
@@ -160,26 +173,29 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
 
     target = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    drafters = {"ngram": NgramDrafter(3, 1)}
-    if args.draft:
-        drafters["model"] = ModelDrafter(LlamaForCausalLM.from_pretrained(args.draft, dtype=dtype))
+    # ngram, eagle and medusa (the shipped heads), and with --draft a draft model.
+    specs = (args.drafters or "ngram,eagle,medusa").split(",") + ([f"model:{args.draft}"] if args.draft else [])
+    drafters = {spec.partition(":")[0]: make_drafter(spec, target, path) for spec in specs}
+    heldout = heldout_prompts(tokenizer)
     ks = (args.k or "2,4,8,adaptive").split(",")
-    names = (args.prompts or ",".join(PROMPTS)).split(",")
+    names = (args.prompts or ",".join(PROMPTS) + ",heldout").split(",")
     modes = (args.sampling or "greedy,sampled").split(",")
     rows = []
     for batch in batches:
         for name in names:
-            prompts = batch_of(chat, list(PROMPTS).index(name), batch)
+            # heldout: every held-out prompt, B at a time (continuous batching; transformers: chunks of B).
+            prompts = heldout if name == "heldout" else batch_of(chat, list(PROMPTS).index(name), batch)
+            chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
             for mode in modes:
                 sampling = SAMPLING[mode]
-                seeds = list(range(batch))
+                seeds = list(range(len(prompts)))
                 plain = SpeculativeDecoder(target, None, max_batch_size=batch)
                 run_plain = lambda: plain.generate_autoregressive(prompts, new_tokens, seed=seeds, **sampling).sequences
                 with torch.no_grad():
-                    hf_tps, _ = tokens_per_second(
-                        lambda: transformers_generate(hf, tokenizer, prompts, new_tokens, sampling), repeats)
-                    lookup_tps = tokens_per_second(lambda: transformers_generate(
-                        hf, tokenizer, prompts, new_tokens, sampling, prompt_lookup_num_tokens=10), repeats)[0] \
+                    hf_tps, _ = tokens_per_second(lambda: [s for c in chunks for s in transformers_generate(
+                        hf, tokenizer, c, new_tokens, sampling)], repeats)
+                    lookup_tps = tokens_per_second(lambda: [s for c in chunks for s in transformers_generate(
+                        hf, tokenizer, c, new_tokens, sampling, prompt_lookup_num_tokens=10)], repeats)[0] \
                         if batch == 1 else float("nan")
                 for drafter_name, drafter in drafters.items():
                     for k in ks:
@@ -199,6 +215,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                                      "tok_s": tps, "plain_tok_s": plain_tps, "speedup": speedup,
                                      "vs_hf_plain": tps / hf_tps, "vs_hf_lookup": tps / lookup_tps,
                                      "acceptance": st.acceptance_rate, "mean_acc_len": st.mean_acceptance_length,
+                                     "acc_per_pos": "/".join(f"{a:.2f}" for a in st.acceptance_rate_per_position[:8]),
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,
                                      "sample": st.sample_s / spent, "other": st.other_s / spent,
                                      "same_as_plain": seq == plain_seq if mode == "greedy" else "-"})
@@ -208,7 +225,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
            f"{torch.get_num_threads()} threads, {new_tokens} new tokens; speedup = against our plain decoding, "
            f"vs_hf_* = against transformers' plain / prompt-lookup generate; draft..other: shares of the time", rows,
            ["B", "prompt", "sampling", "drafter", "k", "tok_s", "plain_tok_s", "speedup", "vs_hf_plain", "vs_hf_lookup",
-            "acceptance", "mean_acc_len", "draft", "verify", "sample", "other", "same_as_plain"])
+            "acceptance", "mean_acc_len", "acc_per_pos", "draft", "verify", "sample", "other", "same_as_plain"])
     return rows
 
 

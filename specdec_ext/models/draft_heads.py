@@ -1,8 +1,11 @@
 """Draft heads trained on a target model's own hidden states (its last layer's output, before the final norm).
 
-EagleHead (EAGLE, Li et al. 2024): fc(concat(embedding of token j+1, feature of token j)) -> one Llama decoder
-layer with its own KV cache -> the target's final norm -> the target's LM head restricted to a draft vocabulary.
-Its output at pair j is its estimate of the feature of token j+1, so later draft steps feed their own outputs.
+EagleHead (EAGLE, Li et al. 2024): fc(concat(embedding of token j+1, RMSNorm(feature of token j))) -> one Llama
+decoder layer with its own KV cache -> the target's final norm -> the target's LM head restricted to a draft
+vocabulary. Its output at pair j is its estimate of the feature of token j+1, so later draft steps feed their own
+outputs. The input norm (learned, as EAGLE-3's) makes the head blind to the features' scale, as the final norm
+is: a small model's residual stream runs to RMS 30 with single dimensions in the hundreds, which would swamp the
+token embedding in fc.
 
 MedusaHeads (Medusa, Cai et al. 2024): head i = ResBlock (z + SiLU(W_i z + b_i)) on the normed feature z of the
 last scored token -> the same restricted LM head, predicting the token i + 1 places after the one that feature
@@ -44,6 +47,7 @@ class EagleHead(nn.Module):
                                            tie_word_embeddings=True)
         self.decoder = LlamaForCausalLM(layer_config, dtype=target.dtype, device=target.device, ops=target.ops)
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True, dtype=target.dtype, device=target.device)
+        self.feature_norm = nn.Parameter(torch.ones(c.hidden_size, dtype=target.dtype, device=target.device))
         self.target_config = c
         self.share_target_weights(target)
 
@@ -69,9 +73,14 @@ class EagleHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
         return self
 
-    def inputs(self, next_tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[B, P] tokens j+1 and [B, P, H] features of tokens j -> the decoder layer's input [B, P, H]."""
-        return linear(torch.cat((F.embedding(next_tokens, self.embed), features), dim=-1), self.fc.weight, self.fc.bias)
+    def inputs(self, next_tokens: torch.Tensor, features: torch.Tensor, noise: float = 0.0) -> torch.Tensor:
+        """[B, P] tokens j+1 and [B, P, H] features of tokens j -> the decoder layer's input [B, P, H]. noise:
+        training's uniform noise in [-noise, noise] on the normed features (the head then tolerates the inexact
+        features it feeds itself at later draft steps)."""
+        normed = rms_norm(features, self.feature_norm, self.target_config.rms_norm_eps)
+        if noise:
+            normed = normed + (torch.rand_like(normed) - 0.5) * (2 * noise)
+        return linear(torch.cat((F.embedding(next_tokens, self.embed), normed), dim=-1), self.fc.weight, self.fc.bias)
 
     def forward(self, next_tokens, features, kv_cache, *, cache_rows=slice(None), logits_indices=None):
         """Returns (logits over the draft vocabulary [B, P or n, Vd] float32, predicted features [B, P, H])."""
@@ -81,6 +90,7 @@ class EagleHead(nn.Module):
     def trained_state(self) -> dict:
         """The weights a file holds: fc and the decoder layer (not the target's shared tensors)."""
         state = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        state["feature_norm"] = self.feature_norm
         layer = self.decoder.layers[0]
         for name in ("input_layernorm", "qkv_proj", "qkv_bias", "o_proj", "post_attention_layernorm", "gate_up_proj",
                      "down_proj"):
@@ -88,8 +98,9 @@ class EagleHead(nn.Module):
                 state[f"layer.{name}"] = getattr(layer, name)
         return state
 
-    def save(self, path) -> None:
-        save_head(path, "eagle", self.trained_state(), self.draft_vocab, self.target_config, {})
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """dtype: the weights' dtype in the file (default: as they are); load casts them to the target's."""
+        save_head(path, "eagle", self.trained_state(), self.draft_vocab, self.target_config, {}, dtype)
 
     @classmethod
     def load(cls, path, target: LlamaForCausalLM) -> "EagleHead":
@@ -98,6 +109,7 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             head.fc.weight.copy_(tensors.pop("fc.weight"))
             head.fc.bias.copy_(tensors.pop("fc.bias"))
+            head.feature_norm.copy_(tensors.pop("feature_norm"))
             layer = head.decoder.layers[0]
             for name, t in tensors.items():
                 getattr(layer, name.removeprefix("layer.")).copy_(t)
@@ -133,9 +145,10 @@ class MedusaHeads(nn.Module):
         h = z + F.silu(torch.einsum("bxh,koh->bko", z, self.weight) + self.bias)
         return linear(h, self.lm_head).float()
 
-    def save(self, path) -> None:
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """dtype: the weights' dtype in the file (default: as they are); load casts them to the target's."""
         save_head(path, "medusa", {"weight": self.weight, "bias": self.bias}, self.draft_vocab, self.target_config,
-                  {"num_heads": self.num_heads})
+                  {"num_heads": self.num_heads}, dtype)
 
     @classmethod
     def load(cls, path, target: LlamaForCausalLM) -> "MedusaHeads":
@@ -161,10 +174,11 @@ def check_target(made_for: LlamaConfig, target: LlamaForCausalLM, what: str) -> 
         raise ValueError(f"{what}: made for another model: " + ", ".join(wrong))
 
 
-def save_head(path, kind: str, state: dict, draft_vocab: torch.Tensor, config: LlamaConfig, extra: dict) -> None:
+def save_head(path, kind: str, state: dict, draft_vocab: torch.Tensor, config: LlamaConfig, extra: dict,
+              dtype: torch.dtype | None = None) -> None:
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
     tensors["draft_vocab"] = draft_vocab.cpu().to(torch.int64)
     meta = {"kind": kind, "target": json.dumps({k: getattr(config, k) for k in SHAPE_KEYS}),
             **{k: str(v) for k, v in extra.items()}}
