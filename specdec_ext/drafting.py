@@ -225,8 +225,8 @@ class EagleDrafter:
 
     The head's cache holds pairs (feature of token j, token j + 1) whose features are the target's. A prompt's
     pairs are fed at admission; at a round's start every pair not yet in it is fed in one ragged forward (the
-    features the target's last verify block returned); its last output gives the first draft, and each later draft step feeds the head's own
-    predicted feature with the token just drafted. Those draft-step pairs are dropped after the round: the next
+    features the target's last verify block returned); its last output gives the first draft, and each later
+    draft step feeds the head's own predicted feature with the token just drafted. Those draft-step pairs are dropped after the round: the next
     round feeds the target's features of whatever was accepted instead."""
 
     needs_hidden_states = True
