@@ -87,17 +87,19 @@ PyObject* error_bit_dict(const specdec::ErrorBit (&table)[N]) {
 // The constants the Python layer checks against and reports with, defined once in C++: the ops' limits and
 // the meaning of each error bit.
 PyObject* constants(PyObject*, PyObject*) {
-  PyObject* limits = Py_BuildValue("{s:i,s:i,s:i,s:L,s:i,s:i,s:i}", "max_skinny_rows", specdec::kMaxSkinnyRows,
+  PyObject* limits = Py_BuildValue("{s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:i}", "max_skinny_rows", specdec::kMaxSkinnyRows,
                                    "max_draft_tokens", specdec::kMaxDraftTokens,
                                    "max_verify_queries", specdec::kMaxVerifyQueries, "max_head_dim",
                                    specdec::kMaxHeadDim, "max_vocab", static_cast<long long>(specdec::kMaxVocab),
-                                   "max_block_len", specdec::kMaxBlockLen, "max_cache_layers", specdec::kMaxCacheLayers);
+                                   "max_block_len", specdec::kMaxBlockLen, "max_cache_layers", specdec::kMaxCacheLayers,
+                                   "max_tree_nodes", specdec::kMaxTreeNodes);
   PyObject* errors = PyDict_New();
   auto add = [errors](const char* op, PyObject* table) {
     PyDict_SetItemString(errors, op, table);
     Py_DECREF(table);
   };
   add("chain_speculative_sampling", error_bit_dict(specdec::kSamplingErrorBits));
+  add("tree_speculative_sampling", error_bit_dict(specdec::kTreeSamplingErrorBits));
   add("truncate_kv_cache", error_bit_dict(specdec::kTruncateErrorBits));
   add("verify_attention", error_bit_dict(specdec::kAttentionErrorBits));
   PyObject* d = Py_BuildValue("{s:N,s:N}", "limits", limits, "error_bits", errors);

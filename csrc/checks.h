@@ -187,6 +187,127 @@ inline std::string sampling_error_message(int32_t bits, bool logits) {
 
 }  // namespace specdec
 
+#include "specdec/tree_sampling.h"
+
+namespace specdec {
+
+inline const char* tree_sampling_op_name(bool logits) {
+  return logits ? "tree_speculative_sampling_from_logits" : "tree_speculative_sampling";
+}
+
+// Checks the arguments of both tree sampling ops and gathers them into the kernels' parameters.
+inline TreeSamplingParams make_tree_params(const at::Tensor& parents, const at::Tensor& candidate_token_ids,
+                                           const at::Tensor& num_nodes, const at::Tensor& target,
+                                           const std::optional<at::Tensor>& draft, const at::Tensor& greedy_or_temperature,
+                                           const at::Tensor& seed, const at::Tensor& offset,
+                                           const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
+                                           const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags,
+                                           bool logits) {
+  const char* op = tree_sampling_op_name(logits);
+  const char* tname = logits ? "target_logits" : "target_probs";
+  const char* dname = logits ? "draft_logits" : "draft_probs";
+  TORCH_CHECK_VALUE(parents.dim() == 2 && parents.scalar_type() == at::kInt && parents.is_contiguous(), op,
+                    ": parents must be a contiguous [B, N] int32 tensor, got ", parents.sizes(), " ", parents.scalar_type());
+  const int64_t B = parents.size(0), N = parents.size(1);
+  TORCH_CHECK_VALUE(N >= 1 && N <= kMaxTreeNodes, op, ": the number of tree nodes N must be in [1, ", kMaxTreeNodes,
+                    "], got ", N);
+  TORCH_CHECK_VALUE(candidate_token_ids.dim() == 2 && candidate_token_ids.size(0) == B && candidate_token_ids.size(1) == N &&
+                        (candidate_token_ids.scalar_type() == at::kInt || candidate_token_ids.scalar_type() == at::kLong) &&
+                        candidate_token_ids.is_contiguous(),
+                    op, ": candidate_token_ids must be a contiguous [B, N] = [", B, ", ", N, "] int32 or int64 tensor, got ",
+                    candidate_token_ids.sizes(), " ", candidate_token_ids.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == N, op, ": ", tname,
+                    " must be [B, N, V] = [", B, ", ", N, ", V], got ", target.sizes());
+  const auto dtype = target.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", tname,
+                    " must be float32, float16 or bfloat16, got ", dtype);
+  const int64_t V = target.size(2);
+  TORCH_CHECK_VALUE(V >= 1 && V <= kMaxVocab, op, ": the vocabulary size V must be in [1, ", kMaxVocab, "], got ", V);
+  TORCH_CHECK_VALUE(target.stride(2) == 1, op, ": ", tname, " must be contiguous in its last (vocabulary) dimension");
+  const auto device = target.device();
+  auto same_device = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", tname, " is on ", device);
+  };
+  auto vector_of = [&](const at::Tensor& t, const char* name, at::ScalarType type) {
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == B && t.scalar_type() == type && t.is_contiguous(), op, ": ", name,
+                      " must be a contiguous [B] = [", B, "] ", type, " tensor, got ", t.sizes(), " ", t.scalar_type());
+    same_device(t, name);
+  };
+  auto matrix_of = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.size(1) == N && t.scalar_type() == at::kInt && t.is_contiguous(),
+                      op, ": ", name, " must be a contiguous [B, N] = [", B, ", ", N, "] int32 tensor, got ", t.sizes(), " ",
+                      t.scalar_type());
+    same_device(t, name);
+  };
+  same_device(parents, "parents");
+  same_device(candidate_token_ids, "candidate_token_ids");
+  TreeSamplingParams T{};
+  ChainSamplingParams& P = T.rows;
+  if (draft.has_value()) {
+    const at::Tensor& d = *draft;
+    TORCH_CHECK_VALUE(d.dim() == 3 && d.size(0) == B && d.size(1) == N && d.size(2) == V, op, ": ", dname,
+                      " must be [B, N, V] = [", B, ", ", N, ", ", V, "], got ", d.sizes());
+    TORCH_CHECK_VALUE(d.scalar_type() == dtype, op, ": ", dname, " must have the dtype of ", tname, " (", dtype, "), got ",
+                      d.scalar_type());
+    TORCH_CHECK_VALUE(d.stride(2) == 1, op, ": ", dname, " must be contiguous in its last (vocabulary) dimension");
+    same_device(d, dname);
+    P.draft = d.data_ptr();
+    P.draft_stride_b = d.stride(0);
+    P.draft_stride_k = d.stride(1);
+  }
+  vector_of(num_nodes, "num_nodes", at::kInt);
+  vector_of(greedy_or_temperature, logits ? "temperature" : "greedy", logits ? at::kFloat : at::kBool);
+  vector_of(seed, "seed", at::kLong);
+  vector_of(offset, "offset", at::kLong);
+  matrix_of(output_token_ids, "output_token_ids");
+  matrix_of(accepted_nodes, "accepted_nodes");
+  vector_of(num_accepted, "num_accepted", at::kInt);
+  P.error_flags = error_flags_pointer(op, error_flags, device);
+  P.target = target.data_ptr();
+  P.target_stride_b = target.stride(0);
+  P.target_stride_k = target.stride(1);
+  if (logits) {
+    P.temperature = greedy_or_temperature.data_ptr<float>();
+  } else {
+    P.greedy = greedy_or_temperature.data_ptr<bool>();
+  }
+  P.seed = seed.data_ptr<int64_t>();
+  P.offset = offset.data_ptr<int64_t>();
+  P.batch = B;
+  P.num_draft = N;
+  P.vocab = V;
+  P.logits = logits;
+  T.parents = parents.data_ptr<int32_t>();
+  T.token_ids = candidate_token_ids.data_ptr();
+  T.token_ids_int64 = candidate_token_ids.scalar_type() == at::kLong;
+  T.num_nodes = num_nodes.data_ptr<int32_t>();
+  T.output_token_ids = output_token_ids.data_ptr<int32_t>();
+  T.accepted_nodes = accepted_nodes.data_ptr<int32_t>();
+  T.num_accepted = num_accepted.data_ptr<int32_t>();
+  T.nodes = N;
+  return T;
+}
+
+inline constexpr ErrorBit kTreeSamplingErrorBits[] = {
+    {kErrTargetNonFinite, "{target} holds NaN or inf (-inf is allowed in logits)"},
+    {kErrDraftNonFinite, "{draft} holds NaN or inf (-inf is allowed in logits)"},
+    {kErrDraftTokenId, "candidate_token_ids holds ids outside [0, V) below num_nodes"},
+    {kErrTemperature, "temperature must be finite and >= 0"},
+    {kErrTargetNoMass, "{target} has a row to sample from with no mass (every logit -inf, or every probability 0)"},
+    {kErrTreeParent, "parents is not a tree: the root's parent must be -1 and every other node's an earlier node "
+                     "(a parent out of range, after its child, or a cycle)"},
+    {kErrNumNodes, "num_nodes holds values outside [1, N]"},
+    {kErrDuplicateSibling, "candidate_token_ids repeats a token among the children of one node"},
+};
+
+inline std::string tree_sampling_error_message(int32_t bits, bool logits) {
+  return std::string(tree_sampling_op_name(logits)) + ": invalid input: " +
+         describe_error_bits(bits, kTreeSamplingErrorBits, logits ? "target_logits" : "target_probs",
+                             logits ? "draft_logits" : "draft_probs");
+}
+
+}  // namespace specdec
+
 #include "specdec/kv_cache.h"
 
 namespace specdec {

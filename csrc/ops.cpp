@@ -22,6 +22,21 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags) -> ()");
 
+  // Tree speculative sampling (README "Tree speculation", specdec/tree_sampling.h): per request a tree of N <= 64
+  // nodes (parents [B, N] int32, -1 for the root and padding; candidate_token_ids [B, N] int32/int64; num_nodes
+  // [B] int32), target rows at every node [B, N, V], optionally the draft rows each node's children were
+  // sampled from without replacement [B, N, V]. Writes the accepted path's tokens then the last token
+  // (output_token_ids [B, N] int32, -1 padded), its node indices from the root (accepted_nodes [B, N] int32, -1
+  // padded) and num_accepted [B] int32; ORs invalid-input bits into error_flags (the CPU kernel raises instead).
+  m.def(
+      "tree_speculative_sampling(Tensor parents, Tensor candidate_token_ids, Tensor num_nodes, Tensor target_probs, "
+      "Tensor? draft_probs, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
+      "Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags) -> ()");
+  m.def(
+      "tree_speculative_sampling_from_logits(Tensor parents, Tensor candidate_token_ids, Tensor num_nodes, "
+      "Tensor target_logits, Tensor? draft_logits, Tensor temperature, Tensor seed, Tensor offset, "
+      "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags) -> ()");
+
   // KV-cache truncation after verification (DESIGN.md §3.3): cache_seqlens[b] += num_kept[b]; with kept_indices
   // (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the discarded slots
   // of the block are zeroed. Layers are the lists k_caches / v_caches (contiguous or paged with block_table).

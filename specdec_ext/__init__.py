@@ -9,11 +9,14 @@ from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from .kv_cache import PagedKVCache, StaticKVCache
 from .ops import (
     SamplingOutput,
+    TreeSamplingOutput,
     chain_speculative_sampling,
     chain_speculative_sampling_from_logits,
     is_strict,
     philox_uniform,
     set_strict,
+    tree_speculative_sampling,
+    tree_speculative_sampling_from_logits,
     truncate_kv_cache,
     verify_attention,
 )
@@ -40,11 +43,14 @@ __all__ = [
     "PagedKVCache",
     "SamplingOutput",
     "StaticKVCache",
+    "TreeSamplingOutput",
     "chain_speculative_sampling",
     "chain_speculative_sampling_from_logits",
     "is_strict",
     "philox_uniform",
     "set_strict",
+    "tree_speculative_sampling",
+    "tree_speculative_sampling_from_logits",
     "truncate_kv_cache",
     "verify_attention",
 ]

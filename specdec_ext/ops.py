@@ -249,6 +249,96 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     return out
 
 
+class TreeSamplingOutput(NamedTuple):
+    output_token_ids: torch.Tensor  # [B, N] int32: the accepted nodes' tokens, the resampled or bonus token, then -1
+    accepted_nodes: torch.Tensor  # [B, N] int32: the accepted path's nodes from the root (0), then -1
+    num_accepted: torch.Tensor  # [B] int32: accepted nodes below the root; tokens emitted = num_accepted + 1
+
+
+def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parents, num_nodes, logits: bool) -> None:
+    """Strict mode: every target row below num_nodes[b], and the draft row of every node with children, holds
+    valid values, and every such target row has mass, whether or not this round reads it."""
+    n = target.shape[1]
+    owned = torch.arange(n, device=target.device) < num_nodes.clamp(1, n).unsqueeze(-1)
+    rows = [(tname, target, owned)]
+    if draft is not None:
+        parent_rows = parents.long().clamp(0, n - 1)
+        has_child = torch.zeros_like(owned).scatter_(1, parent_rows, owned & (parents >= 0))
+        rows.append((dname, draft, has_child))
+    for name, x, mask in rows:
+        invalid = (x.isnan() | x.isposinf() if logits else ~x.isfinite()).any(-1)
+        bad = (invalid & mask).nonzero()
+        if len(bad):
+            b, i = bad[0].tolist()
+            raise ValueError(f"{op}: invalid input: {name}[{b}, {i}] holds NaN or +inf" + ("" if logits else " (or -inf)"))
+    best = target.amax(-1)
+    empty = ~(best > (float("-inf") if logits else 0.0)) & owned
+    if empty.any():
+        b, i = empty.nonzero()[0].tolist()
+        raise ValueError(f"{op}: invalid input: {tname}[{b}, {i}] has no mass (every logit -inf, or every "
+                         "probability 0)")
+
+
+def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
+                   seed, offset, generator, out, records_errors) -> TreeSamplingOutput:
+    op = "tree_speculative_sampling_from_logits" if logits else "tree_speculative_sampling"
+    tname = "target_logits" if logits else "target_probs"
+    dname = "draft_logits" if logits else "draft_probs"
+    for name, t in (("parents", parents), ("candidate_token_ids", candidate_token_ids)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be a [B, N] tensor")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
+    if draft is not None and not isinstance(draft, torch.Tensor):
+        raise TypeError(f"{op}: {dname} must be a tensor or None, got {type(draft).__name__}")
+    batch, n = parents.shape
+    if not 1 <= n <= LIMITS["max_tree_nodes"]:
+        raise ValueError(f"{op}: the number of tree nodes N must be in [1, {LIMITS['max_tree_nodes']}], got {n}")
+    if candidate_token_ids.shape != parents.shape:
+        raise ValueError(f"{op}: candidate_token_ids must have the shape of parents {tuple(parents.shape)}, got "
+                         f"{tuple(candidate_token_ids.shape)}")
+    device = target.device
+    _check_devices(op, device, tname, parents=parents, candidate_token_ids=candidate_token_ids, **{dname: draft})
+    parents = _as_int32(parents, "parents", op).contiguous()
+    if candidate_token_ids.dtype not in (torch.int32, torch.int64):
+        candidate_token_ids = _as_int32(candidate_token_ids, "candidate_token_ids", op)
+    candidate_token_ids = candidate_token_ids.contiguous()
+    num_nodes = torch.full((batch,), n, dtype=torch.int32, device=device) if num_nodes is None else \
+        _per_request(num_nodes, "num_nodes", op, batch, device, torch.int32)
+    if logits:
+        t = greedy_or_temperature
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t >= 0 and t != float("inf")):
+            raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
+        control = _per_request(t, "temperature", op, batch, device, torch.float32)
+    else:
+        control = _per_request(False if greedy_or_temperature is None else greedy_or_temperature, "greedy", op, batch,
+                               device, torch.bool)
+    if seed is None:
+        _refuse_frozen_scalar(None, "seed", op)
+        gen_device = generator.device if generator is not None else device
+        seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
+    else:
+        seed = _request_vector(seed, "seed", op, batch, device)
+    offset = _request_vector(0 if offset is None else offset, "offset", op, batch, device)
+    if out is None:
+        out = TreeSamplingOutput(torch.empty((batch, n), dtype=torch.int32, device=device),
+                                 torch.empty((batch, n), dtype=torch.int32, device=device),
+                                 torch.empty((batch,), dtype=torch.int32, device=device))
+    elif not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise ValueError(f"{op}: out must be a tuple (output_token_ids [B, N] int32, accepted_nodes [B, N] int32, "
+                         "num_accepted [B] int32)")
+    out = TreeSamplingOutput(*out)
+    _check_devices(op, device, tname, output_token_ids=out.output_token_ids, accepted_nodes=out.accepted_nodes,
+                   num_accepted=out.num_accepted)
+    flags = _error_flags(op, device, records_errors)
+    fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
+    fn(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags)
+    _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
+    if _strict and target.dim() == 3 and target.shape[0] and not _capturing():
+        _check_every_tree_row(op, tname, dname, target, draft, parents, num_nodes, logits)
+    return out
+
+
 def _layers(caches, name: str) -> list:
     """A list of per-layer caches from a list/tuple or one stacked [L, ...] tensor."""
     if isinstance(caches, torch.Tensor):
@@ -367,6 +457,36 @@ class Ops:
                                offset=offset, generator=generator, out=out,
                                records_errors=self.records_errors(target_logits))
 
+    def tree_speculative_sampling(self, parents, candidate_token_ids, target_probs, draft_probs=None, *,
+                                  num_nodes=None, greedy=None, seed=None, offset=None, generator=None,
+                                  out=None) -> TreeSamplingOutput:
+        """Tree speculative sampling from probabilities (README "Tree speculation"): walks a tree of candidates
+        from its root, accepting at each node one child or none, so that every emitted token is distributed as
+        the target's; lossless for point proposals (no draft_probs) and for children sampled without
+        replacement from draft_probs.
+
+        parents [B, N] (N <= 64): node c's parent, an earlier node; -1 for the root (node 0, the last emitted
+        token) and padding. candidate_token_ids [B, N] int32/int64: each node's token, distinct among siblings.
+        target_probs [B, N, V]: the target at every node. draft_probs [B, N, V] or None: row n is the draft
+        distribution node n's children were drawn from, without replacement and in index order.
+        num_nodes [B] (ragged trees), greedy [B] bool or a bool (follow the target's argmax), seed/offset
+        (RNG contract; node c draws uniform c - 1 of stream 0, the last token uniform 0 of stream 1), out.
+        Returns TreeSamplingOutput(output_token_ids [B, N], accepted_nodes [B, N] (truncate_kv_cache's
+        kept_indices, with num_kept = num_accepted + 1), num_accepted [B]).
+        """
+        return _tree_sampling(self.namespace, parents, candidate_token_ids, target_probs, draft_probs, logits=False,
+                              num_nodes=num_nodes, greedy_or_temperature=greedy, seed=seed, offset=offset,
+                              generator=generator, out=out, records_errors=self.records_errors(target_probs))
+
+    def tree_speculative_sampling_from_logits(self, parents, candidate_token_ids, target_logits, draft_logits=None, *,
+                                              temperature, num_nodes=None, seed=None, offset=None, generator=None,
+                                              out=None) -> TreeSamplingOutput:
+        """tree_speculative_sampling from logits: softmax(logits / temperature[b]) in float32 inside the kernel,
+        never written to memory; temperature 0 makes a request greedy."""
+        return _tree_sampling(self.namespace, parents, candidate_token_ids, target_logits, draft_logits, logits=True,
+                              num_nodes=num_nodes, greedy_or_temperature=temperature, seed=seed, offset=offset,
+                              generator=generator, out=out, records_errors=self.records_errors(target_logits))
+
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False) -> None:
         """Cuts the KV cache back after verification (DESIGN.md §3.3), in place, without a host sync on CUDA.
@@ -407,6 +527,8 @@ NATIVE = Ops(torch.ops.specdec, records_errors=_on_device)
 philox_uniform = NATIVE.philox_uniform
 chain_speculative_sampling = NATIVE.chain_speculative_sampling
 chain_speculative_sampling_from_logits = NATIVE.chain_speculative_sampling_from_logits
+tree_speculative_sampling = NATIVE.tree_speculative_sampling
+tree_speculative_sampling_from_logits = NATIVE.tree_speculative_sampling_from_logits
 truncate_kv_cache = NATIVE.truncate_kv_cache
 verify_attention = NATIVE.verify_attention
 
@@ -436,8 +558,9 @@ def _register_fakes(namespace: str) -> None:
     def _(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))
 
-    for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "truncate_kv_cache"):
-        # Both write only their output arguments.
+    for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "tree_speculative_sampling",
+                 "tree_speculative_sampling_from_logits", "truncate_kv_cache"):
+        # Each writes only its output arguments.
         torch.library.register_fake(f"{namespace}::{name}")(lambda *args: None)
 
 

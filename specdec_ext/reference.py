@@ -142,6 +142,142 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
 
 
 # ---------------------------------------------------------------------------------------------------
+# Tree speculative sampling (the method is README "Tree speculation" and csrc/include/specdec/tree_sampling.h).
+# Node c > 0 is tested with uniform c - 1 of stream 0 (a chain-shaped tree draws what the chain op draws), the
+# last token with uniform 0 of stream 1. Vectorised over requests: one step per tree depth, one per child.
+def tree_node_errors(parents, candidate_token_ids, num_nodes, vocab) -> list:
+    """What is malformed in each request's tree, as messages (empty if nothing): the root's parent is not -1,
+    a parent is not an earlier node (out of range, after its child, a cycle), a candidate id is outside
+    [0, V), or two children of one node carry the same token."""
+    errors = []
+    for b in range(parents.shape[0]):
+        n, par, ids = int(num_nodes[b]), parents[b].tolist(), candidate_token_ids[b].tolist()
+        if not 1 <= n <= parents.shape[1]:
+            errors.append(f"num_nodes[{b}] = {n} is outside [1, N]")
+            continue
+        if par[0] != -1:
+            errors.append(f"parents[{b}, 0] must be -1 (node 0 is the root)")
+        seen = set()
+        for c in range(1, n):
+            if not 0 <= par[c] < c:
+                errors.append(f"parents[{b}, {c}] = {par[c]} is not an earlier node")
+            elif not 0 <= ids[c] < vocab:
+                errors.append(f"candidate_token_ids[{b}, {c}] = {ids[c]} is outside [0, V)")
+            elif (par[c], ids[c]) in seen:
+                errors.append(f"node {c} of request {b} repeats a sibling's token {ids[c]}")
+            seen.add((par[c], ids[c]))
+    return errors
+
+
+def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset):
+    """p_rows [B, N, V] float64 target probabilities at every node; q_rows [B, N, V] (row n: the draft
+    distribution n's children were drawn from without replacement) or None (point proposals)."""
+    batch, n = parents.shape
+    vocab = p_rows.shape[-1]
+    errors = tree_node_errors(parents, candidate_token_ids, num_nodes, vocab)
+    if errors:
+        raise ValueError("tree_speculative_sampling: malformed tree: " + "; ".join(errors))
+    device = parents.device
+    rows, nodes = torch.arange(batch, device=device), torch.arange(n, device=device)
+    par, ids = parents.long(), candidate_token_ids.long()
+    in_tree = (nodes > 0) & (nodes < num_nodes.long().unsqueeze(-1))
+    u_node = torch.cat([torch.ones(batch, 1, device=device), philox_uniform(seed, offset, n, stream=0)[:, :n - 1]], 1)
+    u_resample = philox_uniform(seed, offset, 1, stream=1)[:, 0]
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    depth = torch.zeros_like(node)
+    token = torch.full_like(node, -1)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    path = torch.full((batch, n), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    for _ in range(n):
+        p = p_rows[rows, node]
+        children = in_tree & (par == node.unsqueeze(-1)) & ~done.unsqueeze(-1)
+        best = p.argmax(-1)
+        match = children & (ids == best.unsqueeze(-1))
+        nxt = torch.where(greedy & match.any(-1), match.int().argmax(-1), -1)
+        # Sampling rows: the children in index order against the residual r (starts at p) and q (starts at the
+        # node's draft row); a rejected point proposal leaves the residual, a rejected sample without
+        # replacement makes r = norm(max(0, r - q)) and removes the token from q.
+        r = p.clone()
+        q = q_rows[rows, node].clone() if q_rows is not None else None
+        stalled = torch.zeros_like(done)  # the residual summed to 0 (r == q): the token comes from p itself
+        remaining = children & ~greedy.unsqueeze(-1)
+        while remaining.any():
+            has = remaining.any(-1)
+            c = torch.where(has, remaining.int().argmax(-1), 0)
+            remaining[rows, c] = False
+            testing = has & (nxt < 0) & ~stalled
+            x = ids[rows, c]
+            rx = r[rows, x]
+            if q is None:
+                accept = testing & (u_node[rows, c] * r.sum(-1) < rx)
+            else:
+                qx = q[rows, x]
+                accept = testing & (qx > 0) & (u_node[rows, c] * qx < rx)
+            nxt = torch.where(accept, c, nxt)
+            rejected = testing & ~accept
+            if q is None:
+                r[rows[rejected], x[rejected]] = 0.0
+            else:
+                residual = (r - q).clamp_min(0)
+                total = residual.sum(-1, keepdim=True)
+                stalled |= rejected & ~(total.squeeze(-1) > 0)
+                r = torch.where(rejected.unsqueeze(-1), torch.where(total > 0, residual / total, residual), r)
+                q[rows[rejected], x[rejected]] = 0.0
+                q_total = q.sum(-1, keepdim=True)
+                q = torch.where(rejected.unsqueeze(-1), torch.where(q_total > 0, q / q_total, 0.0), q)
+        moving = ~done & (nxt >= 0)
+        stopping = ~done & ~moving
+        mass = torch.where((stalled | ~(r.sum(-1) > 0)).unsqueeze(-1), p, r)
+        drawn = torch.where(greedy, best, _inverse_cdf(mass, u_resample))
+        token = torch.where(stopping, drawn, token)
+        node = torch.where(moving, nxt, node)
+        depth = depth + moving.long()
+        path[rows[moving], depth[moving]] = node[moving]
+        done |= stopping
+        if bool(done.all()):
+            break
+    path_tokens = ids.gather(1, path.clamp_min(0))[:, 1:]  # the tokens of the accepted nodes below the root
+    out = torch.full((batch, n), -1, dtype=torch.int32, device=device)
+    out[:, :n - 1] = torch.where(nodes[:n - 1] < depth.unsqueeze(-1), path_tokens, -1).int()
+    out[rows, depth] = token.int()
+    return out, path.int(), depth.int()
+
+
+def _tree_defaults(parents, num_nodes, seed, offset):
+    batch, n = parents.shape
+    device = parents.device
+    full = lambda v, dtype: v.to(device=device, dtype=dtype).expand(batch) if isinstance(v, torch.Tensor) else \
+        torch.full((batch,), v, dtype=dtype, device=device)
+    return (full(n if num_nodes is None else num_nodes, torch.int32), full(seed, torch.int64),
+            full(0 if offset is None else offset, torch.int64))
+
+
+def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_probs=None, *, num_nodes=None,
+                              greedy=None, seed, offset=None):
+    """Reference of specdec_ext.tree_speculative_sampling (seed required). Returns (output_token_ids,
+    accepted_nodes, num_accepted)."""
+    num_nodes, seed, offset = _tree_defaults(parents, num_nodes, seed, offset)
+    greedy = torch.as_tensor(False if greedy is None else greedy, device=parents.device).expand(parents.shape[0])
+    q_rows = None if draft_probs is None else draft_probs.double()
+    return _tree_reference(parents, candidate_token_ids, num_nodes, target_probs.double(), q_rows, greedy, seed,
+                           offset)
+
+
+def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_logits, draft_logits=None, *,
+                                          temperature, num_nodes=None, seed, offset=None):
+    """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64."""
+    batch = parents.shape[0]
+    num_nodes, seed, offset = _tree_defaults(parents, num_nodes, seed, offset)
+    t = torch.as_tensor(temperature, dtype=torch.float64, device=parents.device).expand(batch)
+    greedy = t == 0
+    scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
+    p_rows = torch.softmax(target_logits.double() * scale, -1)
+    q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
+    return _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset)
+
+
+# ---------------------------------------------------------------------------------------------------
 def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
                       block_table=None, clear=False) -> None:
     """Reference of specdec_ext.truncate_kv_cache: request by request, layer by layer, in place."""

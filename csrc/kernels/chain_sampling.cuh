@@ -201,8 +201,9 @@ struct ClusterSamplingEngine {
   }
 
   // The block sum of the masses of the block at v0 (0 past the vocabulary), from its raw target and draft
-  // values; the masses themselves into m if given.
-  SPECDEC_DEVICE float block_mass(const RawBlock& rp, const RawBlock& rq, bool has_q, const MassSpec& spec, int v0,
+  // values; the masses themselves into m if given. Spec: MassSpec (chain) or TreeMass (tree_sampling.h).
+  template <typename Spec>
+  SPECDEC_DEVICE float block_mass(const RawBlock& rp, const RawBlock& rq, bool has_q, const Spec& spec, int v0,
                                   float* m = nullptr) {
     float xp[kLaneEntries], xq[kLaneEntries], mass[kLaneEntries];
     to_floats(rp, v0, true, xp);
@@ -218,7 +219,8 @@ struct ClusterSamplingEngine {
   // Pass 1 of sampling: every group's total in every tile (the pairwise tree over its lanes' block sums)
   // into group_totals[t * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
   // This block's groups only: group g's totals are in group_totals of cluster rank g / kWarps.
-  SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const MassSpec& spec) {
+  template <typename Spec>
+  SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec) {
     const bool has_q = row_q != nullptr;
     for_each_tile(row_p, vec_p, row_q, vec_q, [&](const RawBlock& p, const RawBlock& q, int t, int v0) {
       const float group_total = group_reduce<kGroup>(block_mass(p, q, has_q, spec, v0), FloatSum{});
@@ -226,8 +228,10 @@ struct ClusterSamplingEngine {
     });
   }
 
-  SPECDEC_DEVICE_NOINLINE int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
-    const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
+  // Pass 1 and the totals: group_totals of every tile (all groups, in every block of the cluster), tile_totals,
+  // and the row's total, which every thread returns.
+  template <typename Spec>
+  SPECDEC_DEVICE float row_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec) {
     const int tiles = this->tiles();
     tile_group_totals(row_p, row_q, vec_p, vec_q, spec);
     sync_all();
@@ -247,9 +251,25 @@ struct ClusterSamplingEngine {
       tile_totals[threadIdx.x] = total;
     }
     sync_threads();
+    float total = 0.0f;
+    for (int t = 0; t < tiles; ++t) total = fadd(total, tile_totals[t]);
+    return total;
+  }
+
+  // The row's total mass under spec, in the canonical order (every thread returns it).
+  template <typename Spec>
+  SPECDEC_DEVICE_NOINLINE float total(const T* row_p, const T* row_q, const Spec& spec) {
+    const float r = row_totals(row_p, row_q, vector_row(row_p), vector_row(row_q), spec);
+    sync_threads();  // tile_totals is read by every thread before the next pass writes it
+    return r;
+  }
+
+  template <typename Spec>
+  SPECDEC_DEVICE_NOINLINE int32_t sample(const T* row_p, const T* row_q, const Spec& spec, float u) {
+    const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
+    const int tiles = this->tiles();
+    const float total = row_totals(row_p, row_q, vec_p, vec_q, spec);
     if (threadIdx.x == 0) {
-      float total = 0.0f;
-      for (int t = 0; t < tiles; ++t) total = fadd(total, tile_totals[t]);
       int32_t group = -1;
       if (total > 0.0f && is_finite(total)) {
         const float threshold = fmul(u, total);

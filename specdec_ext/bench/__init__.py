@@ -2,7 +2,7 @@
 decoding benchmark, shipped with the package so that an installed wheel runs them."""
 import importlib
 
-BENCHMARKS = ("attention", "e2e", "philox", "sampling")
+BENCHMARKS = ("attention", "e2e", "philox", "sampling", "tree_sampling")
 
 
 def run(args) -> int:
@@ -18,7 +18,7 @@ def register(sub) -> None:
     bench.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG file")
     bench.add_argument("--batch", default=None, help="comma-separated batch sizes (default: the benchmark's grid)")
     bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens (attention: queries Q; "
-                                                 "e2e: fixed k and 'adaptive')")
+                                                 "e2e: fixed k and 'adaptive'; tree_sampling: tree nodes N)")
     bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")
     bench.add_argument("--flex", action="store_true", help="attention: also time FlexAttention (compiles per shape)")
     bench.add_argument("--dtype", default=None, help="e2e: comma-separated dtypes (default float32,bfloat16)")

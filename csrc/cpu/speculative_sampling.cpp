@@ -1,6 +1,6 @@
-// Chain speculative sampling on the CPU: requests in parallel (at::parallel_for), each row scanned tile by
-// tile with lane arrays in the canonical order of sampling_math.h. The loops over the 1024 lanes vectorise
-// (GCC loads the 8-entry blocks interleaved), and every sum comes out bit for bit as on the GPU.
+// Chain and tree speculative sampling on the CPU: requests in parallel (at::parallel_for), each row scanned
+// tile by tile with lane arrays in the canonical order of sampling_math.h. The loops over the 1024 lanes
+// vectorise (GCC loads the 8-entry blocks interleaved), and every sum comes out bit for bit as on the GPU.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -11,6 +11,7 @@
 
 #include "checks.h"
 #include "cpu/simd.h"
+#include "specdec/tree_sampling.h"
 
 namespace specdec {
 namespace {
@@ -77,6 +78,24 @@ SPECDEC_CPU_CLONES void tile_block_sums(const MassSpec spec, int64_t t, const fl
     spec.logits ? tile_block_sums_for<true, false, false>(spec, t, pt, qt, sums)
                 : tile_block_sums_for<false, false, false>(spec, t, pt, qt, sums);
   }
+}
+
+// The same for a tree's residual (tree_sampling.h): the loop over its levels is per entry.
+template <bool kLogits>
+SPECDEC_HD void tree_tile_block_sums_for(TreeMass spec, int64_t t, const float* pt, const float* qt, float* sums) {
+  spec.logits = kLogits;
+  for (int l = 0; l < kLanes; ++l) {
+    const int32_t v0 = static_cast<int32_t>(t * kTile + l * kLaneEntries);
+    const float* p = pt + l * kLaneEntries;
+    const float* q = spec.has_q ? qt + l * kLaneEntries : p;
+    const auto m = [&](int j) __attribute__((always_inline)) { return entry_mass(spec, v0 + j, p[j], q[j], spec.has_q); };
+    sums[l] = fadd(fadd(fadd(m(0), m(1)), fadd(m(2), m(3))), fadd(fadd(m(4), m(5)), fadd(m(6), m(7))));
+  }
+}
+
+SPECDEC_CPU_CLONES void tile_block_sums(const TreeMass spec, int64_t t, const float* pt, const float* qt, bool,
+                                        float* sums) {
+  spec.logits ? tree_tile_block_sums_for<true>(spec, t, pt, qt, sums) : tree_tile_block_sums_for<false>(spec, t, pt, qt, sums);
 }
 
 // The 32 group totals of the lanes' values: the pairwise tree, one level at a time (adjacent pairs).
@@ -175,7 +194,8 @@ struct CpuSamplingEngine {
   }
 
   // The masses of one lane's block in tile t (0 past the vocabulary).
-  void block_masses(const T* row_p, const T* row_q, const MassSpec& spec, int64_t t, int lane, float* m) {
+  template <typename Spec>
+  void block_masses(const T* row_p, const T* row_q, const Spec& spec, int64_t t, int lane, float* m) {
     for (int j = 0; j < kLaneEntries; ++j) {
       const int32_t v = static_cast<int32_t>(t * kTile + lane * kLaneEntries + j);
       m[j] = v < P.vocab ? entry_mass(spec, v, load(row_p, v, true), row_q != nullptr ? load(row_q, v, false) : 0.0f,
@@ -184,8 +204,9 @@ struct CpuSamplingEngine {
     }
   }
 
-  // Inverse CDF in index order, the cumulative mass built level by level: tiles, groups, lanes, entries.
-  int32_t sample(const T* row_p, const T* row_q, const MassSpec& spec, float u) {
+  // The row's total mass in the canonical order; the group and tile totals stay in group_totals, tile_totals.
+  template <typename Spec>
+  float total(const T* row_p, const T* row_q, const Spec& spec) {
     const float absent = P.logits ? kNegInf : 0.0f;
     const int tiles = static_cast<int>(this->tiles());
     float* sums = lane_a.data();
@@ -199,6 +220,14 @@ struct CpuSamplingEngine {
     }
     float total = 0.0f;
     for (int t = 0; t < tiles; ++t) total = fadd(total, tile_totals[t]);
+    return total;
+  }
+
+  // Inverse CDF in index order, the cumulative mass built level by level: tiles, groups, lanes, entries.
+  template <typename Spec>
+  int32_t sample(const T* row_p, const T* row_q, const Spec& spec, float u) {
+    const int tiles = static_cast<int>(this->tiles());
+    const float total = this->total(row_p, row_q, spec);
     if (!(total > 0.0f) || !is_finite(total)) return -1;
     const float threshold = fmul(u, total);
     float before_tile, before_group, before_lane, before_entry;
@@ -237,6 +266,107 @@ int32_t run(const ChainSamplingParams& P) {
     errors.fetch_or(engine.errors);
   });
   return errors.load();
+}
+
+// The tree flow's engine: the chain engine's row operations plus the request's nodes and levels.
+template <typename T>
+struct CpuTreeEngine : CpuSamplingEngine<T> {
+  const TreeSamplingParams& TP;
+  int64_t b = 0;
+  bool node_valid[kMaxTreeNodes];
+  int32_t removed[kMaxTreeNodes];
+  float inv_q[kMaxTreeNodes], inv_s[kMaxTreeNodes];
+
+  explicit CpuTreeEngine(const TreeSamplingParams& tp) : CpuSamplingEngine<T>(tp.rows), TP(tp) {}
+
+  int32_t parent(int32_t c) const { return tree_parent(TP, b, c); }
+  int64_t token(int32_t c) const { return tree_token(TP, b, c); }
+  bool valid(int32_t c) const { return node_valid[c]; }
+  void load_tree(int64_t request, int32_t n) {
+    b = request;
+    for (int32_t c = 1; c < n; ++c) {
+      const int32_t bits = tree_node_errors([&](int32_t i) { return parent(i); }, [&](int32_t i) { return token(i); }, c,
+                                            TP.rows.vocab);
+      node_valid[c] = bits == 0;
+      this->flag(bits);
+    }
+  }
+  TreeLevels levels() { return TreeLevels{removed, inv_q, inv_s}; }
+  void set_level(int32_t i, int32_t x, float q, float s) {
+    removed[i] = x;
+    inv_q[i] = q;
+    inv_s[i] = s;
+  }
+  void write_tree(int64_t request, int32_t node, int32_t depth, int32_t token) {
+    write_tree_outputs(TP, request, node, depth, token);
+  }
+};
+
+// The controls and nodes of every request, before anything is sampled or written (so that whether an input
+// raises does not depend on where a round ends).
+int32_t check_tree_controls(const TreeSamplingParams& T) {
+  int32_t errors = 0;
+  for (int64_t b = 0; b < T.rows.batch; ++b) {
+    errors |= check_tree_request(T, b);
+    const int32_t n = tree_num_nodes(T, b);
+    for (int32_t c = 1; c < n; ++c) {
+      errors |= tree_node_errors([&](int32_t i) { return tree_parent(T, b, i); },
+                                 [&](int32_t i) { return tree_token(T, b, i); }, c, T.rows.vocab);
+    }
+  }
+  return errors;
+}
+
+template <typename T>
+int32_t run_tree(const TreeSamplingParams& TP) {
+  std::atomic<int32_t> errors{0};
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(TP.rows.batch, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    CpuTreeEngine<T> engine(TP);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t b = next.fetch_add(1); b < TP.rows.batch; b = next.fetch_add(1)) tree_sampling_request(engine, TP, b);
+    }
+    errors.fetch_or(engine.errors);
+  });
+  return errors.load();
+}
+
+void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+                       const at::Tensor& target, const std::optional<at::Tensor>& draft,
+                       const at::Tensor& greedy_or_temperature, const at::Tensor& seed, const at::Tensor& offset,
+                       const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
+                       const std::optional<at::Tensor>& error_flags, bool logits) {
+  const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
+                                                 seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
+                                                 logits);
+  int32_t errors = check_tree_controls(TP);
+  if (errors == 0) {
+    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), tree_sampling_op_name(logits),
+                                                          [&](auto tag) { errors = run_tree<typename decltype(tag)::type>(TP); });
+  }
+  if (errors != 0) {
+    if (TP.rows.error_flags != nullptr) *TP.rows.error_flags |= errors;
+    TORCH_CHECK_VALUE(false, tree_sampling_error_message(errors, logits));
+  }
+}
+
+void tree_sampling_probs_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+                             const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+                             const at::Tensor& greedy, const at::Tensor& seed, const at::Tensor& offset,
+                             const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
+                             const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags) {
+  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target_probs, draft_probs, greedy, seed, offset,
+                    output_token_ids, accepted_nodes, num_accepted, error_flags, false);
+}
+
+void tree_sampling_logits_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+                              const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_logits,
+                              const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
+                              const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
+                              const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags) {
+  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target_logits, draft_logits, temperature, seed, offset,
+                    output_token_ids, accepted_nodes, num_accepted, error_flags, true);
 }
 
 void chain_sampling_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const std::optional<at::Tensor>& draft,
@@ -281,6 +411,8 @@ void chain_sampling_logits_cpu(const at::Tensor& draft_token_ids, const at::Tens
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("chain_speculative_sampling", &chain_sampling_probs_cpu);
   m.impl("chain_speculative_sampling_from_logits", &chain_sampling_logits_cpu);
+  m.impl("tree_speculative_sampling", &tree_sampling_probs_cpu);
+  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_logits_cpu);
 }
 
 }  // namespace specdec
