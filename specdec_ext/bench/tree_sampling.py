@@ -33,6 +33,8 @@ def make_case(batch, n, branching, vocab, sampled, dtype, device, gen):
     tokens = torch.zeros(batch, n, dtype=torch.int32)
     tokens[:, 1:] = top[:, (c - 1) // branching, (c - 1) % branching].int()
     target = draft + 0.8 * torch.randn(batch, n, vocab, generator=gen)
+    # A draft that is often right, as a trained head is: its candidates are likely under the target too.
+    target.scatter_add_(-1, top, torch.full(top.shape, 6.0))
     to = lambda t: t.to(device=device, dtype=dtype)
     return {"parents": parents.to(device), "tokens": tokens.to(device), "target_logits": to(target),
             "draft_logits": to(draft) if sampled else None,
