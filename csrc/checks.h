@@ -86,8 +86,80 @@ std::string describe_error_bits(int32_t bits, const ErrorBit (&table)[N], const 
 
 namespace specdec {
 
+// The checks the chain and tree sampling ops share: target rows [B, R, V] (R = rows), draft rows [B, R_d, V]
+// (R_d = draft_rows) when given, the [B] controls (greedy or temperature), seed and offset, the error word;
+// gathered into P. `rows_name` / `draft_rows_name` spell R and R_d in messages ("K+1", "N"); `op`'s input
+// names are target_/draft_ + probs or logits.
+struct SamplingArgs {
+  const char* op;
+  bool logits;
+  int64_t batch;
+  const at::Device device;
+  const char* tname() const { return logits ? "target_logits" : "target_probs"; }
+  const char* dname() const { return logits ? "draft_logits" : "draft_probs"; }
+  void same_device(const at::Tensor& t, const char* name) const {
+    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", tname(), " is on ", device);
+  }
+  void vector_of(const at::Tensor& t, const char* name, at::ScalarType type) const {
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == type && t.is_contiguous(), op, ": ", name,
+                      " must be a contiguous [B] = [", batch, "] ", type, " tensor, got ", t.sizes(), " ", t.scalar_type());
+    same_device(t, name);
+  }
+  // A contiguous [B, n] int32 tensor (outputs, parents).
+  void matrix_of(const at::Tensor& t, const char* name, int64_t n, const char* n_name) const {
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == batch && t.size(1) == n && t.scalar_type() == at::kInt && t.is_contiguous(),
+                      op, ": ", name, " must be a contiguous [B, ", n_name, "] = [", batch, ", ", n, "] int32 tensor, got ",
+                      t.sizes(), " ", t.scalar_type());
+    same_device(t, name);
+  }
+};
+
+inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, const at::Tensor& target, int64_t rows,
+                                const char* rows_name, const std::optional<at::Tensor>& draft, int64_t draft_rows,
+                                const char* draft_rows_name, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
+                                const at::Tensor& offset, const std::optional<at::Tensor>& error_flags) {
+  const char *op = A.op, *tname = A.tname(), *dname = A.dname();
+  const int64_t B = A.batch;
+  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == rows, op, ": ", tname, " must be [B, ",
+                    rows_name, ", V] = [", B, ", ", rows, ", V], got ", target.sizes());
+  const auto dtype = target.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", tname,
+                    " must be float32, float16 or bfloat16, got ", dtype);
+  const int64_t V = target.size(2);
+  TORCH_CHECK_VALUE(V >= 1 && V <= kMaxVocab, op, ": the vocabulary size V must be in [1, ", kMaxVocab, "], got ", V);
+  TORCH_CHECK_VALUE(target.stride(2) == 1, op, ": ", tname, " must be contiguous in its last (vocabulary) dimension");
+  if (draft.has_value()) {
+    const at::Tensor& d = *draft;
+    TORCH_CHECK_VALUE(d.dim() == 3 && d.size(0) == B && d.size(1) == draft_rows && d.size(2) == V, op, ": ", dname,
+                      " must be [B, ", draft_rows_name, ", V] = [", B, ", ", draft_rows, ", ", V, "], got ", d.sizes());
+    TORCH_CHECK_VALUE(d.scalar_type() == dtype, op, ": ", dname, " must have the dtype of ", tname, " (", dtype, "), got ",
+                      d.scalar_type());
+    TORCH_CHECK_VALUE(d.stride(2) == 1, op, ": ", dname, " must be contiguous in its last (vocabulary) dimension");
+    A.same_device(d, dname);
+    P.draft = d.data_ptr();
+    P.draft_stride_b = d.stride(0);
+    P.draft_stride_k = d.stride(1);
+  }
+  A.vector_of(greedy_or_temperature, A.logits ? "temperature" : "greedy", A.logits ? at::kFloat : at::kBool);
+  A.vector_of(seed, "seed", at::kLong);
+  A.vector_of(offset, "offset", at::kLong);
+  P.error_flags = error_flags_pointer(op, error_flags, A.device);
+  P.target = target.data_ptr();
+  P.target_stride_b = target.stride(0);
+  P.target_stride_k = target.stride(1);
+  if (A.logits) {
+    P.temperature = greedy_or_temperature.data_ptr<float>();
+  } else {
+    P.greedy = greedy_or_temperature.data_ptr<bool>();
+  }
+  P.seed = seed.data_ptr<int64_t>();
+  P.offset = offset.data_ptr<int64_t>();
+  P.batch = B;
+  P.vocab = V;
+  P.logits = A.logits;
+}
+
 // Checks the arguments of both chain sampling ops and gathers them into the kernels' parameters.
-// `probs_or_logits` names the input kind in messages ("probs" / "logits").
 inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, const at::Tensor& target,
                                              const std::optional<at::Tensor>& draft, const at::Tensor& num_draft_tokens,
                                              const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
@@ -95,76 +167,26 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
                                              const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags,
                                              bool logits) {
   const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
-  const char* tname = logits ? "target_logits" : "target_probs";
-  const char* dname = logits ? "draft_logits" : "draft_probs";
   TORCH_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got ", draft_token_ids.sizes());
   TORCH_CHECK_VALUE(draft_token_ids.scalar_type() == at::kInt || draft_token_ids.scalar_type() == at::kLong, op,
                     ": draft_token_ids must be int32 or int64, got ", draft_token_ids.scalar_type());
   const int64_t B = draft_token_ids.size(0), K = draft_token_ids.size(1);
   TORCH_CHECK_VALUE(K >= 1 && K <= kMaxDraftTokens, op, ": the number of draft tokens K must be in [1, ", kMaxDraftTokens,
                     "], got ", K);
-  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == K + 1, op, ": ", tname,
-                    " must be [B, K+1, V] = [", B, ", ", K + 1, ", V], got ", target.sizes());
-  const auto dtype = target.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", tname,
-                    " must be float32, float16 or bfloat16, got ", dtype);
-  const int64_t V = target.size(2);
-  TORCH_CHECK_VALUE(V >= 1 && V <= kMaxVocab, op, ": the vocabulary size V must be in [1, ", kMaxVocab, "], got ", V);
-  TORCH_CHECK_VALUE(target.stride(2) == 1, op, ": ", tname, " must be contiguous in its last (vocabulary) dimension");
-  const auto device = target.device();
-  auto same_device = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", tname, " is on ", device);
-  };
-  auto vector_of = [&](const at::Tensor& t, const char* name, at::ScalarType type) {
-    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == B && t.scalar_type() == type && t.is_contiguous(), op, ": ", name,
-                      " must be a contiguous [B] = [", B, "] ", type, " tensor, got ", t.sizes(), " ", t.scalar_type());
-    same_device(t, name);
-  };
-  same_device(draft_token_ids, "draft_token_ids");
-  TORCH_CHECK_VALUE(draft_token_ids.is_contiguous(), op, ": draft_token_ids must be contiguous");
+  const SamplingArgs A{op, logits, B, target.device()};
   ChainSamplingParams P{};
-  if (draft.has_value()) {
-    const at::Tensor& d = *draft;
-    TORCH_CHECK_VALUE(d.dim() == 3 && d.size(0) == B && d.size(1) == K && d.size(2) == V, op, ": ", dname,
-                      " must be [B, K, V] = [", B, ", ", K, ", ", V, "], got ", d.sizes());
-    TORCH_CHECK_VALUE(d.scalar_type() == dtype, op, ": ", dname, " must have the dtype of ", tname, " (", dtype, "), got ",
-                      d.scalar_type());
-    TORCH_CHECK_VALUE(d.stride(2) == 1, op, ": ", dname, " must be contiguous in its last (vocabulary) dimension");
-    same_device(d, dname);
-    P.draft = d.data_ptr();
-    P.draft_stride_b = d.stride(0);
-    P.draft_stride_k = d.stride(1);
-  }
-  vector_of(num_draft_tokens, "num_draft_tokens", at::kInt);
-  vector_of(greedy_or_temperature, logits ? "temperature" : "greedy", logits ? at::kFloat : at::kBool);
-  vector_of(seed, "seed", at::kLong);
-  vector_of(offset, "offset", at::kLong);
-  TORCH_CHECK_VALUE(output_token_ids.dim() == 2 && output_token_ids.size(0) == B && output_token_ids.size(1) == K + 1 &&
-                        output_token_ids.scalar_type() == at::kInt && output_token_ids.is_contiguous(),
-                    op, ": output_token_ids must be a contiguous [B, K+1] int32 tensor, got ", output_token_ids.sizes(),
-                    " ", output_token_ids.scalar_type());
-  same_device(output_token_ids, "output_token_ids");
-  vector_of(num_accepted, "num_accepted", at::kInt);
-  P.error_flags = error_flags_pointer(op, error_flags, device);
+  check_sampling_rows(P, A, target, K + 1, "K+1", draft, K, "K", greedy_or_temperature, seed, offset, error_flags);
+  A.same_device(draft_token_ids, "draft_token_ids");
+  TORCH_CHECK_VALUE(draft_token_ids.is_contiguous(), op, ": draft_token_ids must be contiguous");
+  A.vector_of(num_draft_tokens, "num_draft_tokens", at::kInt);
+  A.matrix_of(output_token_ids, "output_token_ids", K + 1, "K+1");
+  A.vector_of(num_accepted, "num_accepted", at::kInt);
   P.draft_ids = draft_token_ids.data_ptr();
   P.draft_ids_int64 = draft_token_ids.scalar_type() == at::kLong;
-  P.target = target.data_ptr();
-  P.target_stride_b = target.stride(0);
-  P.target_stride_k = target.stride(1);
   P.num_draft_tokens = num_draft_tokens.data_ptr<int32_t>();
-  if (logits) {
-    P.temperature = greedy_or_temperature.data_ptr<float>();
-  } else {
-    P.greedy = greedy_or_temperature.data_ptr<bool>();
-  }
-  P.seed = seed.data_ptr<int64_t>();
-  P.offset = offset.data_ptr<int64_t>();
   P.output_token_ids = output_token_ids.data_ptr<int32_t>();
   P.num_accepted = num_accepted.data_ptr<int32_t>();
-  P.batch = B;
   P.num_draft = K;
-  P.vocab = V;
-  P.logits = logits;
   return P;
 }
 
@@ -204,79 +226,25 @@ inline TreeSamplingParams make_tree_params(const at::Tensor& parents, const at::
                                            const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags,
                                            bool logits) {
   const char* op = tree_sampling_op_name(logits);
-  const char* tname = logits ? "target_logits" : "target_probs";
-  const char* dname = logits ? "draft_logits" : "draft_probs";
-  TORCH_CHECK_VALUE(parents.dim() == 2 && parents.scalar_type() == at::kInt && parents.is_contiguous(), op,
-                    ": parents must be a contiguous [B, N] int32 tensor, got ", parents.sizes(), " ", parents.scalar_type());
+  TORCH_CHECK_VALUE(parents.dim() == 2, op, ": parents must be [B, N], got ", parents.sizes());
   const int64_t B = parents.size(0), N = parents.size(1);
   TORCH_CHECK_VALUE(N >= 1 && N <= kMaxTreeNodes, op, ": the number of tree nodes N must be in [1, ", kMaxTreeNodes,
                     "], got ", N);
+  const SamplingArgs A{op, logits, B, target.device()};
+  TreeSamplingParams T{};
+  check_sampling_rows(T.rows, A, target, N, "N", draft, N, "N", greedy_or_temperature, seed, offset, error_flags);
+  A.matrix_of(parents, "parents", N, "N");
   TORCH_CHECK_VALUE(candidate_token_ids.dim() == 2 && candidate_token_ids.size(0) == B && candidate_token_ids.size(1) == N &&
                         (candidate_token_ids.scalar_type() == at::kInt || candidate_token_ids.scalar_type() == at::kLong) &&
                         candidate_token_ids.is_contiguous(),
                     op, ": candidate_token_ids must be a contiguous [B, N] = [", B, ", ", N, "] int32 or int64 tensor, got ",
                     candidate_token_ids.sizes(), " ", candidate_token_ids.scalar_type());
-  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == N, op, ": ", tname,
-                    " must be [B, N, V] = [", B, ", ", N, ", V], got ", target.sizes());
-  const auto dtype = target.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", tname,
-                    " must be float32, float16 or bfloat16, got ", dtype);
-  const int64_t V = target.size(2);
-  TORCH_CHECK_VALUE(V >= 1 && V <= kMaxVocab, op, ": the vocabulary size V must be in [1, ", kMaxVocab, "], got ", V);
-  TORCH_CHECK_VALUE(target.stride(2) == 1, op, ": ", tname, " must be contiguous in its last (vocabulary) dimension");
-  const auto device = target.device();
-  auto same_device = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but ", tname, " is on ", device);
-  };
-  auto vector_of = [&](const at::Tensor& t, const char* name, at::ScalarType type) {
-    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == B && t.scalar_type() == type && t.is_contiguous(), op, ": ", name,
-                      " must be a contiguous [B] = [", B, "] ", type, " tensor, got ", t.sizes(), " ", t.scalar_type());
-    same_device(t, name);
-  };
-  auto matrix_of = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == B && t.size(1) == N && t.scalar_type() == at::kInt && t.is_contiguous(),
-                      op, ": ", name, " must be a contiguous [B, N] = [", B, ", ", N, "] int32 tensor, got ", t.sizes(), " ",
-                      t.scalar_type());
-    same_device(t, name);
-  };
-  same_device(parents, "parents");
-  same_device(candidate_token_ids, "candidate_token_ids");
-  TreeSamplingParams T{};
-  ChainSamplingParams& P = T.rows;
-  if (draft.has_value()) {
-    const at::Tensor& d = *draft;
-    TORCH_CHECK_VALUE(d.dim() == 3 && d.size(0) == B && d.size(1) == N && d.size(2) == V, op, ": ", dname,
-                      " must be [B, N, V] = [", B, ", ", N, ", ", V, "], got ", d.sizes());
-    TORCH_CHECK_VALUE(d.scalar_type() == dtype, op, ": ", dname, " must have the dtype of ", tname, " (", dtype, "), got ",
-                      d.scalar_type());
-    TORCH_CHECK_VALUE(d.stride(2) == 1, op, ": ", dname, " must be contiguous in its last (vocabulary) dimension");
-    same_device(d, dname);
-    P.draft = d.data_ptr();
-    P.draft_stride_b = d.stride(0);
-    P.draft_stride_k = d.stride(1);
-  }
-  vector_of(num_nodes, "num_nodes", at::kInt);
-  vector_of(greedy_or_temperature, logits ? "temperature" : "greedy", logits ? at::kFloat : at::kBool);
-  vector_of(seed, "seed", at::kLong);
-  vector_of(offset, "offset", at::kLong);
-  matrix_of(output_token_ids, "output_token_ids");
-  matrix_of(accepted_nodes, "accepted_nodes");
-  vector_of(num_accepted, "num_accepted", at::kInt);
-  P.error_flags = error_flags_pointer(op, error_flags, device);
-  P.target = target.data_ptr();
-  P.target_stride_b = target.stride(0);
-  P.target_stride_k = target.stride(1);
-  if (logits) {
-    P.temperature = greedy_or_temperature.data_ptr<float>();
-  } else {
-    P.greedy = greedy_or_temperature.data_ptr<bool>();
-  }
-  P.seed = seed.data_ptr<int64_t>();
-  P.offset = offset.data_ptr<int64_t>();
-  P.batch = B;
-  P.num_draft = N;
-  P.vocab = V;
-  P.logits = logits;
+  A.same_device(candidate_token_ids, "candidate_token_ids");
+  A.vector_of(num_nodes, "num_nodes", at::kInt);
+  A.matrix_of(output_token_ids, "output_token_ids", N, "N");
+  A.matrix_of(accepted_nodes, "accepted_nodes", N, "N");
+  A.vector_of(num_accepted, "num_accepted", at::kInt);
+  T.rows.num_draft = N;
   T.parents = parents.data_ptr<int32_t>();
   T.token_ids = candidate_token_ids.data_ptr();
   T.token_ids_int64 = candidate_token_ids.scalar_type() == at::kLong;

@@ -174,15 +174,9 @@ def _per_request(value, name: str, op: str, batch: int, device, dtype) -> torch.
     return torch.full((batch,), value, dtype=dtype, device=device)
 
 
-def _check_every_row(op: str, tname: str, dname: str, target, draft, num_draft_tokens, logits: bool) -> None:
-    """Strict mode: every row request b owns (target rows 0..num_draft_tokens[b], draft rows below it) holds
-    valid values, and every owned target row has mass, whether or not this round reads it."""
-    k = target.shape[1] - 1
-    counts = num_draft_tokens.clamp(0, k).unsqueeze(-1)
-    owned_target = torch.arange(k + 1, device=target.device) <= counts
-    rows = [(tname, target, owned_target)]
-    if draft is not None:
-        rows.append((dname, draft, torch.arange(k, device=target.device) < counts))
+def _check_rows(op: str, tname: str, target, rows: list, owned_target, logits: bool) -> None:
+    """Strict mode: each (name, x [B, R, V], owned [B, R]) of `rows` holds valid values in its owned rows, and every
+    owned target row has mass, whether or not the op reads it."""
     for name, x, owned in rows:
         invalid = (x.isnan() | x.isposinf() if logits else ~x.isfinite()).any(-1)
         bad = (invalid & owned).nonzero()
@@ -196,6 +190,37 @@ def _check_every_row(op: str, tname: str, dname: str, target, draft, num_draft_t
         b, i = empty.nonzero()[0].tolist()
         raise ValueError(f"{op}: invalid input: {tname}[{b}, {i}] has no mass (every logit -inf, or every "
                          "probability 0)")
+
+
+def _check_every_row(op: str, tname: str, dname: str, target, draft, num_draft_tokens, logits: bool) -> None:
+    """Strict mode, chain: the rows request b owns are target rows 0..num_draft_tokens[b], draft rows below it."""
+    k = target.shape[1] - 1
+    counts = num_draft_tokens.clamp(0, k).unsqueeze(-1)
+    owned_target = torch.arange(k + 1, device=target.device) <= counts
+    rows = [(tname, target, owned_target)]
+    if draft is not None:
+        rows.append((dname, draft, torch.arange(k, device=target.device) < counts))
+    _check_rows(op, tname, target, rows, owned_target, logits)
+
+
+def _sampling_controls(op: str, logits: bool, greedy_or_temperature, seed, offset, generator, batch: int, device):
+    """The sampling ops' per-request controls as [B] tensors on `device`: temperature (float32) or greedy (bool),
+    seed (drawn from `generator` when None) and offset."""
+    if logits:
+        t = greedy_or_temperature
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t >= 0 and t != float("inf")):
+            raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
+        control = _per_request(t, "temperature", op, batch, device, torch.float32)
+    else:
+        greedy = False if greedy_or_temperature is None else greedy_or_temperature
+        control = _per_request(greedy, "greedy", op, batch, device, torch.bool)
+    if seed is None:
+        _refuse_frozen_scalar(None, "seed", op)  # a seed drawn now would be replayed unchanged
+        gen_device = generator.device if generator is not None else device
+        seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
+    else:
+        seed = _request_vector(seed, "seed", op, batch, device)
+    return control, seed, _request_vector(0 if offset is None else offset, "offset", op, batch, device)
 
 
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
@@ -216,21 +241,7 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
         num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device)
     else:
         num_draft_tokens = _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
-    if logits:
-        t = greedy_or_temperature
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t >= 0 and t != float("inf")):
-            raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
-        control = _per_request(t, "temperature", op, batch, device, torch.float32)
-    else:
-        greedy = False if greedy_or_temperature is None else greedy_or_temperature
-        control = _per_request(greedy, "greedy", op, batch, device, torch.bool)
-    if seed is None:
-        _refuse_frozen_scalar(None, "seed", op)  # a seed drawn now would be replayed unchanged
-        gen_device = generator.device if generator is not None else device
-        seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
-    else:
-        seed = _request_vector(seed, "seed", op, batch, device)
-    offset = _request_vector(0 if offset is None else offset, "offset", op, batch, device)
+    control, seed, offset = _sampling_controls(op, logits, greedy_or_temperature, seed, offset, generator, batch, device)
     _check_devices(op, device, tname, seed=seed, offset=offset)
     if out is None:
         out = SamplingOutput(torch.empty((batch, k + 1), dtype=torch.int32, device=device),
@@ -256,27 +267,15 @@ class TreeSamplingOutput(NamedTuple):
 
 
 def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parents, num_nodes, logits: bool) -> None:
-    """Strict mode: every target row below num_nodes[b], and the draft row of every node with children, holds
-    valid values, and every such target row has mass, whether or not this round reads it."""
+    """Strict mode, tree: the rows request b owns are its target rows below num_nodes[b] and the draft rows of
+    its nodes with children."""
     n = target.shape[1]
     owned = torch.arange(n, device=target.device) < num_nodes.clamp(1, n).unsqueeze(-1)
     rows = [(tname, target, owned)]
     if draft is not None:
-        parent_rows = parents.long().clamp(0, n - 1)
-        has_child = torch.zeros_like(owned).scatter_(1, parent_rows, owned & (parents >= 0))
-        rows.append((dname, draft, has_child))
-    for name, x, mask in rows:
-        invalid = (x.isnan() | x.isposinf() if logits else ~x.isfinite()).any(-1)
-        bad = (invalid & mask).nonzero()
-        if len(bad):
-            b, i = bad[0].tolist()
-            raise ValueError(f"{op}: invalid input: {name}[{b}, {i}] holds NaN or +inf" + ("" if logits else " (or -inf)"))
-    best = target.amax(-1)
-    empty = ~(best > (float("-inf") if logits else 0.0)) & owned
-    if empty.any():
-        b, i = empty.nonzero()[0].tolist()
-        raise ValueError(f"{op}: invalid input: {tname}[{b}, {i}] has no mass (every logit -inf, or every "
-                         "probability 0)")
+        child = (owned & (parents >= 0)).int()
+        rows.append((dname, draft, torch.zeros_like(child).scatter_add_(1, parents.long().clamp(0, n - 1), child) > 0))
+    _check_rows(op, tname, target, rows, owned, logits)
 
 
 def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
@@ -305,21 +304,7 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     candidate_token_ids = candidate_token_ids.contiguous()
     num_nodes = torch.full((batch,), n, dtype=torch.int32, device=device) if num_nodes is None else \
         _per_request(num_nodes, "num_nodes", op, batch, device, torch.int32)
-    if logits:
-        t = greedy_or_temperature
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t >= 0 and t != float("inf")):
-            raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
-        control = _per_request(t, "temperature", op, batch, device, torch.float32)
-    else:
-        control = _per_request(False if greedy_or_temperature is None else greedy_or_temperature, "greedy", op, batch,
-                               device, torch.bool)
-    if seed is None:
-        _refuse_frozen_scalar(None, "seed", op)
-        gen_device = generator.device if generator is not None else device
-        seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
-    else:
-        seed = _request_vector(seed, "seed", op, batch, device)
-    offset = _request_vector(0 if offset is None else offset, "offset", op, batch, device)
+    control, seed, offset = _sampling_controls(op, logits, greedy_or_temperature, seed, offset, generator, batch, device)
     if out is None:
         out = TreeSamplingOutput(torch.empty((batch, n), dtype=torch.int32, device=device),
                                  torch.empty((batch, n), dtype=torch.int32, device=device),

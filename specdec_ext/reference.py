@@ -97,6 +97,7 @@ def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy
 
 
 def _defaults(draft_token_ids, num_draft_tokens, seed, offset):
+    """[B] counts (default: all K drafts, or all N nodes of a tree), seeds and offsets."""
     batch, k = draft_token_ids.shape
     device = draft_token_ids.device
     full = lambda v, dtype: v.to(device=device, dtype=dtype).expand(batch) if isinstance(v, torch.Tensor) else \
@@ -244,20 +245,11 @@ def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, gre
     return out, path.int(), depth.int()
 
 
-def _tree_defaults(parents, num_nodes, seed, offset):
-    batch, n = parents.shape
-    device = parents.device
-    full = lambda v, dtype: v.to(device=device, dtype=dtype).expand(batch) if isinstance(v, torch.Tensor) else \
-        torch.full((batch,), v, dtype=dtype, device=device)
-    return (full(n if num_nodes is None else num_nodes, torch.int32), full(seed, torch.int64),
-            full(0 if offset is None else offset, torch.int64))
-
-
 def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_probs=None, *, num_nodes=None,
                               greedy=None, seed, offset=None):
     """Reference of specdec_ext.tree_speculative_sampling (seed required). Returns (output_token_ids,
     accepted_nodes, num_accepted)."""
-    num_nodes, seed, offset = _tree_defaults(parents, num_nodes, seed, offset)
+    num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
     greedy = torch.as_tensor(False if greedy is None else greedy, device=parents.device).expand(parents.shape[0])
     q_rows = None if draft_probs is None else draft_probs.double()
     return _tree_reference(parents, candidate_token_ids, num_nodes, target_probs.double(), q_rows, greedy, seed,
@@ -268,7 +260,7 @@ def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_l
                                           temperature, num_nodes=None, seed, offset=None):
     """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64."""
     batch = parents.shape[0]
-    num_nodes, seed, offset = _tree_defaults(parents, num_nodes, seed, offset)
+    num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
     t = torch.as_tensor(temperature, dtype=torch.float64, device=parents.device).expand(batch)
     greedy = t == 0
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)

@@ -135,7 +135,8 @@ def test_a_chain_shaped_tree_is_the_chain_op(backend, with_draft, logits, gen):
     base = torch.randn(batch, k + 1, vocab, generator=gen) * 2
     draft = base[:, :k] + 0.7 * torch.randn(batch, k, vocab, generator=gen)
     ids = torch.multinomial(torch.softmax(draft, -1).reshape(-1, vocab), 1, generator=gen).reshape(batch, k).int()
-    base[:, :k].scatter_add_(-1, ids.long().unsqueeze(-1), torch.full((batch, k, 1), 3.0))  # accepted often
+    for rows in (base[:, :k], draft):  # p(x) and q(x) around 1/2: some drafts accepted, some rejected
+        rows.scatter_(-1, ids.long().unsqueeze(-1), (rows.logsumexp(-1) + torch.randn(batch, k, generator=gen)).unsqueeze(-1))
     seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=gen)
     parents = torch.arange(-1, k, dtype=torch.int32).expand(batch, k + 1).contiguous()
     tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int32), ids], 1)

@@ -103,6 +103,17 @@ SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t 
   return bits;
 }
 
+// Request b's sampling mode: whether it is greedy (greedy[b], or a temperature that is 0 or invalid), and the
+// softmax scale log2(e) / temperature of its logits (base 2).
+SPECDEC_HD bool request_greedy(const ChainSamplingParams& P, int64_t b, float* scale) {
+  *scale = kLog2e;
+  if (!P.logits) return P.greedy[b];
+  const float t = P.temperature[b];
+  const bool greedy = !(t > 0.0f) || !is_finite(t);
+  if (!greedy) *scale = fmul(fdiv(1.0f, t), kLog2e);
+  return greedy;
+}
+
 // The flow for one request. Engine supplies:
 //   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
 //   argmax(row) -> int32, or -1 if the row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale,
@@ -121,15 +132,8 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
   e.flag(check_request_controls(P, b));
   int32_t k = P.num_draft_tokens[b];
   k = k < 0 ? 0 : k > K ? static_cast<int32_t>(K) : k;
-  bool greedy;
-  float scale = kLog2e;  // log2(e) / temperature: softmax in base 2
-  if (P.logits) {
-    const float t = P.temperature[b];
-    greedy = !(t > 0.0f) || !is_finite(t);
-    if (!greedy) scale = fmul(fdiv(1.0f, t), kLog2e);
-  } else {
-    greedy = P.greedy[b];
-  }
+  float scale;  // log2(e) / temperature: softmax in base 2
+  const bool greedy = request_greedy(P, b, &scale);
   const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
   const bool has_q = P.draft != nullptr;
 

@@ -181,15 +181,8 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
   e.flag(check_tree_request(T, b));
   const int32_t n = tree_num_nodes(T, b);
   e.load_tree(b, n);
-  bool greedy;
-  float scale = kLog2e;
-  if (P.logits) {
-    const float t = P.temperature[b];
-    greedy = !(t > 0.0f) || !is_finite(t);
-    if (!greedy) scale = fmul(fdiv(1.0f, t), kLog2e);
-  } else {
-    greedy = P.greedy[b];
-  }
+  float scale;
+  const bool greedy = request_greedy(P, b, &scale);
   const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
   const bool has_q = P.draft != nullptr;
   // The next child of `node` after node index `after`, or -1.
