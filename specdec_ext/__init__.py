@@ -7,6 +7,7 @@ from ._version import __version__
 from .decoding import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
 from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from .kv_cache import PagedKVCache, StaticKVCache
+from .trees import DraftTree, TreeSettings
 from .ops import (
     SamplingOutput,
     TreeSamplingOutput,
@@ -40,10 +41,12 @@ __all__ = [
     "NgramDrafter",
     "SpeculativeDecoder",
     "build_info",
+    "DraftTree",
     "PagedKVCache",
     "SamplingOutput",
     "StaticKVCache",
     "TreeSamplingOutput",
+    "TreeSettings",
     "chain_speculative_sampling",
     "chain_speculative_sampling_from_logits",
     "is_strict",

@@ -10,6 +10,12 @@ One round, for every running request at once (ragged: each at its own length and
      finished requests free their slot and the next prompt is admitted (continuous batching).
 Plain decoding (generate_autoregressive) is the same round with no drafts.
 
+Tree rounds (SpeculativeDecoder(tree=...)): the drafter proposes a tree of candidates per request (specdec_ext.trees)
+instead of a chain; the target scores [last emitted token = root, nodes...] in one forward under the tree mask,
+tree_speculative_sampling_from_logits accepts a path from the root and draws the next token, and truncate_kv_cache
+moves the path's K/V to the front of the block (kept_indices). The drafter rolls back with the target's hidden
+states of the path, in path order, as if it had been a chain.
+
 Invariants: the target's cache holds every token of a request but the last emitted one, which opens the next
 verify block. Request r's round draws from Philox key seed[r] at offset = tokens r has generated, so its output
 depends on its own prompt, parameters and seed only.
@@ -20,12 +26,14 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .drafting import RoundInputs
 from .graphs import StepGraphs
-from .ops import LIMITS, chain_speculative_sampling_from_logits
+from .ops import LIMITS, SamplingOutput, chain_speculative_sampling_from_logits, tree_speculative_sampling_from_logits
 from .sampling import mask_top_k_top_p
+from .trees import TreeSettings
 
 
 @dataclass
@@ -42,7 +50,11 @@ class GenerationStats:
     verify_s: float = 0.0            # the target's verify forwards
     sample_s: float = 0.0            # masks, the sampling kernel and the cache truncation
     other_s: float = 0.0             # prefills and the host's bookkeeping
-    k_per_round: list = field(default_factory=list)  # per request: the k asked of the drafter each round
+    k_per_round: list = field(default_factory=list)  # per request: the k asked of the drafter each round (tree
+    #                                                    rounds: the tree's nodes below the root)
+    accepted_depths: list = field(default_factory=list)  # each round with drafts: the drafts accepted (chain: the
+    #                                                    accepted prefix; tree: the accepted path's depth); in total,
+    #                                                    every request's rounds in order
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,17 +72,27 @@ class GenerationStats:
                 for i, n in enumerate(self.drafted_per_position)]
 
     @property
+    def mean_accepted_depth(self) -> float:
+        """Drafts accepted per round with drafts (tree rounds: the accepted path's depth below the root); a round
+        emits one token more."""
+        return sum(self.accepted_depths) / len(self.accepted_depths) if self.accepted_depths else 0.0
+
+    @property
     def tokens_per_second(self) -> float:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-    def add_round(self, num_draft: int, num_accepted: int) -> None:
+    def add_round(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+        """A round that verified num_draft drafts and accepted num_accepted; depth: a tree's depth (positions are
+        depths below the root: drafted_per_position[i] counts the rounds whose tree reached depth i + 1)."""
         if num_draft:
+            positions = num_draft if depth is None else depth
             self.num_drafts += 1
             self.num_draft_tokens += num_draft
             self.num_accepted_tokens += num_accepted
-            if len(self.drafted_per_position) < num_draft:
-                self.drafted_per_position += [0] * (num_draft - len(self.drafted_per_position))
-            for i in range(num_draft):
+            self.accepted_depths.append(num_accepted)
+            if len(self.drafted_per_position) < positions:
+                self.drafted_per_position += [0] * (positions - len(self.drafted_per_position))
+            for i in range(positions):
                 self.drafted_per_position[i] += 1
             if len(self.accepted_per_position) < num_accepted:
                 self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
@@ -152,6 +174,8 @@ class Request:
     k: int = 0                 # the k of the next round (adaptive)
     accepted_ewma: float = 0.0  # decayed counts of accepted and of tried draft tokens: the acceptance estimate
     tried_ewma: float = 0.0
+    node_hits: np.ndarray | None = None   # tree rounds: decayed counts, per tree node (= rank) i + 1, of rounds that
+    node_tries: np.ndarray | None = None  # accepted it and of rounds whose tree held it
     started: float = 0.0
 
     @property
@@ -170,7 +194,8 @@ def interpolate(points: dict, x: float) -> float:
     return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
 
 
-ROW_POINTS = (1, 2, 4, 8, 9, 12, 16, 17, 24, 32, 48, 64)  # around the CPU GEMM's 8-row passes and 16-row path
+# Around the CPU GEMM's 8-row passes and 16-row path; past 64, the widest tree blocks of a batch.
+ROW_POINTS = (1, 2, 4, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 class CostModel:
@@ -235,13 +260,20 @@ class SpeculativeDecoder:
     paged: PagedKVCache for target and draft (pages freed as requests finish). monitor: an AcceptanceMonitor fed
     every round. costs: the CostModel of adaptive k (default: measured on first use).
 
+    tree: None (chain rounds) or tree rounds: a TreeSettings, a dict of its fields or an int (num_nodes): each round
+    the drafter (EagleDrafter, MedusaDrafter, NgramDrafter) proposes a tree of up to num_nodes nodes (the root, the
+    last emitted token, included) and depth, which the target verifies in one forward; num_speculative_tokens is
+    then unused. With adaptive=True the round's node budget is the n <= num_nodes that maximises the expected tokens
+    over the round's measured cost (see _choose_tree_size); otherwise every tree has num_nodes nodes (fewer when
+    the drafter finds fewer candidates).
+
     Reproducibility: a fixed seed reproduces a request's tokens. With adaptive=False (or "heuristic") they do not
     depend on the other requests in its batch; with adaptive=True its k depends on how many requests share its
     rounds (a wider batch makes verify blocks dearer), and so do its sampled tokens (not their law)."""
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
                  cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, monitor=None,
-                 costs: "CostModel | None" = None):
+                 costs: "CostModel | None" = None, tree=None):
         k_limit = LIMITS["max_draft_tokens"]
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or \
                 not 1 <= num_speculative_tokens <= k_limit:
@@ -259,6 +291,13 @@ class SpeculativeDecoder:
         on_cuda = target.device.type == "cuda"
         if cuda_graphs is True and not on_cuda:
             raise ValueError("SpeculativeDecoder: cuda_graphs=True needs the target on a CUDA device")
+        try:
+            self.tree = None if tree is None else TreeSettings.of(tree)
+        except ValueError as e:
+            raise ValueError(f"SpeculativeDecoder: {e}") from None
+        if self.tree is not None and drafter is not None and not hasattr(drafter, "propose_tree"):
+            raise ValueError(f"SpeculativeDecoder: tree rounds need a drafter that proposes trees (EagleDrafter, "
+                             f"MedusaDrafter, NgramDrafter), got {type(drafter).__name__}")
         self.target, self.drafter, self.num_speculative_tokens = target, drafter, num_speculative_tokens
         self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
         self.paged, self.monitor = paged, monitor
@@ -298,22 +337,34 @@ class SpeculativeDecoder:
             self._admit(waiting, slots, drafter, stats)
             batch = max(b for b, r in enumerate(slots) if r is not None) + 1
             batch = self.graphs.bucket(batch, self.max_batch_size)
-            if drafter is not None and self.adaptive is True:
-                self._choose_width([r for r in slots[:batch] if r is not None], stats.target_forwards)
+            tree_rounds = drafter is not None and self.tree is not None
+            running = [r for r in slots[:batch] if r is not None]
+            if drafter is not None and self.adaptive is True and not tree_rounds:
+                self._choose_width(running, stats.target_forwards)
+            budget = self._choose_tree_size(running, stats.target_forwards) if tree_rounds else 0
+            # k: the drafts of a chain, the depth of a tree (cut so that a round cannot emit past the request's end)
             ks = [self._next_k(r, max_seq_len) if r is not None and drafter is not None else 0 for r in slots[:batch]]
             self._upload_steps(slots, batch)
             stats.other_s += time.perf_counter() - t0
 
-            # 1. Draft.
+            # 1. Draft: a chain of up to k tokens per request, or a tree of up to `budget` nodes and depth k.
             t0 = time.perf_counter()
-            proposal = None
-            if max(ks):
+            proposal = tree = None
+            if max(ks) and tree_rounds:
+                tree = drafter.propose_tree(self._round_inputs(slots, batch, ks), budget, self.tree.branching)
+            elif max(ks):
                 proposal = drafter.propose(self._round_inputs(slots, batch, ks))
                 ks = proposal.num_draft_tokens
             t1 = time.perf_counter()
-            # 2.-3. Verify: one target forward over the last token and the drafts, sampling, truncation.
-            out, hidden, t2 = self._verify(slots, batch, ks, proposal, drafter)
+            # 2.-3. Verify: one target forward over the last token and the drafts (chain or tree), sampling, truncation.
+            if tree is not None:
+                out, paths, hidden, t2 = self._verify_tree(slots, batch, tree, drafter)
+            else:
+                out, hidden, t2 = self._verify(slots, batch, ks, proposal, drafter)
             tokens, num_accepted = out.output_token_ids.tolist(), out.num_accepted.tolist()  # the round's host read
+            depths = [None] * batch
+            if tree is not None:  # the drafts a tree verified, its depth, and the accepted path (node = rank + 1)
+                ks, depths, paths = (tree.num_nodes - 1).tolist(), tree.depths.amax(1).tolist(), paths.tolist()
             t3 = time.perf_counter()
             if drafter is not None:
                 drafter.rollback([a if r is not None else -1 for a, r in zip(num_accepted, slots)], hidden)
@@ -335,13 +386,15 @@ class SpeculativeDecoder:
                     new = new[:cut + 1]
                 r.generated += new
                 r.stats.target_forwards += 1
-                r.stats.add_round(ks[b], a)
+                r.stats.add_round(ks[b], a, depths[b])
                 if drafter is not None:
                     r.stats.k_per_round.append(ks[b])
-                stats.add_round(ks[b], a)
+                stats.add_round(ks[b], a, depths[b])
                 if self.monitor is not None and ks[b]:
                     self.monitor.observe(ks[b], a)
-                if drafter is not None:
+                if tree is not None:
+                    self._observe_tree(r, ks[b], paths[b][1:a + 1])
+                elif drafter is not None and not tree_rounds:
                     self._adapt(r, ks[b], a)
                 if stream is not None:
                     stream(r.index, new)
@@ -394,6 +447,44 @@ class SpeculativeDecoder:
                                       step, (ids, num_draft, live, draft_logits), state=[self.cache.cache_seqlens])
         return out, hidden, t[0] or time.perf_counter()
 
+    def _verify_tree(self, slots, batch: int, tree, drafter):
+        """The tree verify step: target forward over [root, nodes...] under the tree mask, the masks, the tree
+        sampling op, compaction of the accepted path to the front of the block. Returns the sampling output, the
+        accepted nodes [batch, N] (0 first, -1 padded), the target's hidden states of the path's nodes in path
+        order when the drafter needs them (else None), and the time its forward was done."""
+        hidden_states = drafter.needs_hidden_states
+        n, device = tree.parents.shape[1], self.target.device
+        # Compaction touches the whole block of every row of the cache, idle ones too: each needs its pages.
+        self.cache.reserve(n)
+        live = torch.tensor([r is not None for r in slots[:batch]], dtype=torch.int32, device=device)
+        max_k, any_p = self._masks_in_use(slots[:batch])
+        t = [0.0]
+
+        def step(ids, parents, tree_mask, num_nodes, live, draft_logits):
+            logits = self.target(ids, self.cache, tree_mask=tree_mask, cache_rows=slice(0, batch),
+                                 output_hidden_states=hidden_states)
+            logits, hidden = logits if hidden_states else (logits, None)  # [batch, N, V] float32, [batch, N, H]
+            t[0] = time.perf_counter()
+            target_logits = mask_top_k_top_p(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
+                                             max_top_k=max_k, any_top_p=any_p)
+            out = tree_speculative_sampling_from_logits(parents, ids, target_logits, draft_logits,
+                                                        temperature=self.temperature[:batch], num_nodes=num_nodes,
+                                                        seed=self.seed[:batch], offset=self.steps[:batch])
+            kept = torch.zeros(self.cache.batch_size, dtype=torch.int32, device=device)
+            kept[:batch] = (out.num_accepted + 1) * live  # idle rows keep nothing
+            kept_indices = torch.full((self.cache.batch_size, n), -1, dtype=torch.int32, device=device)
+            kept_indices[:batch] = out.accepted_nodes
+            self.cache.truncate(kept, kept_indices=kept_indices, free_pages=False)
+            if hidden is not None:  # the path's features in path order: a chain of num_accepted drafts to the drafter
+                path = out.accepted_nodes.long().clamp_min(0)
+                hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            return SamplingOutput(out.output_token_ids, out.num_accepted), out.accepted_nodes, hidden
+
+        key = ("tree", batch, n, max_k, any_p, tree.draft_logits is not None, hidden_states)
+        out, paths, hidden = self.graphs.run(key, step, (tree.token_ids, tree.parents, tree.tree_mask, tree.num_nodes,
+                                                         live, tree.draft_logits), state=[self.cache.cache_seqlens])
+        return out, paths, hidden, t[0] or time.perf_counter()
+
     # ------------------------------------------------------------------------------------- scheduler helpers
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id):
         c = self.target.config
@@ -427,7 +518,7 @@ class SpeculativeDecoder:
         """Caches and per-slot parameter buffers, kept across calls while they are large enough (CUDA graphs
         replay on these very tensors). The verify block of a request near max_seq_len may run up to k slots past
         it (the batch's widest block), hence the margin."""
-        capacity = max_seq_len + self.num_speculative_tokens + 1
+        capacity = max_seq_len + self._widest_block()
         s, device = self.max_batch_size, self.target.device
         if self.cache is None or self.capacity < capacity:
             self.cache = self.target.new_kv_cache(s, capacity, paged=self.paged)
@@ -443,8 +534,8 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
         if drafter is not None and self.adaptive is True and self.costs is None:
-            self.costs = CostModel.measure(self.target, getattr(drafter, "model", None),
-                                           s * (self.num_speculative_tokens + 1), s)
+            width = self.tree.num_nodes if self.tree is not None else self.num_speculative_tokens + 1
+            self.costs = CostModel.measure(self.target, getattr(drafter, "model", None), s * width, s)
 
     def _admit(self, waiting, slots, drafter, stats) -> None:
         """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled
@@ -455,7 +546,9 @@ class SpeculativeDecoder:
                 r = waiting.popleft()
                 slots[b] = r
                 r.started = time.perf_counter()
-                r.k = self.num_speculative_tokens
+                r.k = self.num_speculative_tokens if self.tree is None else self.tree.depth
+                if self.tree is not None:
+                    r.node_hits, r.node_tries = np.zeros(self.tree.num_nodes - 1), np.zeros(self.tree.num_nodes - 1)
                 self.temperature[b], self.top_k[b], self.top_p[b], self.seed[b] = r.temperature, r.top_k, r.top_p, r.seed
                 admitted.append(b)
         if not admitted:
@@ -489,6 +582,15 @@ class SpeculativeDecoder:
                            self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
                            self.steps[:batch], max_k, any_p)
 
+    def _widest_block(self) -> int:
+        """The most slots a round writes past a request's tokens in a cache: the verify block (chain: k + 1; tree:
+        num_nodes), or an EAGLE head's pending pairs (up to depth + 1) and its tree draft block ((depth - 1) x
+        branching)."""
+        if self.tree is None:
+            return self.num_speculative_tokens + 1
+        t = self.tree
+        return max(self.num_speculative_tokens + 1, t.num_nodes, t.depth + (t.depth - 1) * t.branching)
+
     @staticmethod
     def _masks_in_use(slots) -> tuple[int, bool]:
         """(the largest top_k of a sampled request or 0, whether one has top_p < 1): known on the host, so the
@@ -516,6 +618,33 @@ class SpeculativeDecoder:
         elif k:
             r.accepted_ewma = 0.9 * r.accepted_ewma + accepted
             r.tried_ewma = 0.9 * r.tried_ewma + accepted + (accepted < k)
+
+    def _observe_tree(self, r: Request, num_draft: int, path: list) -> None:
+        """After a tree round of num_draft nodes below the root whose accepted path is `path` (node indices): r's
+        per-node acceptance counts, decayed as the chain's estimate."""
+        if r.node_hits is None or not num_draft:
+            return
+        r.node_hits *= 0.9
+        r.node_tries *= 0.9
+        r.node_tries[:num_draft] += 1
+        r.node_hits[[node - 1 for node in path]] += 1
+
+    def _choose_tree_size(self, running: list, round_index: int) -> int:
+        """The round's node budget: tree.num_nodes, or with adaptive=True the n in [2, num_nodes] that maximises the
+        running requests' expected tokens over the round's cost. Trees are best nodes first (specdec_ext.trees): a
+        tree of n nodes is the first n of a bigger one, and its node i is accepted as often as in the bigger one, so
+        a request's expected tokens are 1 + the sum of its first n - 1 nodes' acceptance rates (decayed counts;
+        prior 0.5 with the weight of a tenth of a round). The round costs a verify over batch x n rows plus depth
+        draft steps, the same for every n (and 0 in the cost model for drafters that are not a model of their own,
+        as for adaptive k). Every 8th round is a full tree, so that the deep nodes' rates stay measured."""
+        n_max = self.tree.num_nodes
+        if self.adaptive is not True or round_index % 8 == 7 or not running:
+            return n_max
+        gain = sum(np.cumsum((r.node_hits + 0.05) / (r.node_tries + 0.1)) for r in running)  # [i]: n = i + 2
+        batch = len(running)
+        draft = self.tree.depth * self.costs.draft_cost(batch)
+        return max(range(2, n_max + 1),
+                   key=lambda n: (batch + gain[n - 2]) / (draft + self.costs.verify_cost(batch * n)))
 
     def _choose_width(self, running: list, round_index: int) -> None:
         """adaptive=True: one k for the round's requests (their verify block is as wide as the widest, so a wider

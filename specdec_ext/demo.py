@@ -10,6 +10,7 @@ import torch
 
 import specdec_ext
 from specdec_ext import reference
+from specdec_ext.generate import tree_settings
 
 
 def sampling_demo(device: torch.device) -> bool:
@@ -45,10 +46,11 @@ QUESTIONS = {
 QUESTIONS["medusa"] = QUESTIONS["eagle"]
 
 
-def chat_demo(device: torch.device, drafter: str = "eagle") -> bool:
+def chat_demo(device: torch.device, drafter: str = "eagle", tree=None) -> bool:
     """The shipped model (SmolLM2-135M-Instruct) answers a chat question through speculative decoding with its
     shipped EAGLE head (or Medusa heads, or the n-gram drafter), streamed as it is generated; then the same request
-    by plain decoding: the same tokens (greedy), the speedup and the acceptance stats."""
+    by plain decoding: the same tokens (greedy), the speedup and the acceptance stats. tree: tree rounds of these
+    settings (TreeSettings) instead of chains."""
     from specdec_ext import SpeculativeDecoder
     from specdec_ext.generate import load, make_drafter, prompt_ids
     from specdec_ext.models import default_model_path
@@ -60,19 +62,22 @@ def chat_demo(device: torch.device, drafter: str = "eagle") -> bool:
     question = QUESTIONS[drafter]
     ids = prompt_ids(tokenizer, question, chat=True)
     k = 6 if drafter == "ngram" else 4
-    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), num_speculative_tokens=k, max_batch_size=1)
+    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), num_speculative_tokens=k, max_batch_size=1,
+                             tree=tree)
+    shape = f"k <= {k}" if tree is None else f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}"
     print(f"user: {question}\nassistant: ", end="", flush=True)
     spec = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id,
                         stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
     plain = dec.generate_autoregressive([ids], 96, eos_token_id=tokenizer.eos_token_id)
     again = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id)  # timed after a warm run, like plain
     s, p = again.stats, plain.stats
-    print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative ({drafter}, k <= {k}, adaptive) "
+    print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative ({drafter}, {shape}, adaptive) "
           f"{s.tokens_per_second:.1f} tokens/s: speedup {s.tokens_per_second / p.tokens_per_second:.2f}x "
           f"({s.generated_tokens} tokens, prefill included)")
     print(f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
-          f"{s.num_draft_tokens} draft tokens in {s.num_drafts} rounds with drafts, accepted per position "
-          f"{s.accepted_per_position}; time: draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, "
+          f"{s.num_draft_tokens} draft tokens in {s.num_drafts} rounds with drafts (mean accepted depth "
+          f"{s.mean_accepted_depth:.2f}), accepted per position {s.accepted_per_position}; time: draft "
+          f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s, "
           f"sample {s.sample_s:.2f} s, other {s.other_s:.2f} s")
     same = spec.sequences == plain.sequences == again.sequences
     print(f"speculative tokens equal plain greedy decoding's: {same}")
@@ -84,10 +89,12 @@ def register(sub) -> None:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--drafter", default="eagle", choices=sorted(QUESTIONS),
                       help="the shipped model's drafter: its trained EAGLE head (default), Medusa heads, or prompt lookup")
-    demo.set_defaults(fn=lambda args: main(device=args.device, drafter=args.drafter))
+    demo.add_argument("--tree", default=None, type=tree_settings,
+                      help="tree rounds: N (nodes per tree) or nodes=N,depth=D,branching=K")
+    demo.set_defaults(fn=lambda args: main(device=args.device, drafter=args.drafter, tree=args.tree))
 
 
-def main(device: str | None = None, drafter: str = "eagle") -> int:
+def main(device: str | None = None, drafter: str = "eagle", tree=None) -> int:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"specdec_ext {specdec_ext.__version__} on {device}")
     seeds = torch.tensor([2024, 7, 2**62 + 1, -5], device=device)
@@ -113,7 +120,7 @@ def main(device: str | None = None, drafter: str = "eagle") -> int:
         print("emulator extension not built: skipped")
 
     ok = sampling_demo(device) and ok
-    ok = chat_demo(device, drafter) and ok
+    ok = chat_demo(device, drafter, tree) and ok
 
     big = 1 << 24
     specdec_ext.philox_uniform(seeds, steps, big)  # warm-up

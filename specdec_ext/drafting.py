@@ -5,9 +5,13 @@ The protocol (what SpeculativeDecoder calls), over the decoder's request slots [
   admit(slots, prefixes, hidden_states=None)  new requests: each prompt but its last token (which opens the first
                                  round), and the target's hidden states of those tokens when the drafter asks
   propose(round) -> Proposal     up to round.num_tokens[b] tokens for each slot b < round.batch (ragged, 0 allowed)
+  propose_tree(round, budget, branching) -> DraftTree   tree rounds (EagleDrafter, MedusaDrafter, NgramDrafter): a
+                                 tree of at most `budget` nodes (the root included) per slot, no deeper than
+                                 round.num_tokens[b], best nodes first (specdec_ext.trees)
   rollback(num_accepted, hidden_states=None)  after every round: keep what the target accepted ([batch] ints, -1
                                  for a row without a request), drop the rest; hidden_states [batch, Q, H]: the
-                                 target's, of the round's block
+                                 target's, of the round's block (after a tree round: of the accepted path's nodes,
+                                 in path order, so a path reads as a chain of num_accepted drafts)
   release(slot)                  a finished request
 A drafter whose needs_hidden_states is True (the trained heads) gets the target's last-layer hidden states, which
 the target's forwards return alongside the logits (no second pass).
@@ -23,6 +27,7 @@ import torch
 
 from .graphs import StepGraphs
 from .sampling import mask_top_k_top_p, sample_from_logits
+from .trees import Candidates, DraftTree, ancestor_mask, best_tree, last_tokens, trie
 
 # The draft model's Philox key is the request's seed XOR this (the golden-ratio constant as a signed int64), so its
 # draws never reuse the target's; its counter is the position of the drafted token (tokens generated before it).
@@ -87,16 +92,26 @@ class NgramDrafter:
 
     def lookup(self, tokens, k: int) -> list:
         """Up to k tokens that followed the latest earlier match of the longest suffix (none: [])."""
+        found = self.continuations(tokens, k, 1)
+        return found[0] if found else []
+
+    def continuations(self, tokens, k: int, count: int) -> list:
+        """Up to `count` lists of up to k tokens: what followed earlier matches of the request's suffixes, the
+        longest suffix first and its latest match first; each earlier position once (a match of a long suffix
+        also matches the shorter ones)."""
         if k <= 0:
             return []
         seq = np.asarray(tokens, dtype=np.int64)
+        found, starts = [], set()
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # every n-gram that has a successor
-            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return seq[start:start + k].tolist()
-        return []
+            for start in np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1] + n:
+                if len(found) == count:
+                    return found
+                if start not in starts:
+                    starts.add(start)
+                    found.append(seq[start:start + k].tolist())
+        return found
 
     def propose(self, r: RoundInputs) -> Proposal:
         drafts = [self.lookup(h, k) if h is not None else [] for h, k in zip(r.histories, r.num_tokens)]
@@ -105,6 +120,21 @@ class NgramDrafter:
         for b, d in enumerate(drafts):
             ids[b, :len(d)] = torch.tensor(d, dtype=torch.int64)
         return Proposal(ids[:, :width].to(self.device), [len(d) for d in drafts])
+
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int) -> DraftTree:
+        """The trie of up to `branching` continuations (see continuations), each node scored by how many of them
+        pass through it (ties: the longer, later match first). Point proposals."""
+        tries = [trie(self.continuations(h, k, branching)) if h is not None else ([], [], [])
+                 for h, k in zip(r.histories, r.num_tokens)]
+        width = max(len(t[0]) for t in tries)
+        parents = torch.zeros(r.batch, width, dtype=torch.int64)
+        tokens = torch.zeros(r.batch, width, dtype=torch.int64)
+        scores = torch.full((r.batch, width), float("-inf"))
+        for b, (p, t, c) in enumerate(tries):
+            parents[b, :len(p)], tokens[b, :len(t)], scores[b, :len(c)] = torch.tensor(p), torch.tensor(t), \
+                torch.tensor(c, dtype=torch.float32)
+        return best_tree(parents.to(self.device), tokens.to(self.device), scores.to(self.device),
+                         last_tokens(r.histories, self.device), budget)
 
 
 class ModelDrafter:
@@ -269,17 +299,18 @@ class EagleDrafter:
         self.cache.release(slot)
         self.lengths[slot], self.pending[slot] = 0, []
 
-    @torch.no_grad()
-    def propose(self, r: RoundInputs) -> Proposal:
-        device, vocab = self.target.device, self.target.config.vocab_size
+    def feed_pending(self, r: RoundInputs, block: int):
+        """Feeds every row's pending pairs in one ragged forward, with room for a draft block of `block` slots per
+        row after them. Returns (rows' counts of tokens asked, 0 for a row without a feature yet; the logits of
+        the token after the last emitted one [B, Vd]; the head's feature of the last emitted token [B, 1, H])."""
+        device = self.target.device
         feats = [torch.cat(self.pending[b]) if r.histories[b] is not None and self.pending[b] else None
                  for b in range(r.batch)]
         counts = [len(f) if f is not None else 0 for f in feats]
         # A request whose prompt is one token has no feature yet: it drafts from the next round on.
         asked = [k if n else 0 for k, n in zip(r.num_tokens, counts)]
-        kmax = max(asked)
         width = max(max(counts), 1)
-        self.cache.reserve([width + kmax] * r.batch, requests=list(range(r.batch)))
+        self.cache.reserve([width + block] * r.batch, requests=list(range(r.batch)))
         tokens = torch.zeros(r.batch, width, dtype=torch.int64)
         features = torch.zeros(r.batch, width, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
         for b, (f, n) in enumerate(zip(feats, counts)):
@@ -296,19 +327,74 @@ class EagleDrafter:
             self.lengths[b] += n
             self.pending[b] = []
         self.base = self.cache.cache_seqlens.clone()
+        return asked, logits[:, 0], feature
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, vocab = self.target.device, self.target.config.vocab_size
+        kmax = max(r.num_tokens)
+        asked, logits, feature = self.feed_pending(r, kmax)
+        kmax = max(asked)
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
         draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
         wants = torch.tensor(asked, device=device)
         for i in range(kmax):
-            masked, token = draw_from_draft_vocab(logits[:, 0], self.head.draft_vocab, vocab, r, r.steps + i)
+            masked, token = draw_from_draft_vocab(logits, self.head.draft_vocab, vocab, r, r.steps + i)
             draft_ids[:, i], draft_logits[:, i] = token, masked
             if i + 1 < kmax:
                 logits, feature = self.head(token.unsqueeze(1), feature, self.cache, cache_rows=slice(0, r.batch))
+                logits = logits[:, 0]
                 grow = torch.zeros(self.cache.batch_size, dtype=torch.int32, device=device)
                 grow[:r.batch] = (wants > i + 1).int()
                 self.cache.advance(grow)
         return Proposal(draft_ids, asked, draft_logits)
 
+    @torch.no_grad()
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int) -> DraftTree:
+        """EAGLE-2's dynamic tree (Li et al. 2024): the top-`branching` tokens of the head after the last emitted
+        token are the first layer; then, for each further depth, the `branching` best nodes of the last layer (by
+        cumulative draft log-probability) are fed to the head in one forward and their top-`branching` tokens
+        become the next layer. Finally the best budget - 1 nodes of all layers make the tree (a node's ancestors
+        score higher, so they are in it). Point proposals: the children are deterministic, so the tree sampling
+        op tests each against the target in turn.
+
+        Each forward feeds every node expanded so far as one draft block after the head's cache, under a tree
+        mask (a node sees the cache and its ancestors; its position is the cache length + its depth), and never
+        advances the cache: the block is dropped at rollback, which queues the target's features of the
+        accepted path instead, as after a chain round."""
+        device, vocab = self.target.device, self.head.draft_vocab
+        k = min(branching, len(vocab))
+        asked, logits, feature = self.feed_pending(r, (max(r.num_tokens) - 1) * k)
+        depth = max(asked)
+        deepest = torch.tensor(asked, device=device).unsqueeze(-1)  # [B, 1]: a row's tree goes this deep (0: none)
+        nodes = Candidates(r.batch, device)
+        top = logits.log_softmax(-1).topk(k)
+        layer_scores = torch.where(deepest >= 1, top.values, float("-inf"))  # [B, m]: the layer's candidates
+        layer_tokens = vocab[top.indices]
+        layer = nodes.add(torch.zeros_like(top.indices), layer_tokens, layer_scores)
+        frontier = torch.arange(k, device=device).expand(r.batch, k)  # the layer's nodes to expand (all of the first)
+        inputs_feature = feature.expand(-1, k, -1)  # a pair joins the parent's predicted feature with the node's token
+        parent_slot = torch.full((r.batch, k), -1, device=device)  # the parent's slot in the draft block (-1: root)
+        block_tokens, block_features, block_parents = [], [], []
+        for d in range(1, depth):
+            block_tokens.append(layer_tokens.gather(1, frontier))
+            block_features.append(inputs_feature)
+            block_parents.append(parent_slot)
+            parents = torch.cat(block_parents, 1)
+            fed = (d - 1) * k  # the block's slots before this depth's
+            logits, hidden = self.head(torch.cat(block_tokens, 1), torch.cat(block_features, 1), self.cache,
+                                       cache_rows=slice(0, r.batch), tree_mask=ancestor_mask(parents),
+                                       logits_indices=torch.arange(fed, fed + k, device=device))
+            top = logits.log_softmax(-1).topk(k)  # [B, k expanded, k children]
+            scores = (layer_scores.gather(1, frontier).unsqueeze(-1) + top.values).flatten(1)
+            layer_scores = torch.where(deepest > d, scores, float("-inf"))
+            layer_tokens = vocab[top.indices].flatten(1)
+            layer = nodes.add(layer.gather(1, frontier).repeat_interleave(k, 1), layer_tokens, layer_scores)
+            frontier = layer_scores.topk(k).indices
+            expanded = frontier // k  # which fed node of this depth each new frontier node is a child of
+            inputs_feature = hidden[:, fed:fed + k].gather(1, expanded.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            parent_slot = fed + expanded
+        return nodes.best_tree(last_tokens(r.histories, device), budget)
 
     def rollback(self, num_accepted: list, hidden_states=None) -> None:
         """Drops the draft-step pairs; queues the target's features of the round's accepted tokens (the last
@@ -347,22 +433,51 @@ class MedusaDrafter:
     def release(self, slot: int) -> None:
         self.features[slot] = None
 
-    @torch.no_grad()
-    def propose(self, r: RoundInputs) -> Proposal:
-        device, vocab = self.target.device, self.target.config.vocab_size
+    def head_logits(self, r: RoundInputs):
+        """(tokens asked per row, at most the number of heads and 0 for a row without a feature; the heads'
+        logits [B, heads, Vd])."""
+        device = self.target.device
         asked = [min(k, self.heads.num_heads) if r.histories[b] is not None and self.features[b] is not None else 0
                  for b, k in enumerate(r.num_tokens)]
-        kmax = max(asked)
         features = torch.stack([self.features[b] if self.features[b] is not None else
                                 torch.zeros(self.target.config.hidden_size, dtype=self.target.dtype, device=device)
                                 for b in range(r.batch)])
-        logits = self.heads(features)  # [B, heads, Vd]
+        return asked, self.heads(features)
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, vocab = self.target.device, self.target.config.vocab_size
+        asked, logits = self.head_logits(r)  # [B, heads, Vd]
+        kmax = max(asked)
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
         draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
         for i in range(kmax):
             masked, token = draw_from_draft_vocab(logits[:, i], self.heads.draft_vocab, vocab, r, r.steps + i)
             draft_ids[:, i], draft_logits[:, i] = token, masked
         return Proposal(draft_ids, asked, draft_logits)
+
+    @torch.no_grad()
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int) -> DraftTree:
+        """Medusa's candidate tree: the nodes at depth d + 1 are the paths through head d's top-`branching`
+        tokens, scored by the product of the heads' probabilities along them; the best budget - 1 prefixes make
+        the tree. Grown depth by depth, keeping the best budget - 1 of each (no other can be among the best
+        overall). Point proposals."""
+        device, vocab = self.target.device, self.heads.draft_vocab
+        asked, logits = self.head_logits(r)
+        deepest = torch.tensor(asked, device=device).unsqueeze(-1)
+        top = logits[:, :max(asked)].log_softmax(-1).topk(min(branching, len(vocab)))  # [B, depth, k]
+        k = top.indices.shape[-1]
+        nodes = Candidates(r.batch, device)
+        layer = torch.zeros(r.batch, 1, dtype=torch.long, device=device)  # the root
+        layer_scores = torch.zeros(r.batch, 1, device=device)
+        for d in range(max(asked)):
+            scores = (layer_scores.unsqueeze(-1) + top.values[:, d].unsqueeze(1)).flatten(1)  # [B, m * k]
+            scores = torch.where(deepest > d, scores, float("-inf"))
+            keep = scores.topk(min(budget - 1, scores.shape[1])).indices
+            tokens = vocab[top.indices[:, d]].repeat(1, layer.shape[1])
+            layer_scores = scores.gather(1, keep)
+            layer = nodes.add(layer.repeat_interleave(k, 1).gather(1, keep), tokens.gather(1, keep), layer_scores)
+        return nodes.best_tree(last_tokens(r.histories, device), budget)
 
     def rollback(self, num_accepted: list, hidden_states=None) -> None:
         for b, a in enumerate(num_accepted):

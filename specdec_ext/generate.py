@@ -42,6 +42,18 @@ def make_drafter(spec: str, target, model_path=None):
     raise ValueError(f"--drafter must be ngram, model:PATH, eagle[:PATH] or medusa[:PATH], got {spec!r}")
 
 
+def tree_settings(spec: str):
+    """--tree's value as TreeSettings (argparse reports a bad one as a usage error)."""
+    import argparse
+
+    from .trees import TreeSettings
+
+    try:
+        return TreeSettings.of(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def prompt_ids(tokenizer, text: str, chat: bool) -> list:
     if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -59,14 +71,16 @@ def main(args) -> int:
     path = args.model or default_model_path()
     model, tokenizer = load(path, device)
     drafter = args.drafter or ("ngram" if args.model else "eagle")
-    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), args.k)
+    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), args.k, tree=args.tree)
     ids = prompt_ids(tokenizer, args.prompt, args.chat)
     t0 = time.perf_counter()
     out = dec.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        seed=args.seed, eos_token_id=tokenizer.eos_token_id,
                        stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
     s = out.stats
-    print(f"\n[{drafter} drafter, k <= {args.k}: {s.generated_tokens} tokens in {time.perf_counter() - t0:.2f} s, "
+    shape = f"k <= {args.k}" if dec.tree is None else \
+        f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}"
+    print(f"\n[{drafter} drafter, {shape}: {s.generated_tokens} tokens in {time.perf_counter() - t0:.2f} s, "
           f"{s.tokens_per_second:.1f} tokens/s; acceptance rate {s.acceptance_rate:.2f}, mean acceptance length "
           f"{s.mean_acceptance_length:.2f}]",
           file=sys.stderr)
@@ -88,5 +102,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens (largest k; adaptive below it)")
+    p.add_argument("--tree", default=None, type=tree_settings,
+                   help="tree rounds (eagle, medusa, ngram): N (nodes per tree, the last token included) or "
+                        "nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(fn=main)

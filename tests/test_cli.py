@@ -51,3 +51,13 @@ def test_generate_drafts_with_the_shipped_eagle_head_by_default():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "paris" in r.stdout.lower(), r.stdout
     assert "[eagle drafter" in r.stderr and "mean acceptance length" in r.stderr, r.stderr
+
+
+def test_generate_with_tree_rounds():
+    r = run_cli("generate", "--device", "cpu", "--chat", "--max-new-tokens", "24", "--tree", "nodes=8,depth=4",
+                "--prompt", "What is the capital of France? Answer in one sentence.")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "paris" in r.stdout.lower(), r.stdout
+    assert "[eagle drafter, trees of <= 8 nodes, depth 4, branching 4" in r.stderr, r.stderr
+    r = run_cli("generate", "--device", "cpu", "--tree", "nodes=8,depth=9", "--prompt", "Hi")
+    assert r.returncode == 2 and "depth 9 needs at least 10 num_nodes" in r.stderr, r.stderr

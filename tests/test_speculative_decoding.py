@@ -137,13 +137,13 @@ def test_law_of_the_first_tokens_is_the_targets(law_models, name, case):
 LAW_PROMPT = [0, 4, 0, 0, 4, 0]  # the law target's likely tokens 0 and 4: prompt lookup proposes them
 
 
-def sample_first_tokens(hf, target, drafter, case: str):
-    """LAW_SAMPLES requests of LAW_PROMPT (seeds 0..LAW_SAMPLES-1), k = 2 fixed: the counts of their first
-    LAW_TOKENS tokens, the exact law, and the acceptance rate."""
+def sample_first_tokens(hf, target, drafter, case: str, tree=None):
+    """LAW_SAMPLES requests of LAW_PROMPT (seeds 0..LAW_SAMPLES-1), k = 2 fixed (or tree rounds of these settings):
+    the counts of their first LAW_TOKENS tokens, the exact law, and the acceptance rate."""
     temperature, top_k, top_p = LAW_CASES[case]
     law = exact_law(hf, LAW_PROMPT, temperature, top_k, top_p)
     per_call = 5000
-    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call)
+    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call, tree=tree)
     counts = dict.fromkeys(law, 0)
     accepted = drafted = 0
     for start in range(0, LAW_SAMPLES, per_call):
@@ -189,6 +189,14 @@ def cache_rows(cache, b, n):
     return cache.k[:, pages, pos % cache.page_size], cache.v[:, pages, pos % cache.page_size]
 
 
+def assert_cache_holds(model, cache, b, tokens) -> None:
+    """Request b's rows of `cache` hold the K and V of a fresh prefill of `tokens`, every layer."""
+    k, v = cache_rows(cache, b, len(tokens))
+    want_k, want_v = fresh_cache_rows(model, tokens, cache.block_table is not None)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_caches_hold_a_fresh_prefill_after_every_round(pair, paged):
     """After each round (when the stream callback runs) the target's cache holds the request's tokens but the
@@ -206,11 +214,8 @@ def test_caches_hold_a_fresh_prefill_after_every_round(pair, paged):
         assert n == len(tokens[r]) - 1
         m = int(drafter.cache.cache_seqlens[r])
         assert m == drafter.lengths[r] and len(tokens[r]) - 2 <= m <= len(tokens[r]) - 1
-        for model, cache, length in ((target, dec.cache, n), (draft, drafter.cache, m)):
-            k, v = cache_rows(cache, r, length)
-            want_k, want_v = fresh_cache_rows(model, tokens[r][:length], paged)
-            torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-5)
+        assert_cache_holds(target, dec.cache, r, tokens[r][:n])
+        assert_cache_holds(draft, drafter.cache, r, tokens[r][:m])
         checked.append((r, len(new)))
 
     out = dec.generate(prompts, 12, temperature=0.9, seed=[4, 5, 6], stream=check)

@@ -29,6 +29,8 @@ def register(sub) -> None:
                        "prompt lookup and the shipped model's trained heads)")
     bench.add_argument("--sampling", default=None, help="e2e: greedy,sampled (sampled: temperature 0.7, top-p 0.9)")
     bench.add_argument("--draft", default=None, help="e2e: a draft model (HF dir or .gguf) for ModelDrafter rows")
+    bench.add_argument("--tree", action="append", default=None, help="e2e: tree rows of these settings, N or "
+                       "nodes=N,depth=D,branching=K (repeatable; default: the default TreeSettings)")
     bench.add_argument("--plain-only", action="store_true", help="e2e: only plain decoding against transformers")
     bench.add_argument("--speculative-only", action="store_true", help="e2e: only the speculative table")
     bench.set_defaults(fn=run)

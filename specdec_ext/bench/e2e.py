@@ -9,7 +9,9 @@ on the same weights, dtype and thread count, tokens/s as the median of repeats a
    shipped prompt set (a run decodes them all, B at a time), greedy and sampled (temperature 0.7, top-p 0.9),
    against our plain decoding of the same requests and against transformers' plain and prompt-lookup generate
    (prompt_lookup_num_tokens=10, batch 1 only): speedups, acceptance rate (in total and per position), mean
-   acceptance length and the time split.
+   acceptance length and the time split. Tree rows (--tree, repeatable; by default the default TreeSettings):
+   the same drafters (eagle, medusa, ngram) proposing trees, at the fixed node budget and, with "adaptive" in
+   --k, with the adaptive one; k reads "tree N/D/B" (nodes, depth, branching), drafted = drafts per round.
 """
 import resource
 import statistics
@@ -20,6 +22,7 @@ import torch
 from specdec_ext.decoding import SpeculativeDecoder, generate_autoregressive
 from specdec_ext.generate import make_drafter
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
+from specdec_ext.trees import TreeSettings
 
 from .common import median_us, report, save
 
@@ -178,6 +181,12 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
     drafters = {spec.partition(":")[0]: make_drafter(spec, target, path) for spec in specs}
     heldout = heldout_prompts(tokenizer)
     ks = (args.k or "2,4,8,adaptive").split(",")
+    trees = [TreeSettings.of(t) for t in (args.tree or [TreeSettings()])]
+    # (label, num_speculative_tokens, adaptive, tree) per row of a drafter: chains, then trees.
+    configs = [(k, 8 if k == "adaptive" else int(k), k == "adaptive", None) for k in ks]
+    for t in trees:
+        label = f"tree {t.num_nodes}/{t.depth}/{t.branching}"
+        configs += [(label, 8, False, t)] + ([(label + " adaptive", 8, True, t)] if "adaptive" in ks else [])
     names = (args.prompts or ",".join(PROMPTS) + ",heldout").split(",")
     modes = (args.sampling or "greedy,sampled").split(",")
     rows = []
@@ -198,10 +207,11 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                         hf, tokenizer, c, new_tokens, sampling, prompt_lookup_num_tokens=10)], repeats)[0] \
                         if batch == 1 else float("nan")
                 for drafter_name, drafter in drafters.items():
-                    for k in ks:
-                        adaptive = k == "adaptive"
-                        dec = SpeculativeDecoder(target, drafter, 8 if adaptive else int(k), adaptive=adaptive,
-                                                 max_batch_size=batch)
+                    for k, k_max, adaptive, tree in configs:
+                        if tree is not None and not hasattr(drafter, "propose_tree"):
+                            continue
+                        dec = SpeculativeDecoder(target, drafter, k_max, adaptive=adaptive, max_batch_size=batch,
+                                                 tree=tree)
                         last = {}
 
                         def run():
@@ -215,6 +225,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                                      "tok_s": tps, "plain_tok_s": plain_tps, "speedup": speedup,
                                      "vs_hf_plain": tps / hf_tps, "vs_hf_lookup": tps / lookup_tps,
                                      "acceptance": st.acceptance_rate, "mean_acc_len": st.mean_acceptance_length,
+                                     "drafted": st.num_draft_tokens / max(st.num_drafts, 1),
                                      "acc_per_pos": "/".join(f"{a:.2f}" for a in st.acceptance_rate_per_position[:8]),
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,
                                      "sample": st.sample_s / spent, "other": st.other_s / spent,
@@ -225,7 +236,8 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
            f"{torch.get_num_threads()} threads, {new_tokens} new tokens; speedup = against our plain decoding, "
            f"vs_hf_* = against transformers' plain / prompt-lookup generate; draft..other: shares of the time", rows,
            ["B", "prompt", "sampling", "drafter", "k", "tok_s", "plain_tok_s", "speedup", "vs_hf_plain", "vs_hf_lookup",
-            "acceptance", "mean_acc_len", "acc_per_pos", "draft", "verify", "sample", "other", "same_as_plain"])
+            "acceptance", "mean_acc_len", "drafted", "acc_per_pos", "draft", "verify", "sample", "other",
+            "same_as_plain"])
     return rows
 
 

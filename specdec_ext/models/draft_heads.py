@@ -82,10 +82,11 @@ class EagleHead(nn.Module):
             normed = normed + (torch.rand_like(normed) - 0.5) * (2 * noise)
         return linear(torch.cat((F.embedding(next_tokens, self.embed), normed), dim=-1), self.fc.weight, self.fc.bias)
 
-    def forward(self, next_tokens, features, kv_cache, *, cache_rows=slice(None), logits_indices=None):
-        """Returns (logits over the draft vocabulary [B, P or n, Vd] float32, predicted features [B, P, H])."""
+    def forward(self, next_tokens, features, kv_cache, *, cache_rows=slice(None), logits_indices=None, tree_mask=None):
+        """Returns (logits over the draft vocabulary [B, P or n, Vd] float32, predicted features [B, P, H]).
+        tree_mask [B, P, P]: the P pairs are a tree (a draft tree's nodes, each seeing its ancestors)."""
         return self.decoder(None, kv_cache, inputs_embeds=self.inputs(next_tokens, features), cache_rows=cache_rows,
-                            logits_indices=logits_indices, output_hidden_states=True)
+                            logits_indices=logits_indices, output_hidden_states=True, tree_mask=tree_mask)
 
     def trained_state(self) -> dict:
         """The weights a file holds: fc and the decoder layer (not the target's shared tensors)."""

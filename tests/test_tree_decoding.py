@@ -1,0 +1,300 @@
+"""Tree rounds of SpeculativeDecoder (tree=...) with the EAGLE head's dynamic tree, Medusa's candidate tree and the
+n-gram trie, on tiny random transformers models: greedy output equals plain decoding token for token (ragged
+prompts, continuous batching, static and paged caches), the law of the first tokens at temperature > 0 is the
+target's exact law, both caches hold what a fresh prefill would after every round, the drafted trees are well
+formed and best first (EAGLE's scored by the head itself along each path), stats add up, the adaptive tree size
+follows the costs, bad settings raise. Fixed seeds throughout."""
+import pytest
+import torch
+from test_draft_heads import law_target, make_drafter, random_vocab  # noqa: F401 (law_target: a fixture)
+from test_plain_decoding import random_prompts, tiny_hf
+from test_speculative_decoding import LAW_CASES, assert_cache_holds, assert_law, cache_rows, sample_first_tokens
+
+import specdec_ext
+from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from specdec_ext import decoding as decoding_module
+from specdec_ext.decoding import CostModel, generate_autoregressive
+from specdec_ext.models import LlamaForCausalLM
+from specdec_ext.trees import TreeSettings, best_tree, trie
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+# A 16-token vocabulary with spread-out distributions, so that random heads' top-k candidates are often right
+# (trees accept paths deeper than 1 and off the first branch) and sampled paths vary; heads see 12 of the tokens.
+VOCAB = 16
+TREE = dict(num_nodes=24, depth=4, branching=4)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaForCausalLM.from_hf(tiny_hf(vocab=VOCAB, seed=1234, logit_scale=0.3))
+
+
+def tree_drafter(name, target, seed=1):
+    if name == "ngram":
+        return NgramDrafter(3, 1)
+    return make_drafter(name, target, random_vocab(VOCAB, 12, 1), seed)
+
+
+def record_paths(monkeypatch) -> list:
+    """Wraps the decoder's tree sampling op: returns the list that each round's accepted_nodes are appended to."""
+    paths = []
+    op = decoding_module.tree_speculative_sampling_from_logits
+
+    def recording(*args, **kwargs):
+        out = op(*args, **kwargs)
+        paths.extend(nodes[:a + 1] for nodes, a in zip(out.accepted_nodes.tolist(), out.num_accepted.tolist()))
+        return out
+
+    monkeypatch.setattr(decoding_module, "tree_speculative_sampling_from_logits", recording)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+
+def test_best_tree_keeps_the_best_nodes_best_first():
+    # Candidates 1..6 (0: the root) as (parent, token, score): 5 ties with its parent 3; 6 is not a candidate.
+    parents = torch.tensor([[0, 0, 1, 1, 3, 2]])
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    scores = torch.tensor([[-0.1, -1.0, -0.3, -2.0, -0.3, float("-inf")]])
+    tree = best_tree(parents, tokens, scores, torch.tensor([3]), budget=5)
+    # The best 4: 1, 3, 5 (after its parent: the sort is stable), 2; renumbered 1..4 with parents before children.
+    assert tree.parents.tolist() == [[-1, 0, 1, 2, 0]]
+    assert tree.token_ids.tolist() == [[3, 5, 7, 9, 6]]
+    assert tree.num_nodes.tolist() == [5] and tree.depths.tolist() == [[0, 1, 2, 3, 1]]
+    assert tree.tree_mask[0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                                [1, 0, 0, 0, 1]]
+    # A budget past the candidates: all five finite ones, then padding (parent -1, token 0, seeing itself only).
+    tree = best_tree(parents, tokens, scores, torch.tensor([3]), budget=10)
+    assert tree.num_nodes.tolist() == [6] and tree.parents.tolist() == [[-1, 0, 1, 2, 0, 1, -1]]
+    assert tree.token_ids[0, -1] == 0 and tree.tree_mask[0, -1].int().tolist() == [0] * 6 + [1]
+    # The n-gram trie: shared prefixes once, counted per sequence through them.
+    assert trie([[1, 2, 3], [1, 2, 4], [5]]) == ([0, 1, 2, 2, 0], [1, 2, 3, 4, 5], [2, 2, 1, 1, 1])
+
+
+# ------------------------------------------------------------------------------------------------------ greedy
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+def test_greedy_tree_decoding_equals_plain_decoding(target, name, paged, monkeypatch):
+    """7 ragged prompts (one of a single token) through 3 slots, finishing at different rounds; the stats of the
+    rounds add up to the emitted tokens."""
+    prompts = random_prompts(5, [5, 21, 12, 1, 9, 3, 30], vocab=VOCAB)
+    max_new = [24, 7, 16, 30, 3, 20, 11]
+    plain = generate_autoregressive(target, prompts, max_new)
+    paths = record_paths(monkeypatch)
+    dec = SpeculativeDecoder(target, tree_drafter(name, target), adaptive=False, max_batch_size=3, paged=paged,
+                             tree=TREE)
+    out = dec.generate(prompts, max_new)
+    assert out.sequences == plain.sequences
+    # The trees were used: paths deeper than one node, and paths off the first branch (compaction moves K/V).
+    assert max(len(p) for p in paths) >= 3 and any(p != list(range(len(p))) for p in paths)
+    for s in out.request_stats:
+        assert s.generated_tokens == s.num_accepted_tokens + s.target_forwards  # no EOS here
+        assert len(s.accepted_depths) == s.num_drafts and sum(s.accepted_depths) == s.num_accepted_tokens
+        assert max(s.accepted_depths, default=0) <= TREE["depth"]
+        assert s.mean_accepted_depth == pytest.approx(s.mean_acceptance_length - 1)
+        assert s.num_draft_tokens == sum(s.k_per_round) and all(k < TREE["num_nodes"] for k in s.k_per_round)
+        assert sum(s.accepted_per_position) == s.num_accepted_tokens
+        assert len(s.drafted_per_position) <= TREE["depth"]  # positions are depths in a tree round
+    total = out.stats
+    assert sorted(total.accepted_depths) == sorted(d for s in out.request_stats for d in s.accepted_depths)
+    assert total.num_accepted_tokens == sum(s.num_accepted_tokens for s in out.request_stats)
+    if paged:  # every page back in the pool once the requests finished
+        assert dec.cache.free_pages == dec.cache.k.shape[1]
+
+
+# ------------------------------------------------------------------------------------------------ lossless law
+
+@pytest.mark.parametrize("case", list(LAW_CASES))
+@pytest.mark.parametrize("name", [pytest.param("eagle", marks=pytest.mark.slow), "ngram"])
+def test_law_of_the_first_tokens_is_the_targets_with_trees(law_target, name, case):  # noqa: F811
+    """As test_speculative_decoding's law test (70,000 seeds, chi-square over the 512 sequences of 3 tokens, power
+    >= 0.9 against a 1% bias, checked by assert_law), with tree rounds of up to 8 nodes, depth 2 and 3 children
+    per node: point proposals tested in turn at each node, the rejected ones removed from the target's
+    distribution. The n-gram trie branches on LAW_PROMPT (~20 s a case); EAGLE's head (slow: ~100 s a case) sees
+    5 of the 8 tokens, the others coming through the residual. Mutation run once: handing the tree op the target's
+    unmasked logits fails the top-k/top-p case (a masked token is emitted)."""
+    hf, target = law_target
+    drafter = make_drafter("eagle", target, torch.tensor([0, 2, 4, 5, 7]), seed=11) if name == "eagle" \
+        else NgramDrafter(2, 1)
+    counts, law, acceptance = sample_first_tokens(hf, target, drafter, case,
+                                                  tree=dict(num_nodes=8, depth=2, branching=3))
+    assert 0.02 < acceptance < 0.9, ("the test needs tree nodes accepted and rejected", acceptance)
+    assert_law(counts, law)
+
+
+# ---------------------------------------------------------------------------------------------------- rollback
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_caches_hold_a_fresh_prefill_after_every_tree_round(target, paged, monkeypatch):
+    """EAGLE, sampled (paths vary and leave the first branch): after each round the target's cache holds the
+    request's tokens but the last, the head's cache the pairs (target feature j, token j + 1) it was fed and its
+    queue the target's features of the rest, each equal to a fresh prefill of those tokens. Mutations run once:
+    compacting the block's first num_accepted + 1 slots instead of the path fails this test and the greedy one;
+    handing the drafter the block's features in node order instead of the path's fails this one."""
+    prompts = random_prompts(31, [7, 15, 1], vocab=VOCAB)
+    drafter = tree_drafter("eagle", target)
+    head = drafter.head
+    paths = record_paths(monkeypatch)
+    dec = SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=3, paged=paged, tree=TREE)
+    tokens = [list(p) for p in prompts]
+    checked = []
+
+    def check(r, new):
+        tokens[r] += new
+        n = int(dec.cache.cache_seqlens[r])
+        assert n == len(tokens[r]) - 1
+        assert_cache_holds(target, dec.cache, r, tokens[r][:n])
+        # The head: m pairs fed, the features of tokens m .. n - 1 queued.
+        m = int(drafter.cache.cache_seqlens[r])
+        queued = torch.cat(drafter.pending[r]) if drafter.pending[r] else torch.empty(0, target.config.hidden_size)
+        assert m == drafter.lengths[r] and m + len(queued) == n
+        if n:
+            _, features = target.prefill(target.new_kv_cache(1, n + 1), [0], [tokens[r][:n]], output_hidden_states=True)
+            torch.testing.assert_close(queued, features[0][m:], rtol=1e-4, atol=1e-4)
+        if m:
+            fresh = head.decoder.new_kv_cache(1, m + 1)
+            head(torch.tensor([tokens[r][1:m + 1]]), features[0][:m].unsqueeze(0), fresh)
+            k, v = cache_rows(drafter.cache, r, m)
+            torch.testing.assert_close(k, fresh.k[:, 0, :m], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v, fresh.v[:, 0, :m], rtol=1e-4, atol=1e-4)
+        checked.append(len(new))
+
+    out = dec.generate(prompts, 16, temperature=1.0, seed=[4, 5, 6], stream=check)
+    assert [t[len(p):] for t, p in zip(tokens, prompts)] == out.sequences
+    assert len(checked) >= 3 * 4 and max(len(p) for p in paths) >= 3 and any(p != list(range(len(p))) for p in paths)
+    if paged:
+        assert dec.cache.free_pages == dec.cache.k.shape[1] and drafter.cache.free_pages == drafter.cache.k.shape[1]
+
+
+# ------------------------------------------------------------------------------------------------ the trees
+
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+def test_drafted_trees_are_well_formed(target, name):
+    """Every tree a drafter proposes during a ragged, mixed greedy/sampled run: parents before children, padding
+    after num_nodes, no deeper than asked, distinct sibling tokens, the root the request's last token, head tokens
+    inside the draft vocabulary, at most the budget."""
+    drafter = tree_drafter(name, target)
+    seen = []
+    propose_tree = drafter.propose_tree
+    drafter.propose_tree = lambda r, budget, branching: seen.append((r, budget, propose_tree(r, budget, branching))) \
+        or seen[-1][2]
+    prompts = random_prompts(8, [6, 1, 13], vocab=VOCAB)
+    SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=2, tree=TREE).generate(
+        prompts, [9, 12, 5], temperature=[0.0, 0.8, 1.0], seed=[1, 2, 3])
+    assert len(seen) > 5
+    allowed = set(random_vocab(VOCAB, 12, 1).tolist()) if name != "ngram" else set(range(VOCAB))
+    for r, budget, tree in seen:
+        assert budget == TREE["num_nodes"] and tree.parents.shape[1] <= budget
+        for b in range(r.batch):
+            n = int(tree.num_nodes[b])
+            parents, tokens = tree.parents[b].tolist(), tree.token_ids[b].tolist()
+            assert parents[0] == -1 and all(0 <= parents[c] < c for c in range(1, n))
+            assert all(p == -1 for p in parents[n:])
+            assert int(tree.depths[b].max()) <= r.num_tokens[b]
+            assert len({(parents[c], tokens[c]) for c in range(1, n)}) == n - 1
+            assert set(tokens[1:n]) <= allowed
+            if r.histories[b] is not None:
+                assert tokens[0] == r.histories[b][-1]
+            else:
+                assert n == 1
+
+
+def test_eagle_trees_are_the_heads_best_paths(target, monkeypatch):
+    """Each node of an EAGLE tree scored again by feeding its path to the head as a chain, one token at a time, on a
+    copy of the head's cache: the tree's nodes come in decreasing cumulative log-probability, and a node's
+    children are among the head's top-`branching` tokens there. (A wrong tree mask, position or parent feature
+    in the tree's draft block changes these distributions.)"""
+    drafter = tree_drafter("eagle", target, seed=3)
+    head, vocab = drafter.head, drafter.head.draft_vocab
+    k = TREE["branching"]
+    start = {}
+    feed_pending = drafter.feed_pending
+
+    def capture(r, block):
+        asked, logits, feature = feed_pending(r, block)
+        start.update(logits=logits, feature=feature, k=drafter.cache.k.clone(), v=drafter.cache.v.clone(),
+                     lengths=drafter.cache.cache_seqlens.clone())
+        return asked, logits, feature
+
+    monkeypatch.setattr(drafter, "feed_pending", capture)
+    trees = []
+    propose_tree = drafter.propose_tree
+
+    def check(r, budget, branching):
+        tree = propose_tree(r, budget, branching)
+        for b in range(r.batch):
+            n = int(tree.num_nodes[b])
+            parents, tokens = tree.parents[b].tolist(), tree.token_ids[b].tolist()
+            logp, score = {0: start["logits"][b].log_softmax(-1)}, {0: 0.0}
+            for c in range(1, n):  # parents come first, so each node's chain extends its parent's
+                path = [c]
+                while parents[path[-1]] > 0:
+                    path.append(parents[path[-1]])
+                cache = head.decoder.new_kv_cache(1, drafter.capacity)
+                cache.k.copy_(start["k"][:, b:b + 1])
+                cache.v.copy_(start["v"][:, b:b + 1])
+                cache.cache_seqlens.copy_(start["lengths"][b:b + 1])
+                feature = start["feature"][b:b + 1]
+                for node in reversed(path):
+                    logits, feature = head(torch.tensor([[tokens[node]]]), feature, cache)
+                    cache.advance(1)
+                logp[c] = logits[0, 0].log_softmax(-1)
+                index = int((vocab == tokens[c]).nonzero())
+                score[c] = score[parents[c]] + float(logp[parents[c]][index])
+                best = logp[parents[c]].topk(k).values[-1]
+                assert float(logp[parents[c]][index]) >= float(best) - 1e-5, "a child outside its parent's top-k"
+            ordered = [score[c] for c in range(1, n)]
+            assert all(a >= b - 1e-4 for a, b in zip(ordered, ordered[1:])), ordered
+        trees.append(tree)
+        return tree
+
+    drafter.propose_tree = check
+    SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=2, tree=TREE).generate(
+        random_prompts(9, [6, 11], vocab=VOCAB), 6)
+    assert trees and max(int(t.num_nodes.max()) for t in trees) == TREE["num_nodes"]
+
+
+# ------------------------------------------------------------------------------------------ adaptive tree size
+
+def test_adaptive_tree_size_follows_the_verify_cost(target):
+    """adaptive=True picks the round's node budget from the measured acceptance of each tree rank and the verify
+    cost per row: with a cost flat in the rows every round takes the full tree; with one that jumps 10x past 8 rows
+    the rounds stay within 8 nodes but for the full-tree probe of every 8th round. Greedy tokens are plain
+    decoding's either way."""
+    prompts = random_prompts(12, [9, 14], vocab=VOCAB)
+    plain = generate_autoregressive(target, prompts, 30).sequences
+    budgets = {}
+    for name, costs in (("flat", CostModel({1: 1.0, 64: 1.0})), ("steep", CostModel({1: 1.0, 8: 1.0, 9: 10.0}))):
+        drafter = tree_drafter("eagle", target)
+        propose_tree = drafter.propose_tree
+        budgets[name] = []
+        drafter.propose_tree = lambda r, budget, branching: budgets[name].append(budget) or \
+            propose_tree(r, budget, branching)
+        out = SpeculativeDecoder(target, drafter, max_batch_size=1, tree=TREE, costs=costs).generate(prompts, 30)
+        assert out.sequences == plain
+        for s in out.request_stats:  # a tree holds at most the round's budget
+            assert all(k < TREE["num_nodes"] for k in s.k_per_round)
+    assert set(budgets["flat"]) == {TREE["num_nodes"]} and len(budgets["flat"]) > 10
+    small = [n for n in budgets["steep"] if n <= 8]
+    assert len(small) >= 0.75 * len(budgets["steep"]) and max(budgets["steep"]) == TREE["num_nodes"]
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("tree", [0, 1, 65, True, 2.5, "abc", "nodes=8,depth=9", "nodes=8,width=2",
+                                  {"num_nodes": 8, "width": 2}, {"depth": 0},
+                                  dict(num_nodes=64, depth=12, branching=8)])
+def test_bad_tree_settings_raise(target, tree):
+    with pytest.raises(ValueError, match="tree"):
+        SpeculativeDecoder(target, NgramDrafter(), tree=tree)
+
+
+def test_tree_settings_parse_and_need_a_tree_drafter(target):
+    assert TreeSettings.of("32") == TreeSettings(num_nodes=32) and TreeSettings.of(4) == TreeSettings(4, 3)
+    assert TreeSettings.of("nodes=16,depth=3") == TreeSettings(16, 3) == TreeSettings.of({"num_nodes": 16, "depth": 3})
+    assert TreeSettings.of("nodes=16,depth=3,branching=2") == TreeSettings(16, 3, 2)
+    with pytest.raises(ValueError, match="tree rounds need a drafter that proposes trees"):
+        SpeculativeDecoder(target, ModelDrafter(target), tree=16)
+    assert specdec_ext.SpeculativeDecoder(target, NgramDrafter(), tree=16).tree == TreeSettings.of(16)
