@@ -198,6 +198,14 @@ def interpolate(points: dict, x: float) -> float:
 ROW_POINTS = (1, 2, 4, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
+def draft_cost_model(drafter):
+    """What CostModel measures a draft step of `drafter` on: its draft model, or an EAGLE head's one-layer decoder
+    (the head's step but for its feature fusion); None for drafters whose steps cost next to nothing (n-gram
+    lookup, Medusa heads on the target's hidden state)."""
+    head = getattr(drafter, "head", None)
+    return getattr(drafter, "model", None) or getattr(head, "decoder", None)
+
+
 class CostModel:
     """Seconds of a target forward over R rows (batch x Q tokens) and of a draft model's forward over R rows, at
     measured points R (interpolated between), for the adaptive choice of k: on a CPU a verify block's cost
@@ -535,7 +543,7 @@ class SpeculativeDecoder:
             drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
         if drafter is not None and self.adaptive is True and self.costs is None:
             width = self.tree.num_nodes if self.tree is not None else self.num_speculative_tokens + 1
-            self.costs = CostModel.measure(self.target, getattr(drafter, "model", None), s * width, s)
+            self.costs = CostModel.measure(self.target, draft_cost_model(drafter), s * width, s * width)
 
     def _admit(self, waiting, slots, drafter, stats) -> None:
         """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled
@@ -634,17 +642,25 @@ class SpeculativeDecoder:
         running requests' expected tokens over the round's cost. Trees are best nodes first (specdec_ext.trees): a
         tree of n nodes is the first n of a bigger one, and its node i is accepted as often as in the bigger one, so
         a request's expected tokens are 1 + the sum of its first n - 1 nodes' acceptance rates (decayed counts;
-        prior 0.5 with the weight of a tenth of a round). The round costs a verify over batch x n rows plus depth
-        draft steps, the same for every n (and 0 in the cost model for drafters that are not a model of their own,
-        as for adaptive k). Every 8th round is a full tree, so that the deep nodes' rates stay measured."""
-        n_max = self.tree.num_nodes
-        if self.adaptive is not True or round_index % 8 == 7 or not running:
-            return n_max
-        gain = sum(np.cumsum((r.node_hits + 0.05) / (r.node_tries + 0.1)) for r in running)  # [i]: n = i + 2
-        batch = len(running)
-        draft = self.tree.depth * self.costs.draft_cost(batch)
-        return max(range(2, n_max + 1),
-                   key=lambda n: (batch + gain[n - 2]) / (draft + self.costs.verify_cost(batch * n)))
+        prior 0.5 with the weight of a tenth of a round). The round costs a verify over batch x n rows plus
+        min(depth, n - 1) draft steps over the frontier (the round's depth is cut to that too; an EAGLE head's steps
+        are measured on its one-layer decoder, n-gram and Medusa steps cost nothing). Every 8th round probes a tree
+        twice that size, so that the rates of the next nodes stay measured."""
+        n_max, depth, branching = self.tree.num_nodes, self.tree.depth, self.tree.branching
+        if self.adaptive is not True or not running:
+            n = n_max
+        else:
+            gain = sum(np.cumsum((r.node_hits + 0.05) / (r.node_tries + 0.1)) for r in running)  # [i]: n = i + 2
+            batch = len(running)
+            # A tree of n nodes is at most n - 1 deep: its drafter runs min(depth, n - 1) steps over the frontier.
+            draft = lambda n: min(depth, n - 1) * self.costs.draft_cost(batch * branching)
+            n = max(range(2, n_max + 1),
+                    key=lambda n: (batch + gain[n - 2]) / (draft(n) + self.costs.verify_cost(batch * n)))
+            if round_index % 8 == 7:  # probe twice the chosen size, so that the next nodes' rates stay measured
+                n = min(n_max, 2 * n)
+        for r in running:
+            r.k = min(depth, n - 1)
+        return n
 
     def _choose_width(self, running: list, round_index: int) -> None:
         """adaptive=True: one k for the round's requests (their verify block is as wide as the widest, so a wider

@@ -261,7 +261,7 @@ def test_eagle_trees_are_the_heads_best_paths(target, monkeypatch):
 def test_adaptive_tree_size_follows_the_verify_cost(target):
     """adaptive=True picks the round's node budget from the measured acceptance of each tree rank and the verify
     cost per row: with a cost flat in the rows every round takes the full tree; with one that jumps 10x past 8 rows
-    the rounds stay within 8 nodes but for the full-tree probe of every 8th round. Greedy tokens are plain
+    the rounds stay within 8 nodes but for every 8th round's probe of twice that size. Greedy tokens are plain
     decoding's either way."""
     prompts = random_prompts(12, [9, 14], vocab=VOCAB)
     plain = generate_autoregressive(target, prompts, 30).sequences
@@ -278,7 +278,7 @@ def test_adaptive_tree_size_follows_the_verify_cost(target):
             assert all(k < TREE["num_nodes"] for k in s.k_per_round)
     assert set(budgets["flat"]) == {TREE["num_nodes"]} and len(budgets["flat"]) > 10
     small = [n for n in budgets["steep"] if n <= 8]
-    assert len(small) >= 0.75 * len(budgets["steep"]) and max(budgets["steep"]) == TREE["num_nodes"]
+    assert len(small) >= 0.75 * len(budgets["steep"]) and max(budgets["steep"]) == min(16, TREE["num_nodes"])
 
 
 # --------------------------------------------------------------------------------------------------- bad input
