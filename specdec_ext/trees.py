@@ -95,7 +95,8 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 class DraftTree:
     """A drafted tree per request of a round (rows [0, batch) of the decoder's slots).
 
-    parents [B, N] int64: node 0 is the root (-1), parents[b, c] < c for 0 < c < num_nodes[b], -1 past it.
+    parents [B, N] int32 (what the sampling op takes, with no range check on the host: a CUDA graph captures
+    the verify step): node 0 is the root (-1), parents[b, c] < c for 0 < c < num_nodes[b], -1 past it.
     token_ids [B, N] int64: node 0 holds the root token (the last emitted one), padding 0.
     num_nodes [B] int32 on the device: nodes in request b's tree, root included (1: no drafts).
     draft_logits [B, N, V] or None: row n the draft distribution n's children were sampled from without
@@ -110,6 +111,7 @@ class DraftTree:
     depths: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self):
+        self.parents = self.parents.int()
         self.tree_mask = ancestor_mask(self.parents)
         self.depths = self.tree_mask.sum(-1) - 1
 

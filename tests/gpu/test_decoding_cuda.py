@@ -37,6 +37,26 @@ def test_graph_replay_equals_eager(pair, name, paged, sampling):
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, top_p=0.9, seed=[1, 2, 3, 4, 5])])
+def test_tree_rounds_replay_equal_eager(pair, paged, sampling):
+    # Tree rounds (n-gram tries): the tree verify step (forward under the tree mask, masks, the tree sampling op,
+    # compaction of the path) replayed from CUDA graphs gives the eager tokens; greedy equals plain decoding.
+    target, _ = pair
+    prompts = random_prompts(3, [5, 21, 12, 9, 30])
+    runs = []
+    for graphs in (False, True):
+        dec = SpeculativeDecoder(target, NgramDrafter(), max_batch_size=3, cuda_graphs=graphs, paged=paged,
+                                 adaptive=False, tree=dict(num_nodes=8, depth=4, branching=2))
+        runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)
+        if graphs:
+            assert dec.graphs.graphs, "nothing was captured"
+    assert runs[0] == runs[1]
+    if not sampling:
+        plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(prompts, [24, 7, 16, 30, 11])
+        assert runs[0] == plain.sequences
+
+
 def test_capture_refuses_a_python_seed():
     logits = torch.randn(2, 3, 16, device="cuda")
     drafts = torch.randint(16, (2, 2), device="cuda")
