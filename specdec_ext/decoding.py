@@ -543,7 +543,8 @@ class SpeculativeDecoder:
             drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
         if drafter is not None and self.adaptive is True and self.costs is None:
             width = self.tree.num_nodes if self.tree is not None else self.num_speculative_tokens + 1
-            self.costs = CostModel.measure(self.target, draft_cost_model(drafter), s * width, s * width)
+            draft_width = self.tree.branching if self.tree is not None else 1  # rows per request of a draft step
+            self.costs = CostModel.measure(self.target, draft_cost_model(drafter), s * width, s * draft_width)
 
     def _admit(self, waiting, slots, drafter, stats) -> None:
         """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled

@@ -284,14 +284,14 @@ def law_case(gen, trials, vocab, branching, depth, sampled):
 @pytest.mark.parametrize("sampled", [False, True], ids=["point", "sampled"])
 @pytest.mark.parametrize("branching,depth", [(1, 4), (2, 3), (3, 2), (4, 1), (4, 2), (2, 4)])
 def test_first_two_tokens_follow_the_target(sampled, branching, depth):
-    # Fixed seed, 100,000 trees per case on the CPU kernel (the emulated CUDA kernel is checked to equal it bit
-    # for bit above). First token: 100,000 samples over V = 6 cells with p ~ 1/6; moving 1% of probability
-    # between two tokens gives a chi-square noncentrality of 100000 * 2 * 0.01^2 / (1/6) = 120, power ~1 against
-    # the 1e-4 level (critical value ~25.7 at 5 dof). Second token given the first (reached when the first was
-    # an accepted node, 30-90% of trees): P_1[y0] row by row, 30,000-90,000 pairs over 36 cells; the same 1% shift
-    # in every row gives a noncentrality of 36-108 (critical value ~62 at 30 dof): power ~0.3-1 per case, and
-    # twelve cases.
-    trials, vocab = 100_000, 6
+    # Fixed seed, 60,000 trees per case on the CPU kernel (the emulated CUDA kernel is checked to equal it bit
+    # for bit above). First token: 60,000 samples over V = 6 cells with p ~ 1/6; moving 1% of probability
+    # between two tokens gives a chi-square noncentrality of 60000 * 2 * 0.01^2 / (1/6) = 72, power > 0.999
+    # against the 1e-4 level (critical value ~25.7 at 5 dof). Second token given the first (reached when the
+    # first was an accepted node, 30-90% of trees): P_1[y0] row by row, 18,000-54,000 pairs over 36 cells; the
+    # same 1% shift in every row gives a noncentrality of 22-65 (critical value ~62 at 30 dof): power ~0.1-0.9
+    # per case, over twelve cases; a 2% shift (noncentrality 86-260) is caught by every case.
+    trials, vocab = 60_000, 6
     gen = torch.Generator().manual_seed(97 + 10 * branching + depth + 1000 * sampled)
     p, parents, tokens, target, draft = law_case(gen, trials, vocab, branching, depth, sampled)
     seed = torch.randint(-(2**63), 2**63 - 1, (trials,), generator=gen)
