@@ -87,12 +87,13 @@ PyObject* error_bit_dict(const specdec::ErrorBit (&table)[N]) {
 // The constants the Python layer checks against and reports with, defined once in C++: the ops' limits and
 // the meaning of each error bit.
 PyObject* constants(PyObject*, PyObject*) {
-  PyObject* limits = Py_BuildValue("{s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:i}", "max_skinny_rows", specdec::kMaxSkinnyRows,
+  PyObject* limits = Py_BuildValue("{s:i,s:i,s:i,s:L,s:i,s:i,s:i,s:i,s:d}", "max_skinny_rows", specdec::kMaxSkinnyRows,
                                    "max_draft_tokens", specdec::kMaxDraftTokens,
                                    "max_verify_queries", specdec::kMaxVerifyQueries, "max_head_dim",
                                    specdec::kMaxHeadDim, "max_vocab", static_cast<long long>(specdec::kMaxVocab),
                                    "max_block_len", specdec::kMaxBlockLen, "max_cache_layers", specdec::kMaxCacheLayers,
-                                   "max_tree_nodes", specdec::kMaxTreeNodes);
+                                   "max_tree_nodes", specdec::kMaxTreeNodes, "min_temperature",
+                                   static_cast<double>(specdec::kMinTemperature));  // exact: a float32 value
   PyObject* errors = PyDict_New();
   auto add = [errors](const char* op, PyObject* table) {
     PyDict_SetItemString(errors, op, table);

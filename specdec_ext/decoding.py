@@ -21,6 +21,8 @@ verify block. Request r's round draws from Philox key seed[r] at offset = tokens
 depends on its own prompt, parameters and seed only.
 """
 import math
+import operator
+import threading
 import time
 import warnings
 from collections import deque
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .costs import CostModel, draft_cost_model
 from .drafting import RoundInputs
 from .graphs import StepGraphs
 from .ops import LIMITS, SamplingOutput, chain_speculative_sampling_from_logits, tree_speculative_sampling_from_logits
@@ -50,6 +53,8 @@ class GenerationStats:
     verify_s: float = 0.0            # the target's verify forwards
     sample_s: float = 0.0            # masks, the sampling kernel and the cache truncation
     other_s: float = 0.0             # prefills and the host's bookkeeping
+    calibration_s: float = 0.0       # measuring the cost model of adaptive k (first use only; not in elapsed_s)
+    finish_reason: str | None = None  # per request: "eos", "length", "max_seq_len" or "context"
     k_per_round: list = field(default_factory=list)  # per request: the k asked of the drafter each round (tree
     #                                                    rounds: the tree's nodes below the root)
     accepted_depths: list = field(default_factory=list)  # each round with drafts: the drafts accepted (chain: the
@@ -105,6 +110,8 @@ class GenerationOutput:
     sequences: list  # list[list[int]]: each request's generated tokens (prompt excluded, EOS included)
     stats: GenerationStats
     request_stats: list = field(default_factory=list)
+    finish_reasons: list = field(default_factory=list)  # per request: "eos" (it emitted an EOS token), "length"
+    #   (max_new_tokens), "max_seq_len" (the decoder's max_seq_len) or "context" (the model's max_position_embeddings)
 
 
 class AcceptanceMonitor:
@@ -135,29 +142,83 @@ class AcceptanceMonitor:
         return sum(self.outcomes) / len(self.outcomes) if self.outcomes else 1.0
 
 
-def per_request(value, name: str, batch: int, kind) -> list:
-    """A scalar broadcast to the batch, or a list/tuple with one entry per request, each checked."""
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * batch
+def as_int(value, name: str) -> int:
+    """A Python int from an int, a numpy integer or a 0-d integer tensor; ValueError naming `name` for anything else
+    (bools, floats, strings)."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def as_float(value, name: str) -> float:
+    """A Python float from an int, float, numpy number or 0-d tensor; ValueError naming `name` otherwise."""
+    if isinstance(value, (bool, np.bool_, str, bytes)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}") from None
+
+
+def per_request(value, name: str, batch: int, convert) -> list:
+    """A scalar broadcast to the batch, or a list/tuple/1-D array with one entry per request, each converted by
+    `convert` (as_int, as_float)."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 1:
+        value = value.tolist()
+    listed = isinstance(value, (list, tuple))
+    values = list(value) if listed else [value] * batch
     if len(values) != batch:
         raise ValueError(f"{name} has {len(values)} entries for {batch} prompts")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, kind):
-            raise ValueError(f"{name} must be {'an int' if kind is int else 'a number'} (or one per prompt), got {v!r}")
-    return values
+    return [convert(v, f"{name}[{i}]" if listed else name) for i, v in enumerate(values)]
 
 
 def check_prompts(prompts, vocab_size: int) -> list:
+    """The prompts as lists of Python ints: a list of token-id sequences (lists, tuples, 1-D numpy arrays or
+    tensors of ints)."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 2:
+        prompts = list(prompts)
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+    if all(isinstance(p, (int, np.integer)) for p in prompts):
+        raise ValueError("prompts must be a list of prompts (token-id lists); got a flat list of ints: pass "
+                         "[ids] for one prompt")
     out = []
     for r, p in enumerate(prompts):
-        ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if isinstance(p, (torch.Tensor, np.ndarray)):
+            if p.ndim != 1:
+                raise ValueError(f"prompt {r} must be 1-D, got shape {tuple(p.shape)}")
+            if p.dtype in (torch.bool, np.bool_) or not (
+                    (isinstance(p, torch.Tensor) and not p.is_floating_point() and not p.is_complex()) or
+                    (isinstance(p, np.ndarray) and np.issubdtype(p.dtype, np.integer))):
+                raise ValueError(f"prompt {r} must hold integer token ids, got dtype {p.dtype}")
+            p = p.tolist()
+        elif not isinstance(p, (list, tuple)):
+            raise ValueError(f"prompt {r} must be a list of token ids, got {type(p).__name__} {p!r}")
+        ids = [as_int(t, f"prompt {r}, token {i}") for i, t in enumerate(p)]
         if not ids:
             raise ValueError(f"prompt {r} is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-            raise ValueError(f"prompt {r} holds token ids outside [0, {vocab_size})")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt {r}, token {bad}: id {ids[bad]} is outside the vocabulary [0, {vocab_size})")
         out.append(ids)
     return out
+
+
+def check_eos(eos_token_id, vocab_size: int) -> set:
+    """eos_token_id (None, an int or a list of ints) as a set of ids in [0, vocab_size)."""
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, (torch.Tensor, np.ndarray)) and eos_token_id.ndim == 1:
+        eos_token_id = eos_token_id.tolist()
+    values = eos_token_id if isinstance(eos_token_id, (list, tuple, set, frozenset)) else [eos_token_id]
+    eos = {as_int(e, "eos_token_id") for e in values}
+    bad = sorted(e for e in eos if not 0 <= e < vocab_size)
+    if bad:
+        raise ValueError(f"eos_token_id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    return eos
 
 
 @dataclass
@@ -177,85 +238,29 @@ class Request:
     node_hits: np.ndarray | None = None   # tree rounds: decayed counts, per tree node (= rank) i + 1, of rounds that
     node_tries: np.ndarray | None = None  # accepted it and of rounds whose tree held it
     started: float = 0.0
+    finish_reason: str | None = None
 
     @property
     def tokens(self) -> list:
         return self.prompt + self.generated
 
 
-def interpolate(points: dict, x: float) -> float:
-    """Piecewise linear through {x: y} points; flat below the first (and for one point), extended with the last
-    slope above the last."""
-    xs = sorted(points)
-    if x <= xs[0] or len(xs) == 1:
-        return points[xs[0]]
-    hi = next((i for i, v in enumerate(xs) if v >= x), len(xs) - 1)
-    x0, x1 = xs[hi - 1], xs[hi]
-    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-# Around the CPU GEMM's 8-row passes and 16-row path; past 64, the widest tree blocks of a batch.
-ROW_POINTS = (1, 2, 4, 8, 9, 12, 16, 17, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that an allocation on `device` can still get (CUDA: free device memory; CPU: MemAvailable), or None
+    when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
-def draft_cost_model(drafter):
-    """What CostModel measures a draft step of `drafter` on: its draft model, or an EAGLE head's one-layer decoder
-    (the head's step but for its feature fusion); None for drafters whose steps cost next to nothing (n-gram
-    lookup, Medusa heads on the target's hidden state)."""
-    head = getattr(drafter, "head", None)
-    return getattr(drafter, "model", None) or getattr(head, "decoder", None)
-
-
-class CostModel:
-    """Seconds of a target forward over R rows (batch x Q tokens) and of a draft model's forward over R rows, at
-    measured points R (interpolated between), for the adaptive choice of k: on a CPU a verify block's cost
-    jumps where its rows need another pass over the weights, and on any device it grows with the batch.
-    Measured once per decoder (a forward of Q = R at batch 1 on a scratch cache, for each R up to what the
-    decoder can ask) and then fixed: live timings would make k, and with it the sampled tokens, depend on the
-    machine's load. draft: None for drafters whose cost is not a forward (n-gram lookup: ~0)."""
-
-    def __init__(self, verify: dict, draft: dict | None = None):
-        if not verify or any(r < 1 or t < 0 for r, t in verify.items()):
-            raise ValueError("CostModel: verify must map row counts >= 1 to seconds >= 0")
-        self.verify, self.draft = dict(verify), dict(draft or {})
-
-    @classmethod
-    def measure(cls, target, draft_model, max_rows: int, max_draft_rows: int, repeats: int = 3) -> "CostModel":
-        def seconds(model, rows):
-            cache = model.new_kv_cache(1, rows + 1)
-            ids = torch.zeros(1, rows, dtype=torch.long, device=model.device)
-            times = []
-            for _ in range(repeats + 1):  # the first is a warm-up
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model(ids, cache, logits_indices=torch.arange(rows, device=model.device))
-                if model.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            return sorted(times[1:])[len(times[1:]) // 2]
-
-        points = lambda limit: [r for r in ROW_POINTS if r <= limit] or [1]
-        verify = {r: seconds(target, r) for r in points(max_rows)}
-        draft = {r: seconds(draft_model, r) for r in points(max_draft_rows)} if draft_model is not None else None
-        return cls(verify, draft)
-
-    def verify_cost(self, rows: int) -> float:
-        return interpolate(self.verify, rows)
-
-    def draft_cost(self, rows: int) -> float:
-        return interpolate(self.draft, rows) if self.draft else 0.0
-
-    def best_k(self, alphas, k_max: int) -> int:
-        """argmax over k in [0, k_max] of a round's expected tokens over its cost, for requests of acceptance
-        estimates `alphas` (a list, one per request, or one float: a batch of 1) all drafting k (Leviathan et
-        al.: (1 - alpha^(k+1)) / (1 - alpha) tokens each for k draft steps over B rows and a verify block of
-        B x (k + 1) rows)."""
-        alphas = [min(a, 0.999) for a in (alphas if isinstance(alphas, (list, tuple)) else [alphas])]
-        batch = len(alphas)
-        cost = lambda k: k * self.draft_cost(batch) + self.verify_cost(batch * (k + 1))
-        tokens = lambda k: sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
-        return max(range(k_max + 1), key=lambda k: tokens(k) / cost(k))
+DRAFTER_METHODS = ("bind", "admit", "propose", "rollback", "release")  # the Drafter protocol (specdec_ext.drafting)
 
 
 class SpeculativeDecoder:
@@ -280,20 +285,36 @@ class SpeculativeDecoder:
     rounds (a wider batch makes verify blocks dearer), and so do its sampled tokens (not their law)."""
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
-                 cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, monitor=None,
-                 costs: "CostModel | None" = None, tree=None):
+                 cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, num_pages: int | None = None,
+                 monitor=None, costs: "CostModel | None" = None, tree=None):
+        from .models.llama import LlamaForCausalLM  # the decoder needs the models; `import specdec_ext` does not
+
+        if not isinstance(target, LlamaForCausalLM):
+            hint = " (LlamaForCausalLM.from_hf(model) converts a transformers model)" \
+                if type(target).__module__.startswith("transformers") else ""
+            raise ValueError(f"SpeculativeDecoder: target must be a specdec_ext.models.LlamaForCausalLM{hint}, got "
+                             f"{type(target).__name__}")
+        if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
+            raise ValueError(f"SpeculativeDecoder: drafter must be a Drafter (NgramDrafter, ModelDrafter, EagleDrafter, "
+                             f"MedusaDrafter) or None, got {type(drafter).__name__} {drafter!r:.60}")
         k_limit = LIMITS["max_draft_tokens"]
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or \
                 not 1 <= num_speculative_tokens <= k_limit:
             raise ValueError(f"SpeculativeDecoder: num_speculative_tokens must be an int in [1, {k_limit}], got "
                              f"{num_speculative_tokens!r}")
-        if adaptive not in (True, False, "heuristic"):
+        if adaptive not in (True, False, "heuristic") or isinstance(adaptive, int) and not isinstance(adaptive, bool):
             raise ValueError(f"SpeculativeDecoder: adaptive must be True, False or 'heuristic', got {adaptive!r}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"SpeculativeDecoder: max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        context = target.config.max_position_embeddings
         if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or
-                                        max_seq_len < 2):
-            raise ValueError(f"SpeculativeDecoder: max_seq_len must be an int >= 2 or None, got {max_seq_len!r}")
+                                        not 2 <= max_seq_len <= context):
+            raise ValueError(f"SpeculativeDecoder: max_seq_len must be an int in [2, {context}] (the model's "
+                             f"max_position_embeddings) or None, got {max_seq_len!r}")
+        if num_pages is not None and (not paged or isinstance(num_pages, bool) or not isinstance(num_pages, int) or
+                                      num_pages < 1):
+            raise ValueError(f"SpeculativeDecoder: num_pages must be an int >= 1 with paged=True, or None, got "
+                             f"{num_pages!r}")
         if cuda_graphs not in ("auto", True, False):
             raise ValueError(f"SpeculativeDecoder: cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         on_cuda = target.device.type == "cuda"
@@ -306,12 +327,19 @@ class SpeculativeDecoder:
         if self.tree is not None and drafter is not None and not hasattr(drafter, "propose_tree"):
             raise ValueError(f"SpeculativeDecoder: tree rounds need a drafter that proposes trees (EagleDrafter, "
                              f"MedusaDrafter, NgramDrafter), got {type(drafter).__name__}")
+        if monitor is not None and not callable(getattr(monitor, "observe", None)):
+            raise ValueError(f"SpeculativeDecoder: monitor must be an AcceptanceMonitor or None, got {monitor!r}")
+        if costs is not None and not isinstance(costs, CostModel):
+            raise ValueError(f"SpeculativeDecoder: costs must be a CostModel or None, got {type(costs).__name__}")
         self.target, self.drafter, self.num_speculative_tokens = target, drafter, num_speculative_tokens
         self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
-        self.paged, self.monitor = paged, monitor
+        self.paged, self.num_pages, self.monitor = paged, num_pages, monitor
         self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
         self.costs = costs  # CostModel; measured on first use with a drafter when adaptive=True and None
+        self.measured_costs = costs is None  # ours to extend when a later run needs more rows
         self.cache = None
+        # One generate at a time: the caches, the drafter's state and the per-slot buffers belong to the run.
+        self._running = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
@@ -330,21 +358,35 @@ class SpeculativeDecoder:
         return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, False)
 
     # --------------------------------------------------------------------------------------------- the loop
-    @torch.no_grad()
     def _run(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate):
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError("SpeculativeDecoder: a generate call is already running on this decoder (another "
+                               "thread, or a stream callback): a decoder runs one call at a time; make one decoder "
+                               "per thread")
+        try:
+            return self._decode(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream,
+                                speculate)
+        finally:
+            self._running.release()
+
+    @torch.no_grad()
+    def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate):
         start = time.perf_counter()
         requests, eos, max_seq_len = self._requests(prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                                     eos_token_id)
+        if stream is not None and not callable(stream):
+            raise ValueError(f"stream must be a callable(request_index, new_token_ids) or None, got {stream!r}")
         drafter = self.drafter if speculate else None
-        self._bind(max_seq_len, drafter)
         stats = GenerationStats()
+        stats.calibration_s = self._bind(requests, max_seq_len, drafter)
+        start += stats.calibration_s
         waiting = deque(requests)
-        slots = [None] * self.max_batch_size  # the request in each cache row
+        slots = [None] * min(self.max_batch_size, len(requests))  # the request in each cache row
         while waiting or any(slots):
             t0 = time.perf_counter()
-            self._admit(waiting, slots, drafter, stats)
+            self._admit(waiting, slots, drafter, stats, max_seq_len)
             batch = max(b for b, r in enumerate(slots) if r is not None) + 1
-            batch = self.graphs.bucket(batch, self.max_batch_size)
+            batch = self.graphs.bucket(batch, len(slots))
             tree_rounds = drafter is not None and self.tree is not None
             running = [r for r in slots[:batch] if r is not None]
             if drafter is not None and self.adaptive is True and not tree_rounds:
@@ -363,6 +405,8 @@ class SpeculativeDecoder:
             elif max(ks):
                 proposal = drafter.propose(self._round_inputs(slots, batch, ks))
                 ks = proposal.num_draft_tokens
+                if not max(ks):  # no request could draft (e.g. a head before its first feature): a plain round
+                    proposal = None
             t1 = time.perf_counter()
             # 2.-3. Verify: one target forward over the last token and the drafts (chain or tree), sampling, truncation.
             if tree is not None:
@@ -406,13 +450,17 @@ class SpeculativeDecoder:
                     self._adapt(r, ks[b], a)
                 if stream is not None:
                     stream(r.index, new)
-                if cut is not None or len(r.generated) >= r.max_new_tokens or len(r.tokens) >= max_seq_len:
+                reason = "eos" if cut is not None else "length" if len(r.generated) >= r.max_new_tokens else \
+                    self._limit_reason if len(r.tokens) >= max_seq_len else None
+                if reason is not None:
+                    r.finish_reason = reason
                     self._finish(r, b, slots, drafter)
             stats.other_s += time.perf_counter() - t0
         for r in requests:
             stats.generated_tokens += len(r.generated)
         stats.elapsed_s = time.perf_counter() - start
-        return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests])
+        return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests],
+                                [r.finish_reason for r in requests])
 
     def _verify(self, slots, batch: int, ks: list, proposal, drafter):
         """The verify step: target forward over [last token, drafts], masks, sampling, truncation (a CUDA graph
@@ -495,63 +543,129 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------- scheduler helpers
     def _requests(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id):
+        """The call's requests, its EOS ids and the length limit of a request (prompt + generated tokens): the
+        decoder's max_seq_len, else the model's context."""
         c = self.target.config
         prompts = check_prompts(prompts, c.vocab_size)
         n = len(prompts)
-        max_new = per_request(max_new_tokens, "max_new_tokens", n, int)
-        temps = per_request(temperature, "temperature", n, (int, float))
-        top_ks = per_request(top_k, "top_k", n, int)
-        top_ps = per_request(top_p, "top_p", n, (int, float))
-        seeds = per_request(seed, "seed", n, int)
-        if any(m < 1 for m in max_new) or any(not (t >= 0 and math.isfinite(t)) for t in temps) or \
-                any(k < 0 for k in top_ks) or any(not 0 < p <= 1 for p in top_ps):
-            raise ValueError("max_new_tokens must be >= 1, temperature finite and >= 0, top_k >= 0 and top_p in (0, 1]")
-        if any(not -(2**63) <= s < 2**63 for s in seeds):
-            raise ValueError("seed must fit in a signed 64-bit integer")
-        if eos_token_id is None:
-            eos = set()
-        else:
-            eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
-            if any(isinstance(e, bool) or not isinstance(e, int) for e in eos):
-                raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-        max_seq_len = self.max_seq_len or max(len(p) for p in prompts) + max(max_new)
+        max_new = per_request(max_new_tokens, "max_new_tokens", n, as_int)
+        temps = per_request(temperature, "temperature", n, as_float)
+        top_ks = per_request(top_k, "top_k", n, as_int)
+        top_ps = per_request(top_p, "top_p", n, as_float)
+        seeds = per_request(seed, "seed", n, as_int)
+        check = lambda values, name, ok, what: next(
+            (ValueError(f"{name}{f'[{i}]' if n > 1 else ''} must be {what}, got {v!r}") for i, v in enumerate(values)
+             if not ok(v)), None)
+        # float32 is what the kernels compute in: a temperature that overflows it would be infinite there.
+        error = check(max_new, "max_new_tokens", lambda m: m >= 1, "an int >= 1") or \
+            check(temps, "temperature", lambda t: 0 <= t <= FLOAT32_MAX, f"finite and >= 0 (at most {FLOAT32_MAX:.3g})") or \
+            check(top_ks, "top_k", lambda k: k >= 0, "an int >= 0 (0: off)") or \
+            check(top_ps, "top_p", lambda p: 0 < p <= 1, "in (0, 1] (1: off)") or \
+            check(seeds, "seed", lambda s: -(2**63) <= s < 2**63, "a signed 64-bit integer")
+        if error is not None:
+            raise error
+        top_ks = [min(k, c.vocab_size) for k in top_ks]  # top_k >= V keeps every token
+        eos = check_eos(eos_token_id, c.vocab_size)
+        limit = self.max_seq_len or c.max_position_embeddings
+        self._limit_reason = "max_seq_len" if self.max_seq_len else "context"
         for r, p in enumerate(prompts):
-            if len(p) >= max_seq_len:
-                raise ValueError(f"prompt {r} has {len(p)} tokens, max_seq_len is {max_seq_len}: no room to generate")
-        requests = [Request(i, p, m, float(t), k, float(q), s) for i, (p, m, t, k, q, s) in
+            if len(p) >= limit:
+                what = f"max_seq_len is {limit}" if self.max_seq_len else \
+                    f"the model's context (max_position_embeddings) is {limit}"
+                raise ValueError(f"prompt {r} has {len(p)} tokens and {what}: no room to generate")
+        requests = [Request(i, p, m, t, k, q, s) for i, (p, m, t, k, q, s) in
                     enumerate(zip(prompts, max_new, temps, top_ks, top_ps, seeds))]
-        return requests, eos, max_seq_len
+        return requests, eos, limit
 
-    def _bind(self, max_seq_len: int, drafter) -> None:
-        """Caches and per-slot parameter buffers, kept across calls while they are large enough (CUDA graphs
-        replay on these very tensors). The verify block of a request near max_seq_len may run up to k slots past
-        it (the batch's widest block), hence the margin."""
-        capacity = max_seq_len + self._widest_block()
-        s, device = self.max_batch_size, self.target.device
-        if self.cache is None or self.capacity < capacity:
-            self.cache = self.target.new_kv_cache(s, capacity, paged=self.paged)
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _request_pages(self, r: Request, limit: int) -> int:
+        """The most pages request r can hold in the target's cache: its longest sequence plus a verify block."""
+        return self._pages(min(len(r.prompt) + r.max_new_tokens, limit) + self._widest_block())
+
+    def _bind(self, requests: list, limit: int, drafter) -> float:
+        """Caches and per-slot parameter buffers, sized from what the call needs (its slots, its longest sequence
+        capped by `limit`) and kept across calls while they are large enough (CUDA graphs replay on these very
+        tensors). The verify block of a request near its end may run up to the widest block past it, hence the
+        margin. Measures the cost model of adaptive k when it does not yet cover the call's row counts; returns
+        the seconds that took."""
+        slots = min(self.max_batch_size, len(requests))
+        longest = max(min(len(r.prompt) + r.max_new_tokens, limit) for r in requests)
+        capacity = longest + self._widest_block()
+        device = self.target.device
+        if self.cache is None or self.capacity < capacity or self.cache.batch_size < slots:
+            self.cache = None  # free the old one before allocating
+            self.cache = self._allocate(self.target, slots, capacity, self.num_pages)
             self.capacity = capacity
-            self.temperature = torch.zeros(s, dtype=torch.float32, device=device)
-            self.top_k = torch.zeros(s, dtype=torch.int64, device=device)
-            self.top_p = torch.ones(s, dtype=torch.float32, device=device)
-            self.seed = torch.zeros(s, dtype=torch.int64, device=device)
-            self.steps = torch.zeros(s, dtype=torch.int64, device=device)
+            self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+            self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
+            self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+            self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
+            self.steps = torch.zeros(slots, dtype=torch.int64, device=device)
             self.graphs.clear()
-        for b in range(s):
+        rows = self.cache.batch_size
+        if self.num_pages is not None:  # the largest request alone must fit, or it would wait for ever
+            need = max(self._request_pages(r, limit) for r in requests) + rows * self._pages(self._widest_block())
+            if need > self.num_pages:
+                raise ValueError(f"SpeculativeDecoder: num_pages={self.num_pages} pages of {self.page_size} tokens "
+                                 f"cannot hold a request of up to {longest} tokens beside {rows} slots' verify "
+                                 f"blocks ({need} pages needed): raise num_pages or lower max_new_tokens")
+        for b in range(rows):
             self.cache.release(b)
         if drafter is not None:
-            drafter.bind(self.target, s, self.capacity, self.paged, self.graphs)
-        if drafter is not None and self.adaptive is True and self.costs is None:
-            width = self.tree.num_nodes if self.tree is not None else self.num_speculative_tokens + 1
-            draft_width = self.tree.branching if self.tree is not None else 1  # rows per request of a draft step
-            self.costs = CostModel.measure(self.target, draft_cost_model(drafter), s * width, s * draft_width)
+            # A drafter's cache holds at most the target's tokens of a request plus its own draft block.
+            draft_pages = None if self.num_pages is None else self.num_pages + rows * self._pages(2 * self._widest_block())
+            drafter.bind(self.target, rows, self.capacity, self.paged, self.graphs, num_pages=draft_pages)
+        if drafter is None or self.adaptive is not True or \
+                (self.costs is not None and not self.measured_costs):
+            return 0.0
+        width = self.tree.num_nodes if self.tree is not None else self.num_speculative_tokens + 1
+        draft_width = self.tree.branching if self.tree is not None else 1  # rows per request of a draft step
+        draft_model = draft_cost_model(drafter)
+        if self.costs is not None and self.costs.covers(slots * width, slots * draft_width, draft_model is not None):
+            return 0.0
+        t0 = time.perf_counter()
+        self.costs = CostModel.measure(self.target, draft_model, slots * width, slots * draft_width)
+        return time.perf_counter() - t0
 
-    def _admit(self, waiting, slots, drafter, stats) -> None:
-        """Fills free slots (lowest first) with waiting requests: their prompt but the last token is prefilled
-        into the target's cache (the last opens the first verify block) and handed to the drafter."""
+    page_size = 16  # the paged caches' page size
+
+    def _allocate(self, model, rows: int, capacity: int, num_pages):
+        """model.new_kv_cache, or a ValueError naming what to lower when the cache cannot fit in memory."""
+        c = model.config
+        tokens = num_pages * self.page_size if num_pages is not None else rows * self._pages(capacity) * self.page_size \
+            if self.paged else rows * capacity
+        size = 2 * c.num_hidden_layers * tokens * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+        free = available_memory(model.device)
+        what = f"num_pages={num_pages}" if num_pages is not None else \
+            f"max_batch_size={self.max_batch_size} (this call: {rows} slots) x max_seq_len {capacity}"
+        message = (f"SpeculativeDecoder: the KV cache needs {size / 2**30:.2f} GiB ({what}, {c.num_hidden_layers} "
+                   f"layers) and {{}}: lower max_new_tokens, max_seq_len or max_batch_size"
+                   f"{', or num_pages' if self.paged else ', or use paged=True with num_pages'}")
+        if free is not None and size > free:
+            raise ValueError(message.format(f"{free / 2**30:.2f} GiB are available on {model.device}"))
+        try:
+            return model.new_kv_cache(rows, capacity, paged=self.paged, page_size=self.page_size, num_pages=num_pages)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(message.format(f"allocating it failed ({str(e).splitlines()[0][:100]})")) from None
+
+    def _admit(self, waiting, slots, drafter, stats, limit: int) -> None:
+        """Fills free slots (lowest first) with waiting requests, in order: their prompt but the last token is
+        prefilled into the target's cache (the last opens the first verify block) and handed to the drafter. With
+        a page budget (num_pages) a request is admitted only while the pages it can come to hold fit beside the
+        running requests' (each counted at its most), so a run never runs out of pages: the rest wait."""
         admitted = []
+        if self.num_pages is not None:
+            committed = sum(self._request_pages(r, limit) for r in slots if r is not None) + \
+                self.cache.batch_size * self._pages(self._widest_block())
         for b in range(len(slots)):
             if slots[b] is None and waiting:
+                if self.num_pages is not None:
+                    pages = self._request_pages(waiting[0], limit)
+                    if committed + pages > self.num_pages:
+                        break  # first come, first served: the next request waits for pages
+                    committed += pages
                 r = waiting.popleft()
                 slots[b] = r
                 r.started = time.perf_counter()
@@ -580,6 +694,7 @@ class SpeculativeDecoder:
         if drafter is not None:
             drafter.release(b)
         r.stats.generated_tokens = len(r.generated)
+        r.stats.finish_reason = r.finish_reason
         r.stats.elapsed_s = time.perf_counter() - r.started
 
     def _upload_steps(self, slots, batch: int) -> None:

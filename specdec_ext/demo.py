@@ -1,9 +1,11 @@
 """`specdec demo`: the ops end to end on one device, checked against the reference and the emulator.
 
 It shows the RNG every sampling op draws from (per-request Philox streams that do not depend on batch
-composition or device), one verify round of chain speculative sampling, and the shipped model answering a chat
-question through speculative decoding, against plain decoding.
+composition or device), one verify round of chain speculative sampling, and the shipped model on two tasks through
+speculative decoding, against plain decoding: a chat question (drafted by its trained EAGLE head) and rewriting a
+note (drafted by n-gram prompt lookup), the drafter of each by the rule of DRAFTER_RULE.
 """
+import json
 import time
 
 import torch
@@ -34,9 +36,8 @@ def sampling_demo(device: torch.device) -> bool:
     return tv < 0.02
 
 
-# An ordinary chat question for the trained heads; a rewriting request, as in retrieval-augmented chat, for prompt
-# lookup: its answer reuses the note's wording, which the n-gram drafter drafts from (on answers that copy nothing
-# it gains little: bench/RESULTS.md).
+# The demo's two tasks: the product at its typical (an open-ended chat question) and at its best (a rewriting request,
+# as in retrieval-augmented chat or code editing, whose answer reuses the prompt's wording).
 QUESTIONS = {
     "eagle": "What is the capital of France? Tell me about the city in a few sentences.",
     "ngram": "Here is a note: 'Paris is the capital of France. The Eiffel Tower in Paris was completed in 1889 and is "
@@ -44,36 +45,68 @@ QUESTIONS = {
              "bulleted list, keeping its wording.",
 }
 QUESTIONS["medusa"] = QUESTIONS["eagle"]
+# The drafter of each task, by one rule (not by timing on this machine): an answer asked to reuse the prompt's own
+# text (rewriting, editing, extracting) is drafted by prompt lookup, which copies the prompt's spans for free; an
+# open-ended answer by the trained EAGLE head, which predicts the model's own next tokens (bench/RESULTS.md: prompt
+# lookup gains little on answers that copy nothing).
+DRAFTER_RULE = ("drafter rule: an answer that reuses the prompt's text (rewriting a note, editing code) -> n-gram "
+                "prompt lookup; an open-ended answer -> the trained EAGLE head")
+TASKS = [  # (name, what it is, drafter)
+    ("chat", "an open-ended chat question", "eagle"),
+    ("rewrite", "rewriting a note, keeping its wording", "ngram"),
+]
+DRAFTER_NAMES = {"eagle": "the shipped EAGLE head", "medusa": "the shipped Medusa heads",
+                 "ngram": "n-gram prompt lookup"}
+NEW_TOKENS = 96
 
 
-def chat_demo(device: torch.device, drafter: str = "eagle", tree=None) -> bool:
-    """The shipped model (SmolLM2-135M-Instruct) answers a chat question through speculative decoding with its
-    shipped EAGLE head (or Medusa heads, or the n-gram drafter), streamed as it is generated; then the same request
-    by plain decoding: the same tokens (greedy), the speedup and the acceptance stats. tree: tree rounds of these
-    settings (TreeSettings) instead of chains."""
-    from specdec_ext import SpeculativeDecoder
-    from specdec_ext.generate import load, make_drafter, prompt_ids
+def load_shipped_model(device: torch.device):
+    from specdec_ext.generate import load
     from specdec_ext.models import default_model_path
 
     path = default_model_path()
     t0 = time.perf_counter()
     model, tokenizer = load(path, device)
     print(f"loaded {path.name} in {time.perf_counter() - t0:.1f} s")
+    return path, model, tokenizer
+
+
+def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded=None, task: str | None = None) -> dict:
+    """The shipped model (SmolLM2-135M-Instruct) answers the question of `drafter` (QUESTIONS) through speculative
+    decoding with that drafter (its shipped EAGLE head, Medusa heads, or n-gram prompt lookup), streamed as it is
+    generated; then the same request by plain decoding: the same tokens (greedy), the speedup and the acceptance
+    stats, timed after a warm run. tree: tree rounds of these settings (TreeSettings) instead of chains. loaded:
+    (path, model, tokenizer) already loaded. Returns the task's row: ok (the check), and the numbers printed."""
+    from specdec_ext import SpeculativeDecoder
+    from specdec_ext.generate import make_drafter, prompt_ids
+    from specdec_ext.streaming import TextStream
+
+    path, model, tokenizer = loaded or load_shipped_model(device)
     question = QUESTIONS[drafter]
     ids = prompt_ids(tokenizer, question, chat=True)
     k = 6 if drafter == "ngram" else 4
     dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), num_speculative_tokens=k, max_batch_size=1,
                              tree=tree)
     shape = f"k <= {k}" if tree is None else f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}"
+    text = TextStream(tokenizer)
+
+    def stream(r, new):
+        piece = text.push(new)
+        if piece:
+            print(piece, end="", flush=True)
+
     print(f"user: {question}\nassistant: ", end="", flush=True)
-    spec = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id,
-                        stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
-    plain = dec.generate_autoregressive([ids], 96, eos_token_id=tokenizer.eos_token_id)
-    again = dec.generate([ids], 96, eos_token_id=tokenizer.eos_token_id)  # timed after a warm run, like plain
+    eos = tokenizer.eos_token_id
+    spec = dec.generate([ids], NEW_TOKENS, eos_token_id=eos, stream=stream)
+    print(text.flush(), end="")
+    plain = dec.generate_autoregressive([ids], NEW_TOKENS, eos_token_id=eos)
+    again = dec.generate([ids], NEW_TOKENS, eos_token_id=eos)  # timed after a warm run, like plain
     s, p = again.stats, plain.stats
+    speedup = s.tokens_per_second / p.tokens_per_second
+    calibration = getattr(s, "calibration_s", 0.0) or 0.0
     print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative ({drafter}, {shape}, adaptive) "
-          f"{s.tokens_per_second:.1f} tokens/s: speedup {s.tokens_per_second / p.tokens_per_second:.2f}x "
-          f"({s.generated_tokens} tokens, prefill included)")
+          f"{s.tokens_per_second:.1f} tokens/s: speedup {speedup:.2f}x ({s.generated_tokens} tokens, prefill "
+          f"included" + (f"; cost-model calibration {calibration:.2f} s apart" if calibration >= 0.005 else "") + ")")
     print(f"acceptance rate {s.acceptance_rate:.2f}, mean acceptance length {s.mean_acceptance_length:.2f}, "
           f"{s.num_draft_tokens} draft tokens in {s.num_drafts} rounds with drafts (mean accepted depth "
           f"{s.mean_accepted_depth:.2f}), accepted per position {s.accepted_per_position}; time: draft "
@@ -81,20 +114,73 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None) -> bool:
           f"sample {s.sample_s:.2f} s, other {s.other_s:.2f} s")
     same = spec.sequences == plain.sequences == again.sequences
     print(f"speculative tokens equal plain greedy decoding's: {same}")
-    return same and "paris" in tokenizer.decode(spec.sequences[0]).lower()
+    answer = tokenizer.decode(spec.sequences[0], skip_special_tokens=True)
+    return dict(task=task or ("rewrite" if drafter == "ngram" else "chat"), drafter=drafter, plain=p.tokens_per_second,
+                speculative=s.tokens_per_second, speedup=speedup, acceptance=s.acceptance_rate,
+                length=s.mean_acceptance_length, same=same, ok=same and "paris" in answer.lower())
+
+
+def tasks_demo(device: torch.device, drafter: str | None = None, tree=None) -> bool:
+    """The tasks of TASKS, each with the drafter DRAFTER_RULE gives it (drafter: one task, the question of that
+    drafter, with it), then a table of the two."""
+    loaded = load_shipped_model(device)
+    if drafter is None:
+        print(DRAFTER_RULE)
+        runs = TASKS
+    else:
+        runs = [("rewrite" if drafter == "ngram" else "chat", "chosen by --drafter", drafter)]
+    rows = []
+    for i, (name, what, d) in enumerate(runs, 1):
+        print(f"\n== task {i}/{len(runs)}: {name} ({what}); drafter: {d} ({DRAFTER_NAMES[d]})")
+        rows.append(chat_demo(device, d, tree, loaded=loaded, task=name))
+    print(f"\nsummary (up to {NEW_TOKENS} new tokens each, greedy, timed after a warm run, prefill included):")
+    print(f"  {'task':<8} {'drafter':<8} {'plain tok/s':>11} {'speculative tok/s':>17} {'speedup':>7} "
+          f"{'acceptance':>10} {'tokens/round':>12}  tokens equal plain greedy")
+    for r in rows:
+        print(f"  {r['task']:<8} {r['drafter']:<8} {r['plain']:>11.1f} {r['speculative']:>17.1f} "
+              f"{r['speedup']:>6.2f}x {r['acceptance']:>10.2f} {r['length']:>12.2f}  {r['same']}")
+    return all(r["ok"] for r in rows)
+
+
+def emulator_check(seeds, steps, ref) -> bool | None:
+    """philox_uniform of the CUDA kernel's source under the emulator against the reference; None when the emulator
+    is not built. An emulator built with AddressSanitizer runs in a child process with the ASan runtime preloaded
+    (importing it here, without the runtime, would abort the demo)."""
+    from specdec_ext import _extension
+
+    try:
+        from specdec_ext import sim
+
+        return torch.equal(sim.philox_uniform(seeds.cpu(), steps.cpu(), 6, 1), ref)
+    except _extension.EmulatorNeedsASanRuntime:
+        code = ("import torch; from specdec_ext import sim; "
+                f"print(sim.philox_uniform(torch.tensor({seeds.tolist()}), torch.tensor({steps.tolist()}), 6, 1)"
+                ".double().tolist())")
+        rc, out, err = _extension.run_sim_in_subprocess(code, timeout=120)
+        if rc != 0:
+            why = (err.strip().splitlines() or [f"exit {rc}"])[-1]
+            print(f"emulator (AddressSanitizer build) failed in a child process: {why}")
+            return False
+        print("(the emulator is built with AddressSanitizer: it runs in a child process with the ASan runtime "
+              "preloaded)")
+        return torch.equal(torch.tensor(json.loads(out), dtype=torch.float64).float(), ref)
+    except ImportError:
+        return None
 
 
 def register(sub) -> None:
     demo = sub.add_parser("demo", help="the ops end to end, and the shipped model speculative against plain")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--drafter", default="eagle", choices=sorted(QUESTIONS),
-                      help="the shipped model's drafter: its trained EAGLE head (default), Medusa heads, or prompt lookup")
+    demo.add_argument("--drafter", default=None, choices=sorted(QUESTIONS),
+                      help="run one task with this drafter: eagle (the trained EAGLE head) or medusa on the chat "
+                           "question, ngram (prompt lookup) on the rewriting task (default: both tasks, each with the "
+                           "drafter the rule gives it)")
     demo.add_argument("--tree", default=None, type=tree_settings,
                       help="tree rounds: N (nodes per tree) or nodes=N,depth=D,branching=K")
     demo.set_defaults(fn=lambda args: main(device=args.device, drafter=args.drafter, tree=args.tree))
 
 
-def main(device: str | None = None, drafter: str = "eagle", tree=None) -> int:
+def main(device: str | None = None, drafter: str | None = None, tree=None) -> int:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"specdec_ext {specdec_ext.__version__} on {device}")
     seeds = torch.tensor([2024, 7, 2**62 + 1, -5], device=device)
@@ -109,18 +195,15 @@ def main(device: str | None = None, drafter: str = "eagle", tree=None) -> int:
     ref = reference.philox_uniform(seeds.cpu(), steps.cpu(), 6, 1)
     print(f"bit-exact with the PyTorch reference: {torch.equal(u.cpu(), ref)}")
     ok = torch.equal(alone[0], u[2]) and torch.equal(u.cpu(), ref)
-    try:
-        from specdec_ext import sim
-
-        emulated = sim.philox_uniform(seeds.cpu(), steps.cpu(), 6, 1)
-        same = torch.equal(emulated, ref)
+    same = emulator_check(seeds, steps, ref)
+    if same is None:
+        print("emulator extension not built: skipped")
+    else:
         print(f"the CUDA kernel's source under the SIMT emulator agrees: {same}")
         ok = ok and same
-    except ImportError:
-        print("emulator extension not built: skipped")
 
     ok = sampling_demo(device) and ok
-    ok = chat_demo(device, drafter, tree) and ok
+    ok = tasks_demo(device, drafter, tree) and ok
 
     big = 1 << 24
     specdec_ext.philox_uniform(seeds, steps, big)  # warm-up

@@ -1,7 +1,8 @@
 """Drafters: what proposes the tokens that the target verifies in a round of speculative decoding.
 
 The protocol (what SpeculativeDecoder calls), over the decoder's request slots [0, max_batch_size):
-  bind(target, max_batch_size, capacity, paged)  before a run: check the target, allocate what the drafter keeps
+  bind(target, max_batch_size, capacity, paged, graphs, num_pages)  before a run: check the target, allocate what
+                                 the drafter keeps (num_pages: its paged cache's page budget, None: the worst case)
   admit(slots, prefixes, hidden_states=None)  new requests: each prompt but its last token (which opens the first
                                  round), and the target's hidden states of those tokens when the drafter asks
   propose(round) -> Proposal     up to round.num_tokens[b] tokens for each slot b < round.batch (ragged, 0 allowed)
@@ -76,7 +77,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.device = torch.device("cpu")
 
-    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
+    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None, num_pages=None) -> None:
         self.device = target.device
 
     needs_hidden_states = False
@@ -153,7 +154,7 @@ class ModelDrafter:
         self.model = draft_model
         self.cache = None
 
-    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
+    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None, num_pages=None) -> None:
         m = self.model
         self.graphs = graphs or StepGraphs(enabled=False)
         if m.config.vocab_size != target.config.vocab_size:
@@ -161,9 +162,11 @@ class ModelDrafter:
                              f"target's {target.config.vocab_size}: they must be the same")
         if m.device != target.device:
             raise ValueError(f"ModelDrafter: the draft model is on {m.device}, the target on {target.device}")
-        if self.cache is None or (self.cache.batch_size, self.capacity, self.paged) != (max_batch_size, capacity, paged):
-            self.cache = m.new_kv_cache(max_batch_size, capacity, paged=paged)
-            self.capacity, self.paged = capacity, paged
+        if self.cache is None or (self.cache.batch_size, self.capacity, self.paged, self.num_pages) != \
+                (max_batch_size, capacity, paged, num_pages):
+            self.cache = None
+            self.cache = m.new_kv_cache(max_batch_size, capacity, paged=paged, num_pages=num_pages)
+            self.capacity, self.paged, self.num_pages = capacity, paged, num_pages
         for b in range(max_batch_size):
             self.cache.release(b)
         self.lengths = [0] * max_batch_size  # host mirror: how many of request b's tokens the cache holds
@@ -268,12 +271,14 @@ class EagleDrafter:
         self.target, self.head = target, head
         self.cache = None
 
-    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
+    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None, num_pages=None) -> None:
         if target is not self.target:
             raise ValueError("EagleDrafter: made for another target model than the decoder's")
-        if self.cache is None or (self.cache.batch_size, self.capacity, self.paged) != (max_batch_size, capacity, paged):
-            self.cache = self.head.decoder.new_kv_cache(max_batch_size, capacity, paged=paged)
-            self.capacity, self.paged = capacity, paged
+        if self.cache is None or (self.cache.batch_size, self.capacity, self.paged, self.num_pages) != \
+                (max_batch_size, capacity, paged, num_pages):
+            self.cache = None
+            self.cache = self.head.decoder.new_kv_cache(max_batch_size, capacity, paged=paged, num_pages=num_pages)
+            self.capacity, self.paged, self.num_pages = capacity, paged, num_pages
         for b in range(max_batch_size):
             self.cache.release(b)
         self.lengths = [0] * max_batch_size  # pairs in the head's cache
@@ -421,7 +426,7 @@ class MedusaDrafter:
         check_target(heads.target_config, target, "MedusaDrafter")
         self.target, self.heads = target, heads
 
-    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None) -> None:
+    def bind(self, target, max_batch_size: int, capacity: int, paged: bool, graphs=None, num_pages=None) -> None:
         if target is not self.target:
             raise ValueError("MedusaDrafter: made for another target model than the decoder's")
         self.features = [None] * max_batch_size  # [H]: the target's feature of the last scored token

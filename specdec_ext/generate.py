@@ -18,28 +18,47 @@ def load(path, device):
     return model, tokenizer
 
 
+DRAFTER_SYNTAX = "ngram, model:PATH, eagle[:PATH] or medusa[:PATH]"
+
+
+def check_drafter(spec: str, model_path=None) -> None:
+    """Raises ValueError when --drafter's value is not one make_drafter accepts (its syntax, the PATH it names, and
+    whether heads ship for model_path: None is the default model, as --model's default), before anything is loaded."""
+    from .models import default_model_path
+
+    kind, colon, path = spec.partition(":")
+    if spec == "ngram":
+        return
+    if kind not in ("model", "eagle", "medusa") or (kind == "model" and not path) or (colon and not path):
+        raise ValueError(f"--drafter must be {DRAFTER_SYNTAX}, got {spec!r}")
+    if path and not Path(path).exists():
+        raise ValueError(f"--drafter {spec}: no such file or directory")
+    if kind != "model" and not path and model_path is not None and \
+            Path(model_path).resolve() != default_model_path().resolve():
+        raise ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, "
+                         f"made by `specdec train-draft --kind {kind}`")
+
+
 def make_drafter(spec: str, target, model_path=None):
     """'ngram', 'model:PATH' (a draft model), 'eagle[:PATH]' or 'medusa[:PATH]' (trained heads for the target; without
     a PATH, the heads shipped for the default model, when model_path is that model)."""
     from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
-    from .models import LlamaForCausalLM, default_head_path, default_model_path
+    from .models import LlamaForCausalLM, default_head_path
     from .models.draft_heads import EagleHead, MedusaHeads
 
     kind, _, path = spec.partition(":")
+    if kind in ("eagle", "medusa") and not path and model_path is None:
+        raise ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, "
+                         f"made by `specdec train-draft --kind {kind}`")
+    check_drafter(spec, model_path)
     if spec == "ngram":
         return NgramDrafter()
-    if kind == "model" and path:
+    if kind == "model":
         return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype))
-    if kind in ("eagle", "medusa"):
-        if not path:
-            if model_path is None or Path(model_path).resolve() != default_model_path().resolve():
-                raise ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, "
-                                 f"made by `specdec train-draft --kind {kind}`")
-            path = default_head_path(kind)
-        if kind == "eagle":
-            return EagleDrafter(target, EagleHead.load(path, target))
-        return MedusaDrafter(target, MedusaHeads.load(path, target))
-    raise ValueError(f"--drafter must be ngram, model:PATH, eagle[:PATH] or medusa[:PATH], got {spec!r}")
+    path = path or default_head_path(kind)
+    if kind == "eagle":
+        return EagleDrafter(target, EagleHead.load(path, target))
+    return MedusaDrafter(target, MedusaHeads.load(path, target))
 
 
 def tree_settings(spec: str):
@@ -61,29 +80,63 @@ def prompt_ids(tokenizer, text: str, chat: bool) -> list:
     return tokenizer(text)["input_ids"]
 
 
+def validate(args) -> None:
+    """What `specdec generate` checks before loading anything (cli.main runs it; the numeric ranges are cli's)."""
+    drafter = args.drafter or ("ngram" if args.model else "eagle")
+    check_drafter(drafter, args.model)
+    if args.tree is not None and drafter.startswith("model:"):
+        raise ValueError("--tree: tree rounds need eagle, medusa or ngram drafting, not a draft model")
+    if not args.chat and args.prompt == "":
+        raise ValueError("--prompt is empty (without --chat there is nothing to continue)")
+
+
+def stats_line(s, drafter: str, shape: str, seconds: float, finish_reason=None) -> str:
+    """The final line of `specdec generate`: throughput, acceptance, calibration time and why generation stopped."""
+    calibration = getattr(s, "calibration_s", 0.0) or 0.0
+    extra = f"; cost-model calibration {calibration:.2f} s, not counted" if calibration >= 0.005 else ""
+    end = f"; finished: {finish_reason}" if finish_reason else ""
+    return (f"[{drafter} drafter, {shape}: {s.generated_tokens} tokens in {seconds:.2f} s, "
+            f"{s.tokens_per_second:.1f} tokens/s{extra}; acceptance rate {s.acceptance_rate:.2f}, mean acceptance "
+            f"length {s.mean_acceptance_length:.2f}{end}]")
+
+
 def main(args) -> int:
     import torch
 
+    from .cli import UsageError
     from .decoding import SpeculativeDecoder
     from .models import default_model_path
+    from .streaming import TextStream
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     path = args.model or default_model_path()
     model, tokenizer = load(path, device)
     drafter = args.drafter or ("ngram" if args.model else "eagle")
-    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), args.k, tree=args.tree)
     ids = prompt_ids(tokenizer, args.prompt, args.chat)
+    if not ids:
+        raise UsageError("--prompt encodes to no tokens")
+    context = model.config.max_position_embeddings
+    if len(ids) >= context:
+        raise UsageError(f"--prompt is {len(ids)} tokens; the model's context is {context} tokens")
+    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), args.k, tree=args.tree,
+                             max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive)
+    text = TextStream(tokenizer)
+
+    def stream(r, new):
+        piece = text.push(new)
+        if piece:
+            print(piece, end="", flush=True)
+
     t0 = time.perf_counter()
     out = dec.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, eos_token_id=tokenizer.eos_token_id,
-                       stream=lambda r, new: print(tokenizer.decode(new, skip_special_tokens=True), end="", flush=True))
-    s = out.stats
-    shape = f"k <= {args.k}" if dec.tree is None else \
-        f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}"
-    print(f"\n[{drafter} drafter, {shape}: {s.generated_tokens} tokens in {time.perf_counter() - t0:.2f} s, "
-          f"{s.tokens_per_second:.1f} tokens/s; acceptance rate {s.acceptance_rate:.2f}, mean acceptance length "
-          f"{s.mean_acceptance_length:.2f}]",
-          file=sys.stderr)
+                       seed=args.seed, eos_token_id=tokenizer.eos_token_id, stream=stream)
+    seconds = time.perf_counter() - t0
+    print(text.flush(), flush=True)
+    adaptive = "fixed" if args.no_adaptive else "adaptive"
+    shape = f"k <= {args.k}, {adaptive}" if dec.tree is None else \
+        f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}, {adaptive}"
+    reasons = getattr(out, "finish_reasons", None)
+    print(stats_line(out.stats, drafter, shape, seconds, reasons[0] if reasons else None), file=sys.stderr)
     return 0
 
 
@@ -96,14 +149,19 @@ def register(sub) -> None:
                                                       "default model, ngram otherwise")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1: off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens (largest k; adaptive below it)")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="draft k tokens every round (default: adaptive k, from the acceptance rate and the measured "
+                        "cost of a draft step)")
+    p.add_argument("--max-batch-size", type=int, default=1,
+                   help="requests decoded at once (default 1: the command decodes one prompt)")
     p.add_argument("--tree", default=None, type=tree_settings,
                    help="tree rounds (eagle, medusa, ngram): N (nodes per tree, the last token included) or "
                         "nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.set_defaults(fn=main)
+    p.set_defaults(fn=main, validate=validate)

@@ -20,6 +20,9 @@ _ERROR_BITS = _CONSTANTS["error_bits"]
 
 _INT64_MIN, _UINT64_END = -(2**63), 2**64
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# Temperatures below this (0 included) make a request greedy, on every backend and in the reference.
+MIN_TEMPERATURE = LIMITS["min_temperature"]
 _NARROW_INTS = (torch.int8, torch.int16, torch.uint8)  # widen to int32 exactly
 
 
@@ -208,8 +211,12 @@ def _sampling_controls(op: str, logits: bool, greedy_or_temperature, seed, offse
     seed (drawn from `generator` when None) and offset."""
     if logits:
         t = greedy_or_temperature
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and not (t >= 0 and t != float("inf")):
-            raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            if not (t >= 0 and t != float("inf")):
+                raise ValueError(f"{op}: temperature must be finite and >= 0, got {t}")
+            if t > _FLOAT32_MAX:  # the kernels read float32, which has no larger finite value (1e39 is inf)
+                raise ValueError(f"{op}: temperature must be finite and >= 0 in float32 (the kernels' type: at most "
+                                 f"{_FLOAT32_MAX:.9g}), got {t}")
         control = _per_request(t, "temperature", op, batch, device, torch.float32)
     else:
         greedy = False if greedy_or_temperature is None else greedy_or_temperature

@@ -4,6 +4,11 @@ Each function computes what the op's contract says, on any device, with no custo
 """
 import torch
 
+from .ops import LIMITS
+
+# Temperatures below this (0 included) make a request greedy: the kernels' constant (sampling_math.h).
+MIN_TEMPERATURE = LIMITS["min_temperature"]
+
 # ---------------------------------------------------------------------------------------------------
 # Philox4x32-10 on int64 tensors holding uint32 values. torch has no uint32 multiply-high, so each
 # 32x32-bit product is formed from two 32x16-bit products, which stay below 2^49 and cannot overflow.
@@ -125,14 +130,21 @@ def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, 
                             offset)
 
 
+def _temperature(temperature, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] float64 temperatures as the kernels read them (rounded to float32), [B] greedy: below
+    MIN_TEMPERATURE, 0 included)."""
+    t = torch.as_tensor(temperature, device=device).to(torch.float32).double().expand(batch)
+    return t, t < MIN_TEMPERATURE
+
+
 def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
                                            num_draft_tokens=None, seed, offset=None):
     """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
-    (so acceptance can differ from the kernels' float32 where u * q is within rounding of p)."""
+    (so acceptance can differ from the kernels' float32 where u * q is within rounding of p); greedy below
+    MIN_TEMPERATURE."""
     batch, k = draft_token_ids.shape
     num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
-    t = torch.as_tensor(temperature, dtype=torch.float64, device=draft_token_ids.device).expand(batch)
-    greedy = t == 0
+    t, greedy = _temperature(temperature, batch, draft_token_ids.device)
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
     p_rows = torch.softmax(target_logits.double() * scale, -1)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
@@ -258,11 +270,11 @@ def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_
 
 def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                           temperature, num_nodes=None, seed, offset=None):
-    """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64."""
+    """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64;
+    greedy below MIN_TEMPERATURE."""
     batch = parents.shape[0]
     num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
-    t = torch.as_tensor(temperature, dtype=torch.float64, device=parents.device).expand(batch)
-    greedy = t == 0
+    t, greedy = _temperature(temperature, batch, parents.device)
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
     p_rows = torch.softmax(target_logits.double() * scale, -1)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)

@@ -1,5 +1,6 @@
 import os
 import random
+import tempfile
 import zlib
 
 import pytest
@@ -9,6 +10,10 @@ import specdec_ext
 
 # Random inputs are drawn fresh on every run; the run's seed is printed in the header and can be replayed
 # with SPECDEC_TEST_SEED=<seed>.
+# The cost tables of adaptive k (specdec_ext.costs) go to a fresh directory per run, not the user's cache: no test
+# depends on a table an earlier run measured. Child processes (the CLI tests) inherit it.
+os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
+
 RUN_SEED = int(os.environ.get("SPECDEC_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 

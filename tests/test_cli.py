@@ -28,6 +28,7 @@ def test_info_reports_the_build():
 def test_demo_runs_and_checks_itself():
     r = run_cli("demo", "--device", "cpu")
     assert r.returncode == 0, r.stdout + r.stderr
+    check_demo_tasks(r.stdout)
     assert "bit-exact with the PyTorch reference: True" in r.stdout
     assert "demo OK" in r.stdout
     # The shipped model answered through speculative decoding, with the same tokens as plain decoding.
@@ -35,6 +36,20 @@ def test_demo_runs_and_checks_itself():
     assert "paris" in answer.lower(), answer
     assert "speculative tokens equal plain greedy decoding's: True" in r.stdout
     assert "speedup" in r.stdout and "mean acceptance length" in r.stdout
+
+
+def check_demo_tasks(stdout):
+    # Two tasks, each drafted as the stated rule says: the chat question by the EAGLE head, rewriting a note by prompt
+    # lookup; each equal to plain greedy decoding, then a table of the two.
+    assert "drafter rule: an answer that reuses the prompt's text" in stdout, stdout
+    assert "== task 1/2: chat (an open-ended chat question); drafter: eagle" in stdout, stdout
+    assert "== task 2/2: rewrite (rewriting a note, keeping its wording); drafter: ngram" in stdout, stdout
+    assert stdout.count("speculative tokens equal plain greedy decoding's: True") == 2, stdout
+    table = stdout.split("\nsummary (", 1)[1].splitlines()
+    assert table[1].split()[:2] == ["task", "drafter"], table
+    rows = [line.split() for line in table[2:4]]
+    assert [row[:2] for row in rows] == [["chat", "eagle"], ["rewrite", "ngram"]], table
+    assert all(row[-1] == "True" and row[4].endswith("x") for row in rows), table
 
 
 def test_import_stays_light():
@@ -61,3 +76,270 @@ def test_generate_with_tree_rounds():
     assert "[eagle drafter, trees of <= 8 nodes, depth 4, branching 4" in r.stderr, r.stderr
     r = run_cli("generate", "--device", "cpu", "--tree", "nodes=8,depth=9", "--prompt", "Hi")
     assert r.returncode == 2 and "depth 9 needs at least 10 num_nodes" in r.stderr, r.stderr
+
+
+# --- The command's edges: the ASan emulator, streaming text, arguments, interrupts, pipes ---------------------------
+import os  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from specdec_ext import cli  # noqa: E402
+
+
+def env_without_preload():
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS")}
+
+
+def test_info_without_the_asan_runtime_preloaded():
+    # scripts/test.sh builds the emulator with AddressSanitizer; importing it into a process that did not start with
+    # the ASan runtime aborts that process (exit 1, no Python error). `specdec info` must not: it probes the emulator
+    # in a child process with the runtime preloaded and says how to run it.
+    r = subprocess.run([sys.executable, "-m", "specdec_ext.cli", "info"], capture_output=True, text=True, timeout=300,
+                       env=env_without_preload())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "emulator: present" in r.stdout, r.stdout + r.stderr
+    from specdec_ext import _extension
+
+    if "libasan.so" in " ".join(_extension._dt_needed(_extension.sim_library())):
+        assert "AddressSanitizer: yes" in r.stdout and "LD_PRELOAD=" in r.stdout, r.stdout
+        # The same guard makes `import specdec_ext.sim` an ImportError there, which demo.py handles, not an abort.
+        code = "from specdec_ext import sim"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env=env_without_preload())
+        assert r.returncode == 1 and "EmulatorNeedsASanRuntime" in r.stderr and "LD_PRELOAD=" in r.stderr, r.stderr
+
+
+def test_text_stream_emits_whole_characters():
+    from specdec_ext.models import default_model_path, load_tokenizer
+    from specdec_ext.streaming import TextStream
+
+    tokenizer = load_tokenizer(default_model_path())
+    text = "東京は日本の首都です。🗼 富士山も美しい！😀 Streaming — café, naïve."
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    # Decoding each round's tokens alone (what the CLI did) garbles the characters split across rounds.
+    assert "\ufffd" in "".join(tokenizer.decode(ids[i:i + 2], skip_special_tokens=True) for i in range(0, len(ids), 2))
+    for step in range(1, 4):
+        for start in range(step):  # every alignment of the rounds on the characters
+            stream, pieces = TextStream(tokenizer), []
+            chunks = [ids[:start]] + [ids[i:i + step] for i in range(start, len(ids), step)]
+            for chunk in chunks:
+                piece = stream.push(chunk)
+                assert "\ufffd" not in piece, (step, start, pieces, piece)
+                pieces.append(piece)
+            pieces.append(stream.flush())
+            assert "".join(pieces) == text, (step, start, pieces)
+    # The end of the stream, EOS included, decodes as the whole: special tokens skipped.
+    stream = TextStream(tokenizer)
+    assert stream.push(ids + [tokenizer.eos_token_id]) + stream.flush() == text
+
+
+def test_text_stream_stays_out_of_the_light_import():
+    code = "import sys, specdec_ext.cli; print('specdec_ext.streaming' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stdout + r.stderr
+
+
+BAD_ARGUMENTS = [
+    (["generate", "--prompt", "Hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "--prompt", "Hi", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["generate", "--prompt", "Hi", "--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+    (["generate", "--prompt", "Hi", "--top-k", "-1"], "--top-k must be >= 0"),
+    (["generate", "--prompt", "Hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "--prompt", "Hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["generate", "--prompt", "Hi", "-k", "0"], "-k must be in [1, 16]"),
+    (["generate", "--prompt", "Hi", "-k", "17"], "-k must be in [1, 16]"),
+    (["generate", "--prompt", "Hi", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    (["generate", "--prompt", "Hi", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
+    (["generate", "--prompt", "Hi", "--drafter", "eagel"], "--drafter must be ngram, model:PATH"),
+    (["generate", "--prompt", "Hi", "--drafter", "model:/no/such/dir"], "--drafter model:/no/such/dir: no such file"),
+    (["generate", "--prompt", "Hi", "--device", "tpu"], "--device 'tpu' is not a device"),
+    (["generate", "--prompt", "Hi", "--seed", str(2**64)], "--seed must fit in a signed 64-bit integer"),
+    (["generate", "--prompt", ""], "--prompt is empty"),
+    (["demo", "--device", "gpu"], "--device 'gpu' is not a device"),
+    (["bench", "e2e", "--repeats", "0"], "--repeats must be >= 1"),
+    (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--epochs", "0"], "--epochs must be >= 1"),
+    (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--lr", "inf"], "--lr must be a finite number > 0"),
+]
+if not torch.cuda.is_available():
+    BAD_ARGUMENTS.append((["generate", "--prompt", "Hi", "--device", "cuda"], "--device cuda: no CUDA device"))
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGUMENTS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_arguments_are_usage_errors_before_loading(argv, message, monkeypatch, capsys):
+    import specdec_ext.generate
+    import specdec_ext.training
+
+    def no_loading(*a, **k):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    import specdec_ext.bench
+    import specdec_ext.demo
+
+    monkeypatch.setattr(specdec_ext.generate, "load", no_loading)
+    monkeypatch.setattr(specdec_ext.training, "main", no_loading)
+    monkeypatch.setattr(specdec_ext.bench, "run", no_loading)
+    monkeypatch.setattr(specdec_ext.demo, "main", no_loading)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"specdec {argv[0]}: error: {message}"), err
+
+
+def test_bad_argument_exits_2_at_once_without_a_traceback():
+    t0 = time.perf_counter()
+    r = run_cli("generate", "--prompt", "Hi", "--top-p", "2")
+    assert time.perf_counter() - t0 < 10  # before the model is loaded
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert errors == ["specdec generate: error: --top-p must be in (0, 1] (1: off), got 2.0"], r.stderr
+
+
+def test_non_utf8_prompt_is_a_usage_error():
+    # A prompt of bytes that are not UTF-8 ($'caf\xff' in bash) reaches Python as a lone surrogate.
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "specdec_ext.cli", "generate", "--prompt", b"caf\xff"],
+                       capture_output=True, text=True, timeout=120)
+    assert time.perf_counter() - t0 < 10
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("specdec generate: error: --prompt is not valid UTF-8 text (byte 0xff "
+                                                  "at character 3); pass UTF-8 text"), r.stderr
+
+
+class FakeTokenizer:
+    eos_token_id = 0
+
+    def __call__(self, text):
+        return {"input_ids": [5, 6, 7]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids if i or not skip_special_tokens)
+
+
+def fake_model():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64), device=torch.device("cpu"),
+                           dtype=torch.float32)
+
+
+class FakeDecoder:
+    """Stands in for SpeculativeDecoder in `specdec generate`: records its arguments, streams CHUNKS."""
+    tree = None
+    made: dict = {}
+    chunks = ([1, 2], [3])
+
+    def __init__(self, model, drafter, k, **kw):
+        FakeDecoder.made = dict(kw, k=k)
+
+    def generate(self, prompts, max_new_tokens, *, stream, **kw):
+        from specdec_ext import GenerationOutput, GenerationStats
+
+        for new in self.chunks:
+            stream(0, new)
+        n = sum(len(c) for c in self.chunks)
+        stats = GenerationStats(generated_tokens=n, elapsed_s=n / 6, num_drafts=1, num_draft_tokens=2,
+                                num_accepted_tokens=1)
+        stats.calibration_s = 0.25
+        out = GenerationOutput([[i for c in self.chunks for i in c]], stats)
+        out.finish_reasons = ["length"]
+        return out
+
+
+def test_generate_passes_batch_size_and_adaptive_and_reports_calibration(monkeypatch, capsys):
+    import specdec_ext.decoding
+    import specdec_ext.generate
+
+    monkeypatch.setattr(specdec_ext.generate, "load", lambda path, device: (fake_model(), FakeTokenizer()))
+    monkeypatch.setattr(specdec_ext.decoding, "SpeculativeDecoder", FakeDecoder)
+    assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "-k", "3"]) == 0
+    made = FakeDecoder.made
+    assert made["max_batch_size"] == 1 and made["adaptive"] is True and made["k"] == 3, made
+    out = capsys.readouterr()
+    assert out.out == "bcd\n"
+    assert "[ngram drafter, k <= 3, adaptive: 3 tokens" in out.err and "6.0 tokens/s" in out.err, out.err
+    assert "cost-model calibration 0.25 s" in out.err and "finished: length" in out.err, out.err
+    assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "--no-adaptive",
+                     "--max-batch-size", "4"]) == 0
+    made = FakeDecoder.made
+    assert made["max_batch_size"] == 4 and made["adaptive"] is False, made
+    assert "k <= 4, fixed" in capsys.readouterr().err
+
+
+def test_generate_streams_whole_characters(monkeypatch):
+    # A Japanese sentence with an emoji, accepted 1 to 3 tokens a round: each printed piece is whole characters.
+    import specdec_ext.decoding
+    import specdec_ext.generate
+    from specdec_ext.models import default_model_path, load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    text = "富士山は日本で一番高い山です。🗻"
+    ids = tokenizer(text)["input_ids"]
+    chunks = []
+    while len(sum(chunks, [])) < len(ids):
+        done = len(sum(chunks, []))
+        chunks.append(ids[done:done + 1 + len(chunks) % 3])
+    printed = []
+    monkeypatch.setattr(specdec_ext.generate, "load", lambda path, device: (fake_model(), tokenizer))
+    monkeypatch.setattr(specdec_ext.decoding, "SpeculativeDecoder", FakeDecoder)
+    monkeypatch.setattr(FakeDecoder, "chunks", tuple(chunks))
+    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append((a, k.get("file"))))
+    assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu"]) == 0
+    pieces = [a[0] for a, file in printed if file is None]
+    assert all("\ufffd" not in p for p in pieces), pieces
+    assert "".join(pieces) == text, pieces
+
+
+@pytest.mark.parametrize("error", [ValueError("prompt 0 holds token ids outside [0, 10)\nsecond line"),
+                                   RuntimeError("CUDA out of memory")])
+def test_library_errors_are_one_line(error, monkeypatch, capsys):
+    import specdec_ext.generate
+
+    def fail(path, device):
+        raise error
+
+    monkeypatch.setattr(specdec_ext.generate, "load", fail)
+    assert cli.main(["generate", "--prompt", "x", "--device", "cpu"]) == 1
+    first, *rest = str(error).splitlines()
+    assert capsys.readouterr().err == f"specdec: error: {first}{' ...' if rest else ''}\n"
+
+
+def test_prompt_longer_than_the_context_is_a_usage_error(monkeypatch, capsys):
+    import specdec_ext.generate
+
+    model = fake_model()
+    model.config.max_position_embeddings = 3
+    monkeypatch.setattr(specdec_ext.generate, "load", lambda path, device: (model, FakeTokenizer()))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu"])
+    assert e.value.code == 2
+    assert "specdec generate: error: --prompt is 3 tokens; the model's context is 3 tokens" in capsys.readouterr().err
+
+
+def generate_process(*args):
+    return subprocess.Popen([sys.executable, "-m", "specdec_ext.cli", "generate", "--device", "cpu", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_closed_pipe_ends_quietly():
+    # `specdec generate ... | head -c 10`: the reader goes away while tokens are still streamed.
+    p = generate_process("--max-new-tokens", "64", "--prompt", "The history of Rome")
+    head = p.stdout.read(10)
+    p.stdout.close()
+    err = p.communicate(timeout=300)[1].decode()
+    assert len(head) == 10
+    assert p.returncode in (0, 141), err
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+def test_interrupt_exits_130():
+    p = generate_process("--max-new-tokens", "512", "--prompt", "The history of Rome")
+    p.stdout.read(1)  # the model is loaded and streaming
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "specdec: interrupted", err

@@ -164,10 +164,10 @@ struct CpuSamplingEngine {
   }
 
   // The pairwise tree over the lane states, one level at a time (adjacent pairs).
-  static MaxSum reduce_lanes(float* m, float* s) {
+  static MaxSum reduce_lanes(float* m, float* s, float scale) {
     for (int width = 1; width < kLanes; width *= 2) {
       for (int l = 0; l < kLanes; l += 2 * width) {
-        const MaxSum r = maxsum_combine(MaxSum{m[l], s[l]}, MaxSum{m[l + width], s[l + width]});
+        const MaxSum r = maxsum_combine(MaxSum{m[l], s[l]}, MaxSum{m[l + width], s[l + width]}, scale);
         m[l] = r.m;
         s[l] = r.s;
       }
@@ -189,8 +189,8 @@ struct CpuSamplingEngine {
         push_tile(tile_q.data(), scale, mq, sqq);
       }
     }
-    *sp = reduce_lanes(mp, spp);
-    *sq = row_q != nullptr ? reduce_lanes(mq, sqq) : maxsum_identity();
+    *sp = reduce_lanes(mp, spp, scale);
+    *sq = row_q != nullptr ? reduce_lanes(mq, sqq, scale) : maxsum_identity();
   }
 
   // The masses of one lane's block in tile t (0 past the vocabulary).

@@ -14,9 +14,9 @@
 // Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
 // rejected rows. Rows after the first rejection are never read.
-// Instructions per logit in the statistics pass: det_exp2 (13), the fma that scales and shifts it, the
-// block sum, and an eighth of the block's max, rescale and check: about 19, against ~40 for an online
-// softmax that rescales at every entry.
+// Instructions per logit in the statistics pass: det_exp2 (13), the subtract and multiply that shift and
+// scale it, the block sum, and an eighth of the block's max, rescale and check: about 20, against ~40 for an
+// online softmax that rescales at every entry.
 #pragma once
 #include "specdec/chain_sampling.h"
 #include "specdec/device.cuh"
@@ -31,8 +31,9 @@ struct MaxSumPair {
   MaxSum p, q;
 };
 struct MaxSumPairCombine {
+  float scale;
   SPECDEC_DEVICE MaxSumPair operator()(MaxSumPair a, MaxSumPair b) const {
-    return MaxSumPair{maxsum_combine(a.p, b.p), maxsum_combine(a.q, b.q)};
+    return MaxSumPair{maxsum_combine(a.p, b.p, scale), maxsum_combine(a.q, b.q, scale)};
   }
 };
 
@@ -195,7 +196,7 @@ struct ClusterSamplingEngine {
         lq = maxsum_push_block(lq, x, block_max(x), scale);
       }
     });
-    const MaxSumPair r = reduce_lanes(MaxSumPair{lp, lq}, MaxSumPairCombine{}, ms_scratch);
+    const MaxSumPair r = reduce_lanes(MaxSumPair{lp, lq}, MaxSumPairCombine{scale}, ms_scratch);
     *sp = r.p;
     *sq = has_q ? r.q : maxsum_identity();
   }

@@ -49,7 +49,7 @@ TEST_CASE("max_propagate_nan returns NaN for a NaN on either side") {
   CHECK_EQ(max_propagate_nan(2.0f, -3.0f), 2.0f);
 }
 
-TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^(y - max)") {
+TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^((x - max) * scale)") {
   // 64 lanes of 4 blocks each, with masked entries; compared with the float64 sum.
   uint32_t state = 12345;
   auto next = [&] {
@@ -58,13 +58,13 @@ TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^
   };
   const float scale = 1.3f * kLog2e;
   MaxSum lanes[64];
-  double max_y = -INFINITY;
+  float max_x = kNegInf;
   float x[64][4][kLaneEntries];
   for (auto& lane : x) {
     for (auto& block : lane) {
       for (float& v : block) {
         v = next() < 0.1f ? kNegInf : 20.0f * next() - 10.0f;
-        if (v > kNegInf) max_y = std::fmax(max_y, static_cast<double>(v) * scale);
+        max_x = std::fmax(max_x, v);
       }
     }
   }
@@ -73,17 +73,17 @@ TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^
     for (auto& block : x[l]) lanes[l] = maxsum_push_block(lanes[l], block, block_max(block), scale);
   }
   for (int width = 1; width < 64; width *= 2) {
-    for (int l = 0; l < 64; l += 2 * width) lanes[l] = maxsum_combine(lanes[l], lanes[l + width]);
+    for (int l = 0; l < 64; l += 2 * width) lanes[l] = maxsum_combine(lanes[l], lanes[l + width], scale);
   }
   long double want = 0;
   for (auto& lane : x) {
     for (auto& block : lane) {
       for (float v : block) {
-        if (v > kNegInf) want += std::exp2l(static_cast<long double>(v) * scale - static_cast<long double>(lanes[0].m));
+        if (v > kNegInf) want += std::exp2l((static_cast<long double>(v) - lanes[0].m) * scale);
       }
     }
   }
-  CHECK(std::fabs(lanes[0].m - max_y) <= 1e-6 * std::fabs(max_y));
+  CHECK_EQ(lanes[0].m, max_x);  // the raw max, not scaled
   CHECK(std::fabs(static_cast<long double>(lanes[0].s) / want - 1) < 1e-5L);
   // A block of masked entries leaves a state unchanged, bit for bit.
   float masked[kLaneEntries];
@@ -91,6 +91,27 @@ TEST_CASE("maxsum_push_block and maxsum_combine give the row's max and sum of 2^
   const MaxSum same = maxsum_push_block(lanes[0], masked, block_max(masked), scale);
   CHECK_EQ(same.m, lanes[0].m);
   CHECK_EQ(same.s, lanes[0].s);
+}
+
+TEST_CASE("the row's max keeps its term 1 at any scale: logits up to 3e38, scale up to log2(e) / kMinTemperature") {
+  // Scaling first and subtracting the scaled max lost the max once |x| * scale passed 2^31 (half an ulp of the
+  // scaled max out of det_exp2's range): "no mass" at temperature 1e-9, or 1e-5 with logits of 1e5.
+  const float scale = fmul(fdiv(1.0f, kMinTemperature), kLog2e);
+  for (float top : {1.0f, 1e4f, 1.7e4f, 1e5f, 3.3e7f, 1e30f, 3e38f, -1e5f, -3e38f}) {
+    float x[2][kLaneEntries] = {{-top, kNegInf, top, 0.0f, top * 0.5f, -3e38f, 3e38f, 2.0f},
+                                {kNegInf, -3e38f, 3e38f, top * 0.25f, -1.0f, -top, 1.0f, 0.0f}};
+    for (auto& block : x) {
+      for (float& v : block) v = std::fmin(v, top);  // top is the max, in the first lane
+    }
+    const MaxSum a = maxsum_push_block(maxsum_identity(), x[0], block_max(x[0]), scale);
+    const MaxSum b = maxsum_push_block(maxsum_push_block(maxsum_identity(), x[1], block_max(x[1]), scale), x[1],
+                                       block_max(x[1]), scale);
+    const MaxSum r = maxsum_combine(a, b, scale);
+    CHECK_EQ(maxsum_combine(b, a, scale).s, r.s);
+    CHECK_EQ(r.m, top);
+    CHECK(r.s >= 1.0f && r.s <= 24.0f);
+    CHECK_EQ(softmax_prob(top, scale, r.m, 1.0f), 1.0f);
+  }
 }
 
 TEST_CASE("sampling_cluster_blocks: the largest cluster with batch x blocks <= SMs whose clusters all fit at once") {

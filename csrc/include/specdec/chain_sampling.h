@@ -103,13 +103,13 @@ SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t 
   return bits;
 }
 
-// Request b's sampling mode: whether it is greedy (greedy[b], or a temperature that is 0 or invalid), and the
-// softmax scale log2(e) / temperature of its logits (base 2).
+// Request b's sampling mode: whether it is greedy (greedy[b], or a temperature below kMinTemperature, 0
+// included, or invalid), and the softmax scale log2(e) / temperature of its logits (base 2).
 SPECDEC_HD bool request_greedy(const ChainSamplingParams& P, int64_t b, float* scale) {
   *scale = kLog2e;
   if (!P.logits) return P.greedy[b];
   const float t = P.temperature[b];
-  const bool greedy = !(t > 0.0f) || !is_finite(t);
+  const bool greedy = !(t >= kMinTemperature) || !is_finite(t);
   if (!greedy) *scale = fmul(fdiv(1.0f, t), kLog2e);
   return greedy;
 }
@@ -117,11 +117,11 @@ SPECDEC_HD bool request_greedy(const ChainSamplingParams& P, int64_t b, float* s
 // The flow for one request. Engine supplies:
 //   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
 //   argmax(row) -> int32, or -1 if the row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale,
-//   MaxSum*, MaxSum*) (base-2 statistics of the logits times scale);
+//   MaxSum*, MaxSum*) (base-2 statistics of the logits at scale, maxsum_push_block);
 //   sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is zero or not finite;
 //   flag(bits); write(b, accepted, token).
 // Invalid controls are flagged up front and then given defined meanings (a count is clamped to [0, K], an id
-// outside [0, V) is rejected, a bad temperature is greedy). A target row the round must draw its last token
+// outside [0, V) is rejected, a bad temperature is greedy, as is one below kMinTemperature). A target row the round must draw its last token
 // from, but which has no mass, yields the token -1 (and kErrTargetNoMass).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)

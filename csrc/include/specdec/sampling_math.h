@@ -4,7 +4,9 @@
 // Why bit-exact: acceptance of a draft token from logits compares u * q(x) with p(x), where p and q are
 // softmax values whose normaliser is a sum over the vocabulary. CPU and CUDA agree on every decision only
 // if they compute that sum, and exp, identically. So:
-//   * exp is `det_exp2` below (base 2; logits are scaled by log2(e) / temperature): rounding to an integer
+//   * exp is `det_exp2` below (base 2; a logit's distance to its row's max is scaled by log2(e) / temperature,
+//     subtracted first, then scaled, so that the max's term is exactly 1 at any temperature and logit size;
+//     temperatures below kMinTemperature are greedy and never scaled): rounding to an integer
 //     and a degree-5 polynomial using only IEEE add, multiply and fused multiply-add, each correctly
 //     rounded on every backend (no library exp, no contraction: device code uses the _rn intrinsics, host
 //     code is compiled with -ffp-contract=off). 13 instructions, ~2 ulp.
@@ -49,6 +51,12 @@ constexpr int64_t kMaxVocab = 262144;
 constexpr int kMaxTiles = static_cast<int>(kMaxVocab / kTile);
 constexpr float kLog2e = 1.44269502e+00f;  // log2(e), rounded to float
 constexpr int kMaxDraftTokens = 16;
+// Temperatures t < kMinTemperature (0 included) make a request greedy (argmax acceptance, no randomness), in
+// every backend and the reference (vLLM's _SAMPLING_EPS), bit for bit as temperature 0. Below it,
+// softmax(logits / t) leaves less than e^-20 of its mass off the argmax unless another logit is within 20 t
+// (2e-4) of the max; and it keeps 1 / t finite (t <= 2^-128 has no float32 inverse). Exported to Python as
+// LIMITS["min_temperature"].
+constexpr float kMinTemperature = 1e-5f;
 
 // RNG streams of a request (seed[b], offset[b]): acceptance of draft position i uses uniform i of
 // kStreamAccept; the round's one resampled or bonus token uses uniform 0 of kStreamResample.
@@ -143,33 +151,40 @@ SPECDEC_HD float block_max(const float* x) {
   return max_propagate_nan(a, b);
 }
 
-// Running softmax statistics of a set of scaled logits (base 2): max m and sum of 2^(y - m).
+// Running softmax statistics of a row of raw logits x at `scale` = log2(e) / temperature > 0 (base 2): their
+// max m (a raw logit, not scaled) and the sum of 2^((x - m) * scale). Every exponent is a logit's distance to
+// the max, subtracted first and then scaled (scaled_gap), so it is <= 0 and the max's own term is exactly
+// 2^0 = 1: the sum is >= 1 for any finite logits at any scale. (Scaling first and subtracting the scaled max,
+// fl(x_max * scale), leaves the max's term 2^(x_max * scale - fl(x_max * scale)), whose exponent is up to half
+// an ulp of the scaled max: beyond 2^31, i.e. |logit| / temperature above ~1.5e9, that is out of det_exp2's
+// range and the row lost its max, "no mass".)
 struct MaxSum {
   float m;
   float s;
 };
 SPECDEC_HD MaxSum maxsum_identity() { return MaxSum{kNegInf, 0.0f}; }
-// Folds one block of raw logits x[0..7] (scaled by `scale` = log2(e) / temperature > 0) into a lane's
-// state; x_max = block_max(x). The block's terms are summed as block_sum does. The scaled max is fmul(x_max, scale) (rounding is monotonic), each term
-// 2^ffma(x, scale, -m). -inf (a masked token, or an entry past the vocabulary) adds 0; NaN adds 0 and does
+// (x - m) * scale, the base-2 exponent of x's softmax term relative to m: <= 0 for x <= m, NaN (a term of 0)
+// for x = m = -inf, -inf for x = -inf or a distance that overflows.
+SPECDEC_HD float scaled_gap(float x, float m, float scale) { return fmul(fadd(x, -m), scale); }
+// Folds one block of raw logits x[0..7] into a lane's state; x_max = block_max(x). The block's terms are
+// summed as block_sum does. -inf (a masked token, or an entry past the vocabulary) adds 0; NaN adds 0 and does
 // not move the max (callers detect it through x_max).
 SPECDEC_HD MaxSum maxsum_push_block(MaxSum a, const float* x, float x_max, float scale) {
-  const float bm = fmul(x_max, scale);
-  const float m = bm > a.m ? bm : a.m;
+  const float m = x_max > a.m ? x_max : a.m;
   const float n = -m;  // spelled out, not a loop, so that a CPU loop over lanes around it vectorises
-  const float e0 = det_exp2(ffma(x[0], scale, n)), e1 = det_exp2(ffma(x[1], scale, n));
-  const float e2 = det_exp2(ffma(x[2], scale, n)), e3 = det_exp2(ffma(x[3], scale, n));
-  const float e4 = det_exp2(ffma(x[4], scale, n)), e5 = det_exp2(ffma(x[5], scale, n));
-  const float e6 = det_exp2(ffma(x[6], scale, n)), e7 = det_exp2(ffma(x[7], scale, n));
+  const float e0 = det_exp2(fmul(fadd(x[0], n), scale)), e1 = det_exp2(fmul(fadd(x[1], n), scale));
+  const float e2 = det_exp2(fmul(fadd(x[2], n), scale)), e3 = det_exp2(fmul(fadd(x[3], n), scale));
+  const float e4 = det_exp2(fmul(fadd(x[4], n), scale)), e5 = det_exp2(fmul(fadd(x[5], n), scale));
+  const float e6 = det_exp2(fmul(fadd(x[6], n), scale)), e7 = det_exp2(fmul(fadd(x[7], n), scale));
   const float block = fadd(fadd(fadd(e0, e1), fadd(e2, e3)), fadd(fadd(e4, e5), fadd(e6, e7)));  // block_sum's order
   static_assert(kLaneEntries == 8, "blocks of 8");
-  return MaxSum{m, fadd(fmul(a.s, det_exp2(fadd(a.m, -m))), block)};
+  return MaxSum{m, fadd(fmul(a.s, det_exp2(scaled_gap(a.m, m, scale))), block)};
 }
-// Commutative bit for bit: combine(a, b) == combine(b, a).
-SPECDEC_HD MaxSum maxsum_combine(MaxSum a, MaxSum b) {
+// Commutative bit for bit: combine(a, b) == combine(b, a). `scale` is the one the states were pushed with.
+SPECDEC_HD MaxSum maxsum_combine(MaxSum a, MaxSum b, float scale) {
   const float m = a.m > b.m ? a.m : b.m;
   if (!(m > kNegInf)) return maxsum_identity();
-  return MaxSum{m, fadd(fmul(a.s, det_exp2(fadd(a.m, -m))), fmul(b.s, det_exp2(fadd(b.m, -m))))};
+  return MaxSum{m, fadd(fmul(a.s, det_exp2(scaled_gap(a.m, m, scale))), fmul(b.s, det_exp2(scaled_gap(b.m, m, scale))))};
 }
 
 // Argmax with ties to the lowest index; NaN never wins.
@@ -196,7 +211,7 @@ struct FloatSum {
 
 // What one sampling pass draws from: the mass of entry v is
 //   logits == false: max(0, p_v - q_v), with q_v = [v == point] when q is absent, or p_v alone (p_only);
-//   logits == true : p_v = 2^(l_v * scale - m_p) * inv_z_p, likewise q from the draft logits.
+//   logits == true : p_v = 2^((l_v - m_p) * scale) * inv_z_p, likewise q from the draft logits.
 // Masses are clamped to >= 0 and NaN counts as 0.
 struct MassSpec {
   bool logits;
@@ -205,9 +220,9 @@ struct MassSpec {
   float scale, m_p, inv_z_p, m_q, inv_z_q;
 };
 
-// Softmax probability of one raw logit given its row's statistics (m, 1 / sum) at `scale`.
+// Softmax probability of one raw logit given its row's statistics (m, 1 / sum; MaxSum) at `scale`.
 SPECDEC_HD float softmax_prob(float logit, float scale, float m, float inv_z) {
-  return fmul(det_exp2(ffma(logit, scale, -m)), inv_z);
+  return fmul(det_exp2(scaled_gap(logit, m, scale)), inv_z);
 }
 
 // Mass of entry v from the raw row values pv (target) and qv (draft; ignored without a draft row).

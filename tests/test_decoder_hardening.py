@@ -1,0 +1,240 @@
+"""Regression tests of the decoder's hardening (each failed on the code before it): rounds in which no request can
+draft, one generate at a time, finish reasons and the model's context, caches sized from the call (and page
+budgets that queue), the cost model measured on the rows a call can use and kept in a file, and input checks
+with one message per argument. Tiny random models, fixed seeds."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_draft_heads import make_drafter, random_vocab
+from test_plain_decoding import VOCAB, random_prompts, tiny_hf
+
+from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from specdec_ext import costs as costs_module
+from specdec_ext import decoding
+from specdec_ext.decoding import generate_autoregressive
+from specdec_ext.models import LlamaForCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LlamaForCausalLM.from_hf(tiny_hf(seed=1234))  # max_position_embeddings 256
+
+
+@pytest.fixture(scope="module")
+def vocab(target):
+    return random_vocab(target.config.vocab_size, 64, 1)
+
+
+# ------------------------------------------------------------------------------------ rounds with no drafts
+
+@pytest.mark.parametrize("tree", [None, 8], ids=["chain", "tree"])
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+@pytest.mark.parametrize("case", ["alone", "all one-token", "beside a request in its last round"])
+def test_one_token_prompts_with_draft_heads(target, vocab, name, tree, case):
+    """A head has no feature before a one-token prompt's first round: that round drafts nothing for it. With no
+    neighbour that drafts, the round once handed the sampling op an empty draft tensor ([B, 0, V]) and raised."""
+    prompts, max_new = {"alone": ([[5]], [6]), "all one-token": ([[5], [77]], [6, 9]),
+                        "beside a request in its last round": ([[3, 9, 4, 1], [5]], [1, 7])}[case]
+    plain = generate_autoregressive(target, prompts, max_new)
+    dec = SpeculativeDecoder(target, make_drafter(name, target, vocab), 4, adaptive=False, max_batch_size=2, tree=tree)
+    out = dec.generate(prompts, max_new)
+    assert out.sequences == plain.sequences
+    assert out.finish_reasons == ["length"] * len(prompts)
+
+
+# --------------------------------------------------------------------------------------- one call at a time
+
+def test_a_second_concurrent_generate_is_refused(target):
+    """Two threads on one decoder once shared its caches and returned wrong tokens silently."""
+    prompts = random_prompts(3, [7, 12])
+    expected = generate_autoregressive(target, prompts, 40).sequences
+    dec = SpeculativeDecoder(target, NgramDrafter(), 4, adaptive=False)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_stream(r, new):  # holds the first call inside its loop until the second has tried
+        inside.set()
+        release.wait(30)
+
+    results, errors = {}, []
+    first = threading.Thread(target=lambda: results.setdefault("first", dec.generate(prompts, 40, stream=slow_stream)))
+    first.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RuntimeError, match="already running"):
+            dec.generate(prompts, 40)
+    finally:
+        release.set()
+        first.join(60)
+    assert results["first"].sequences == expected
+    # A stream callback that re-enters the decoder is refused too, and the decoder stays usable.
+    with pytest.raises(RuntimeError, match="already running"):
+        dec.generate(prompts, 5, stream=lambda r, new: dec.generate(prompts, 5))
+    assert dec.generate(prompts, 40).sequences == expected
+
+
+# ------------------------------------------------------------------------------ finish reasons and context
+
+def test_finish_reasons(target):
+    """Each request's reason, against an oracle from plain decoding: the first of its EOS, its max_new_tokens and
+    the decoder's max_seq_len that it reaches."""
+    prompts = random_prompts(4, [6, 3, 3])
+    max_new = [12, 12, 5]
+    free = generate_autoregressive(target, prompts, 12).sequences
+    eos = free[1][4]
+
+    def expected(seq, prompt, m):
+        n = min(m, 12 - len(prompt))
+        first = seq.index(eos) if eos in seq else len(seq)
+        return "eos" if first < n else "length" if m <= 12 - len(prompt) else "max_seq_len"
+
+    dec = SpeculativeDecoder(target, NgramDrafter(), 3, max_seq_len=12)
+    out = dec.generate(prompts, max_new, eos_token_id=eos)
+    assert out.finish_reasons == [expected(*x) for x in zip(free, prompts, max_new)]
+    assert out.finish_reasons[1] == "eos" and "max_seq_len" in out.finish_reasons + ["max_seq_len"]
+    assert [st.finish_reason for st in out.request_stats] == out.finish_reasons
+
+
+def test_the_models_context_bounds_prompts_and_generation(target):
+    context = target.config.max_position_embeddings  # 256
+    dec = SpeculativeDecoder(target, NgramDrafter(), 4)
+    with pytest.raises(ValueError, match=r"prompt 1 has 256 tokens and the model's context \(max_position_embeddings\)"):
+        dec.generate([[1, 2], [3] * context], 4)
+    with pytest.raises(ValueError, match="max_seq_len must be an int in"):
+        SpeculativeDecoder(target, NgramDrafter(), 4, max_seq_len=context + 1)
+    # Generation stops at the context, with its reason; a huge max_new_tokens allocates no more than that.
+    prompt = random_prompts(9, [context - 6])
+    out = dec.generate(prompt, 10**9)
+    assert len(out.sequences[0]) == 6 and out.finish_reasons == ["context"]
+    assert out.sequences == generate_autoregressive(target, prompt, 6).sequences
+    assert dec.cache.k.shape[1:3] == (1, context + 5)  # one slot, the context plus a verify block
+
+
+# -------------------------------------------------------------------------------------------------- memory
+
+def test_caches_are_sized_from_the_call(target):
+    dec = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=8, adaptive=False)
+    dec.generate(random_prompts(2, [5, 9]), 7)
+    assert dec.cache.k.shape[1:3] == (2, 9 + 7 + 5)  # 2 slots of the longest sequence plus a block
+    assert dec.drafter.cache.k.shape[1:3] == (2, 21)
+
+
+def test_an_allocation_that_cannot_succeed_names_what_to_lower(target, monkeypatch):
+    monkeypatch.setattr(decoding, "available_memory", lambda device: 1000)
+    dec = SpeculativeDecoder(target, NgramDrafter(), 4, max_batch_size=4)
+    with pytest.raises(ValueError, match=r"KV cache needs .* GiB \(max_batch_size=4 \(this call: 2 slots\) x max_seq_len "
+                                         r"17, 2 layers\).*lower max_new_tokens, max_seq_len or max_batch_size"):
+        dec.generate(random_prompts(2, [5, 9]), 3)
+    monkeypatch.undo()
+    assert dec.generate(random_prompts(2, [5, 9]), 3).finish_reasons == ["length", "length"]
+
+
+def test_a_page_budget_queues_requests_instead_of_failing(target):
+    """Six requests through four slots of a cache with pages for about two at their longest: the rest wait until
+    pages are free, and every output equals plain decoding's."""
+    prompts = random_prompts(11, [20, 5, 33, 9, 14, 26])
+    max_new = [30, 25, 12, 40, 20, 18]
+    plain = generate_autoregressive(target, prompts, max_new)
+    dec = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=4, paged=True, num_pages=16,
+                             adaptive=False)
+    out = dec.generate(prompts, max_new)
+    assert out.sequences == plain.sequences
+    assert dec.cache.k.shape[1] == 16
+    with pytest.raises(ValueError, match="num_pages=4 pages of 16 tokens cannot hold a request"):
+        SpeculativeDecoder(target, NgramDrafter(), 4, paged=True, num_pages=4).generate(prompts, max_new)
+    with pytest.raises(ValueError, match="num_pages must be an int >= 1 with paged=True"):
+        SpeculativeDecoder(target, NgramDrafter(), 4, num_pages=16)
+
+
+# ------------------------------------------------------------------------------------- the cost model's table
+
+def test_cost_model_measures_only_the_rows_a_call_uses_and_is_kept_in_a_file(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = costs_module.forward_seconds
+    monkeypatch.setattr(costs_module, "forward_seconds", lambda model, rows: measured.append(rows) or real(model, rows))
+    prompt = random_prompts(1, [9])
+    dec = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=8)
+    t0 = time.perf_counter()
+    first = dec.generate(prompt, 10)
+    wall = time.perf_counter() - t0
+    # One request: verify blocks of at most 1 x (4 + 1) rows and draft steps of 1 row (the same model: the row is
+    # in its table already), not 8 x 5.
+    assert sorted(measured) == [1, 2, 4, 5] and max(dec.costs.verify) == 5
+    assert first.stats.calibration_s > 0
+    assert first.stats.elapsed_s <= wall - first.stats.calibration_s + 1e-3  # the calibration is reported apart
+    # A second decoder of the same model in another run reads the file: no measurement.
+    measured.clear()
+    again = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=8).generate(prompt, 10)
+    assert measured == [] and again.stats.calibration_s < 0.1  # reading the file
+    assert again.sequences == first.sequences
+    # A wider call measures only the rows it adds.
+    dec.generate(random_prompts(2, [4, 6, 8]), 4)
+    assert sorted(measured) == [3, 8, 9, 12, 15] and max(dec.costs.verify) == 15
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1  # the target drafts for itself: one model, one file
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+def test_prompts_a_user_would_pass_are_accepted(target):
+    prompts = random_prompts(5, [6, 3])
+    expected = generate_autoregressive(target, prompts, 5).sequences
+    dec = SpeculativeDecoder(target, NgramDrafter(), 4)
+    forms = [[np.array(p) for p in prompts], [[np.int64(t) for t in p] for p in prompts],
+             [torch.tensor(p) for p in prompts], [tuple(p) for p in prompts], [torch.tensor(p, dtype=torch.int32)
+                                                                              for p in prompts]]
+    for form in forms:
+        assert dec.generate(form, 5).sequences == expected
+    assert dec.generate(prompts, np.int64(5), top_k=2**70, temperature=np.float32(0), seed=np.int64(3)).sequences == \
+        expected
+    assert decoding.check_eos(np.int64(3), VOCAB) == decoding.check_eos([torch.tensor(3)], VOCAB) == {3}
+
+
+BAD = {
+    "flat list": (dict(prompts=[1, 2, 3]), "flat list of ints: pass \\[ids\\]"),
+    "float id": (dict(prompts=[[1, 2.5]]), "prompt 0, token 1 must be an int, got float"),
+    "bool id": (dict(prompts=[[1, True]]), "prompt 0, token 1 must be an int"),
+    "nested id": (dict(prompts=[[1, [2]]]), "prompt 0, token 1 must be an int, got list"),
+    "id out of range": (dict(prompts=[[1, VOCAB]]), f"prompt 0, token 1: id {VOCAB} is outside the vocabulary"),
+    "float tensor": (dict(prompts=[torch.ones(3)]), "prompt 0 must hold integer token ids"),
+    "string prompt": (dict(prompts=["hello"]), "prompt 0 must be a list of token ids, got str"),
+    "eos float": (dict(eos_token_id=2.0), "eos_token_id must be an int, got float"),
+    "eos bool": (dict(eos_token_id=True), "eos_token_id must be an int, got True"),
+    "eos out of range": (dict(eos_token_id=VOCAB), f"eos_token_id {VOCAB} is outside the vocabulary"),
+    "max_new_tokens 0": (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
+    "max_new_tokens float": (dict(max_new_tokens=2.5), "max_new_tokens must be an int, got float"),
+    "temperature negative": (dict(temperature=-1.0), "temperature must be finite and >= 0"),
+    "temperature overflows float32": (dict(temperature=1e39), "temperature must be finite and >= 0"),
+    "temperature string": (dict(temperature="hot"), "temperature must be a number"),
+    "top_k negative": (dict(top_k=-1), "top_k must be an int >= 0"),
+    "top_p 0": (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    "top_p list entry": (dict(prompts=[[1], [2]], top_p=[0.5, 2.0]), r"top_p\[1\] must be in \(0, 1\]"),
+    "seed overflow": (dict(seed=2**64), "seed must be a signed 64-bit integer"),
+    "stream not callable": (dict(stream=3), "stream must be a callable"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_bad_arguments_get_one_message_each(target, what):
+    kwargs, message = BAD[what]
+    kwargs = dict(kwargs)
+    prompts = kwargs.pop("prompts", [[1, 2, 3]])
+    max_new = kwargs.pop("max_new_tokens", 4)
+    dec = SpeculativeDecoder(target, NgramDrafter(), 4)
+    with pytest.raises(ValueError, match=message):
+        dec.generate(prompts, max_new, **kwargs)
+    assert dec.generate([[1, 2, 3]], 4).finish_reasons == ["length"]  # still usable
+
+
+def test_bad_constructor_arguments_name_them(target):
+    with pytest.raises(ValueError, match="drafter must be a Drafter .* got str"):
+        SpeculativeDecoder(target, "ngram")
+    with pytest.raises(ValueError, match=r"target must be a specdec_ext.models.LlamaForCausalLM \(LlamaForCausalLM"
+                                         r".from_hf\(model\) converts a transformers model\)"):
+        SpeculativeDecoder(tiny_hf(seed=3), NgramDrafter())
+    with pytest.raises(ValueError, match="adaptive must be True, False or 'heuristic', got 1"):
+        SpeculativeDecoder(target, NgramDrafter(), adaptive=1)
