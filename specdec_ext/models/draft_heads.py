@@ -107,13 +107,7 @@ class EagleHead(nn.Module):
     def load(cls, path, target: LlamaForCausalLM) -> "EagleHead":
         tensors, meta = load_head(path, "eagle", target)
         head = cls(target, tensors.pop("draft_vocab"))
-        with torch.no_grad():
-            head.fc.weight.copy_(tensors.pop("fc.weight"))
-            head.fc.bias.copy_(tensors.pop("fc.bias"))
-            head.feature_norm.copy_(tensors.pop("feature_norm"))
-            layer = head.decoder.layers[0]
-            for name, t in tensors.items():
-                getattr(layer, name.removeprefix("layer.")).copy_(t)
+        copy_trained_state(path, head.trained_state(), tensors)
         return head
 
 
@@ -146,18 +140,22 @@ class MedusaHeads(nn.Module):
         h = z + F.silu(torch.einsum("bxh,koh->bko", z, self.weight) + self.bias)
         return linear(h, self.lm_head).float()
 
+    def trained_state(self) -> dict:
+        return {"weight": self.weight, "bias": self.bias}
+
     def save(self, path, dtype: torch.dtype | None = None) -> None:
         """dtype: the weights' dtype in the file (default: as they are); load casts them to the target's."""
-        save_head(path, "medusa", {"weight": self.weight, "bias": self.bias}, self.draft_vocab, self.target_config,
+        save_head(path, "medusa", self.trained_state(), self.draft_vocab, self.target_config,
                   {"num_heads": self.num_heads}, dtype)
 
     @classmethod
     def load(cls, path, target: LlamaForCausalLM) -> "MedusaHeads":
         tensors, meta = load_head(path, "medusa", target)
-        heads = cls(target, tensors["draft_vocab"], int(meta["num_heads"]))
-        with torch.no_grad():
-            heads.weight.copy_(tensors["weight"])
-            heads.bias.copy_(tensors["bias"])
+        num_heads = meta.get("num_heads", "")
+        if not num_heads.isdigit() or not 1 <= int(num_heads) <= 16:
+            raise ValueError(f"{path}: metadata num_heads must be an integer in [1, 16], got {num_heads!r}")
+        heads = cls(target, tensors.pop("draft_vocab"), int(num_heads))
+        copy_trained_state(path, heads.trained_state(), tensors)
         return heads
 
 
@@ -187,16 +185,45 @@ def save_head(path, kind: str, state: dict, draft_vocab: torch.Tensor, config: L
 
 
 def load_head(path, kind: str, target: LlamaForCausalLM):
-    from safetensors import safe_open
+    """The file's tensors and metadata, its kind, target shape and draft vocabulary checked."""
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as error:
+        raise ValueError(f"{path}: not a readable safetensors file: {error}") from error
     if meta.get("kind") != kind:
         raise ValueError(f"{path}: a {meta.get('kind', 'unknown')!r} head file, expected {kind!r}")
-    made_for = json.loads(meta["target"])
-    wrong = [f"{k} {made_for[k]} (the target has {getattr(target.config, k)})" for k in SHAPE_KEYS
+    try:
+        made_for = json.loads(meta.get("target", ""))
+    except ValueError:
+        made_for = None
+    if not isinstance(made_for, dict):
+        raise ValueError(f"{path}: metadata target must be a JSON object of the target's shape, got "
+                         f"{meta.get('target')!r}")
+    wrong = [f"{k} {made_for.get(k)} (the target has {getattr(target.config, k)})" for k in SHAPE_KEYS
              if made_for.get(k) != getattr(target.config, k)]
     if wrong:
         raise ValueError(f"{path}: draft head made for another model: " + ", ".join(wrong))
+    if "draft_vocab" not in tensors:
+        raise ValueError(f"{path}: no draft_vocab tensor")
+    check_draft_vocab(tensors["draft_vocab"], target.config.vocab_size, str(path))
     return tensors, meta
+
+
+def copy_trained_state(path, state: dict, tensors: dict) -> None:
+    """Copies the file's tensors into a fresh head's trained weights (state), once the file is known to hold
+    exactly those, in their shapes: nothing is left as the fresh head's uninitialised memory."""
+    missing, extra = sorted(state.keys() - tensors.keys()), sorted(tensors.keys() - state.keys())
+    if missing or extra:
+        raise ValueError(f"{path}: " + "; ".join(f"{what} tensors {names}" for what, names in
+                                                 (("missing", missing), ("unexpected", extra)) if names))
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(state[name].shape) or not t.is_floating_point():
+            raise ValueError(f"{path}: tensor {name!r} is {t.dtype} {tuple(t.shape)}, the head needs a floating-point "
+                             f"{tuple(state[name].shape)}")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            state[name].copy_(t)

@@ -7,6 +7,7 @@ the `gguf` package's own (the reference implementation maintained with llama.cpp
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Iterator
 from os import PathLike
 
@@ -61,22 +62,34 @@ _BLOCK_TENSOR_PATTERN = re.compile(r"blk\.(\d+)\.(.+)")
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    """The value of metadata field `key` (a Python scalar, string or list), or `default` if absent."""
+_KINDS = {int: ((int,), "an integer"), float: ((int, float), "a number"), str: ((str,), "a string")}
+
+
+def _field(reader: GGUFReader, key: str, kind: type, default=None):
+    """The value of metadata field `key`, or `default` if absent; kind (int, float or str): the type the value must
+    have (an int does for a float)."""
     field = reader.get_field(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    value = field.contents()
+    types, noun = _KINDS[kind]
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise ValueError(f"GGUF metadata {key!r} must be {noun}, got {reprlib.repr(value)} "
+                         f"({'/'.join(t.name for t in field.types)})")
+    return value
 
 
-def _required_field(reader: GGUFReader, key: str):
-    value = _field(reader, key)
+def _required_field(reader: GGUFReader, key: str, kind: type):
+    value = _field(reader, key, kind)
     if value is None:
         raise ValueError(f"GGUF metadata lacks the required key {key!r}")
     return value
 
 
 def read_gguf_config(reader: GGUFReader) -> dict:
-    """A Hugging Face `config.json`-style dict built from the GGUF file's metadata (llama and qwen2 only)."""
-    arch = _field(reader, "general.architecture")
+    """A Hugging Face `config.json`-style dict built from the GGUF file's metadata (llama and qwen2 only). The
+    metadata's types are checked here, its values by LlamaConfig.from_dict."""
+    arch = _field(reader, "general.architecture", str)
     if arch not in _HF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(sorted(_HF_ARCHITECTURES))})"
@@ -85,22 +98,26 @@ def read_gguf_config(reader: GGUFReader) -> dict:
     if _ROPE_FREQS_TENSOR in tensors:
         raise ValueError(f"GGUF tensor {_ROPE_FREQS_TENSOR!r} (llama3-style RoPE scaling) is unsupported")
 
-    vocab_size = _field(reader, f"{arch}.vocab_size")
+    vocab_size = _field(reader, f"{arch}.vocab_size", int)
     if vocab_size is None:
         # Older converters omit <arch>.vocab_size; the token list, else the embedding, gives it.
         tokens = reader.get_field("tokenizer.ggml.tokens")
         if tokens is not None:
             vocab_size = len(tokens.data)  # one data index per array element; avoids decoding every token
-        else:
+        elif "token_embd.weight" in tensors:
             vocab_size = int(tensors["token_embd.weight"].shape[-1])  # GGUF shapes are reversed: rows last
+        else:
+            raise ValueError(f"GGUF file has neither {arch}.vocab_size, tokenizer.ggml.tokens nor token_embd.weight")
 
-    hidden_size = _required_field(reader, f"{arch}.embedding_length")
-    num_heads = _required_field(reader, f"{arch}.attention.head_count")
+    hidden_size = _required_field(reader, f"{arch}.embedding_length", int)
+    num_heads = _required_field(reader, f"{arch}.attention.head_count", int)
+    # No key_length: hidden / heads (None for 0 heads, which LlamaConfig.from_dict refuses by name).
+    head_dim = _field(reader, f"{arch}.attention.key_length", int, hidden_size // num_heads if num_heads else None)
 
     rope_scaling = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type", str, "none")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(_required_field(reader, f"{arch}.rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": _required_field(reader, f"{arch}.rope.scaling.factor", float)}
     elif scaling_type != "none":
         raise ValueError(f"GGUF RoPE scaling type {scaling_type!r} ({arch}.rope.scaling.type) is unsupported")
 
@@ -108,21 +125,21 @@ def read_gguf_config(reader: GGUFReader) -> dict:
     return {
         "model_type": arch,
         "architectures": [_HF_ARCHITECTURES[arch]],
-        "vocab_size": int(vocab_size),
-        "hidden_size": int(hidden_size),
-        "intermediate_size": int(_required_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_required_field(reader, f"{arch}.block_count")),
-        "num_attention_heads": int(num_heads),
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads)),
-        "rms_norm_eps": float(_required_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_required_field(reader, f"{arch}.context_length")),
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": _required_field(reader, f"{arch}.feed_forward_length", int),
+        "num_hidden_layers": _required_field(reader, f"{arch}.block_count", int),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", int, num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_required_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", float)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", float, 10000.0)),
+        "max_position_embeddings": _required_field(reader, f"{arch}.context_length", int),
         # llama.cpp's converter writes no output.weight when the model reuses its embedding as the LM head.
         "tie_word_embeddings": "output.weight" not in tensors,
         "rope_scaling": rope_scaling,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", int),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", int),
         # Qwen2's q/k/v projections always carry biases; a llama GGUF has them only if its tensors say so.
         "attention_bias": arch == "qwen2" or has_qkv_bias,
     }
@@ -186,11 +203,26 @@ def read_gguf_tensors(reader: GGUFReader, config: dict) -> Iterator[tuple[str, n
     return tensors()
 
 
+class _CheckedReader(GGUFReader):
+    """GGUFReader with every read bounds-checked: a truncated file (or a corrupt length or offset in it) fails
+    saying so, with the offset, instead of with numpy's reshape message or a silently short array."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise ValueError(f"truncated: the read at offset {int(offset)} needs {end} bytes, the file has "
+                             f"{len(self.data)}")
+        return super()._get(offset, dtype, count, override_order)
+
+
 def load_gguf(path: str | PathLike) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
     """Open a GGUF file (memory-mapped) and return (Hugging Face config dict, iterator of named tensors)."""
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError) as error:  # what GGUFReader raises on a bad magic or a truncated header
+        reader = _CheckedReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as error:  # a bad magic, truncation, corrupt fields
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {error}") from error
-    config = read_gguf_config(reader)
-    return config, read_gguf_tensors(reader, config)
+    try:
+        config = read_gguf_config(reader)
+        return config, read_gguf_tensors(reader, config)
+    except ValueError as error:
+        raise ValueError(f"{str(path)!r}: {error}") from error

@@ -1,13 +1,12 @@
 """Loading weights into LlamaForCausalLM: a Hugging Face directory (safetensors, sharded or not), a GGUF file
 (gguf_loader: metadata to config, tensors dequantised), or a transformers model object. Every weight is
 copied once, straight into its slot of the target dtype and device; a progress bar shows on a terminal."""
-import json
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .config import LlamaConfig
+from .config import LlamaConfig, read_json
 from .llama import LlamaForCausalLM
 
 
@@ -33,7 +32,7 @@ def fill_weights(model: LlamaForCausalLM, tensors, total: int, what: str) -> Lla
 
 
 def load_from_hf(hf_model, *, dtype=None, device=None) -> LlamaForCausalLM:
-    config = LlamaConfig.from_dict(hf_model.config.to_dict())
+    config = LlamaConfig.from_dict(hf_model.config.to_dict(), type(hf_model.config).__name__)
     state = hf_model.state_dict()
     first = next(iter(state.values()))
     model = LlamaForCausalLM(config, dtype=dtype or first.dtype, device=device or first.device)
@@ -53,18 +52,30 @@ def load_pretrained(path, *, dtype=torch.float32, device="cpu") -> LlamaForCausa
 
 
 def load_safetensors_dir(path: Path, *, dtype, device) -> LlamaForCausalLM:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     config = LlamaConfig.from_json(path / "config.json")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: no 'weight_map' object of tensor name -> shard file name")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise ValueError(f"{index}: the shard {f!r} it names does not exist in {str(path)!r}")
     else:
         files = [p.name for p in sorted(path.glob("*.safetensors"))]
     if not files:
         raise ValueError(f"from_pretrained: no *.safetensors in {str(path)!r}")
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
-    handles = [safe_open(path / f, framework="pt") for f in files]
+    handles = []
+    for f in files:  # safe_open checks the whole file's layout (header, offsets, size)
+        try:
+            handles.append(safe_open(path / f, framework="pt"))
+        except SafetensorError as error:
+            raise ValueError(f"{path / f}: not a readable safetensors file: {error}") from error
     names = [(h, k) for h in handles for k in h.keys()]
     # One tensor at a time, read in its stored dtype and copied into its slot: no second copy of the model.
     return fill_weights(model, ((k, h.get_tensor(k)) for h, k in names), len(names), path.name)
@@ -74,7 +85,7 @@ def load_gguf_model(path: Path, *, dtype, device) -> LlamaForCausalLM:
     from .gguf_loader import load_gguf
 
     config_dict, tensors = load_gguf(str(path))
-    config = LlamaConfig.from_dict(config_dict)
+    config = LlamaConfig.from_dict(config_dict, str(path))
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     total = len(model.weight_names())
     return fill_weights(model, ((name, torch.from_numpy(value)) for name, value in tensors), total, path.name)
