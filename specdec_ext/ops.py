@@ -442,7 +442,8 @@ class Ops:
                                                num_draft_tokens=None, seed=None, offset=None, generator=None,
                                                out=None) -> SamplingOutput:
         """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
-        computed inside the kernel in float32 and never written to memory; temperature 0 makes a row greedy.
+        computed inside the kernel in float32 and never written to memory; a temperature below 1e-5 (0 included;
+        LIMITS["min_temperature"]) makes a row greedy.
         temperature: a float or [B] float32."""
         return _chain_sampling(self.namespace, draft_token_ids, target_logits, draft_logits, logits=True,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
@@ -474,7 +475,7 @@ class Ops:
                                               temperature, num_nodes=None, seed=None, offset=None, generator=None,
                                               out=None) -> TreeSamplingOutput:
         """tree_speculative_sampling from logits: softmax(logits / temperature[b]) in float32 inside the kernel,
-        never written to memory; temperature 0 makes a request greedy."""
+        never written to memory; a temperature below 1e-5 (LIMITS["min_temperature"]) makes a request greedy."""
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_logits, draft_logits, logits=True,
                               num_nodes=num_nodes, greedy_or_temperature=temperature, seed=seed, offset=offset,
                               generator=generator, out=out, records_errors=self.records_errors(target_logits))
