@@ -284,6 +284,8 @@ class SpeculativeDecoder:
     depend on the other requests in its batch; with adaptive=True its k depends on how many requests share its
     rounds (a wider batch makes verify blocks dearer), and so do its sampled tokens (not their law)."""
 
+    page_size = 16  # the paged caches' page size (num_pages counts these)
+
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
                  cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, num_pages: int | None = None,
                  monitor=None, costs: "CostModel | None" = None, tree=None):
@@ -629,13 +631,13 @@ class SpeculativeDecoder:
         self.costs = CostModel.measure(self.target, draft_model, slots * width, slots * draft_width)
         return time.perf_counter() - t0
 
-    page_size = 16  # the paged caches' page size
-
     def _allocate(self, model, rows: int, capacity: int, num_pages):
         """model.new_kv_cache, or a ValueError naming what to lower when the cache cannot fit in memory."""
         c = model.config
-        tokens = num_pages * self.page_size if num_pages is not None else rows * self._pages(capacity) * self.page_size \
-            if self.paged else rows * capacity
+        if not self.paged:
+            tokens = rows * capacity
+        else:  # a page pool: the budget, or every slot's pages at capacity
+            tokens = (num_pages if num_pages is not None else rows * self._pages(capacity)) * self.page_size
         size = 2 * c.num_hidden_layers * tokens * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
         free = available_memory(model.device)
         what = f"num_pages={num_pages}" if num_pages is not None else \

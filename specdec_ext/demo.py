@@ -103,7 +103,7 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded
     again = dec.generate([ids], NEW_TOKENS, eos_token_id=eos)  # timed after a warm run, like plain
     s, p = again.stats, plain.stats
     speedup = s.tokens_per_second / p.tokens_per_second
-    calibration = getattr(s, "calibration_s", 0.0) or 0.0
+    calibration = s.calibration_s
     print(f"\nplain decoding {p.tokens_per_second:.1f} tokens/s, speculative ({drafter}, {shape}, adaptive) "
           f"{s.tokens_per_second:.1f} tokens/s: speedup {speedup:.2f}x ({s.generated_tokens} tokens, prefill "
           f"included" + (f"; cost-model calibration {calibration:.2f} s apart" if calibration >= 0.005 else "") + ")")

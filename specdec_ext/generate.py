@@ -21,6 +21,11 @@ def load(path, device):
 DRAFTER_SYNTAX = "ngram, model:PATH, eagle[:PATH] or medusa[:PATH]"
 
 
+def heads_only_for_the_default_model(kind: str) -> ValueError:
+    return ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, made by "
+                      f"`specdec train-draft --kind {kind}`")
+
+
 def check_drafter(spec: str, model_path=None) -> None:
     """Raises ValueError when --drafter's value is not one make_drafter accepts (its syntax, the PATH it names, and
     whether heads ship for model_path: None is the default model, as --model's default), before anything is loaded."""
@@ -35,8 +40,7 @@ def check_drafter(spec: str, model_path=None) -> None:
         raise ValueError(f"--drafter {spec}: no such file or directory")
     if kind != "model" and not path and model_path is not None and \
             Path(model_path).resolve() != default_model_path().resolve():
-        raise ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, "
-                         f"made by `specdec train-draft --kind {kind}`")
+        raise heads_only_for_the_default_model(kind)
 
 
 def make_drafter(spec: str, target, model_path=None):
@@ -47,9 +51,8 @@ def make_drafter(spec: str, target, model_path=None):
     from .models.draft_heads import EagleHead, MedusaHeads
 
     kind, _, path = spec.partition(":")
-    if kind in ("eagle", "medusa") and not path and model_path is None:
-        raise ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, "
-                         f"made by `specdec train-draft --kind {kind}`")
+    if kind in ("eagle", "medusa") and not path and model_path is None:  # no model path: which model is unknown
+        raise heads_only_for_the_default_model(kind)
     check_drafter(spec, model_path)
     if spec == "ngram":
         return NgramDrafter()
@@ -92,8 +95,7 @@ def validate(args) -> None:
 
 def stats_line(s, drafter: str, shape: str, seconds: float, finish_reason=None) -> str:
     """The final line of `specdec generate`: throughput, acceptance, calibration time and why generation stopped."""
-    calibration = getattr(s, "calibration_s", 0.0) or 0.0
-    extra = f"; cost-model calibration {calibration:.2f} s, not counted" if calibration >= 0.005 else ""
+    extra = f"; cost-model calibration {s.calibration_s:.2f} s, not counted" if s.calibration_s >= 0.005 else ""
     end = f"; finished: {finish_reason}" if finish_reason else ""
     return (f"[{drafter} drafter, {shape}: {s.generated_tokens} tokens in {seconds:.2f} s, "
             f"{s.tokens_per_second:.1f} tokens/s{extra}; acceptance rate {s.acceptance_rate:.2f}, mean acceptance "
@@ -135,8 +137,7 @@ def main(args) -> int:
     adaptive = "fixed" if args.no_adaptive else "adaptive"
     shape = f"k <= {args.k}, {adaptive}" if dec.tree is None else \
         f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}, {adaptive}"
-    reasons = getattr(out, "finish_reasons", None)
-    print(stats_line(out.stats, drafter, shape, seconds, reasons[0] if reasons else None), file=sys.stderr)
+    print(stats_line(out.stats, drafter, shape, seconds, out.finish_reasons[0]), file=sys.stderr)
     return 0
 
 
