@@ -103,7 +103,9 @@ PyObject* constants(PyObject*, PyObject*) {
   add("tree_speculative_sampling", error_bit_dict(specdec::kTreeSamplingErrorBits));
   add("truncate_kv_cache", error_bit_dict(specdec::kTruncateErrorBits));
   add("verify_attention", error_bit_dict(specdec::kAttentionErrorBits));
-  PyObject* d = Py_BuildValue("{s:N,s:N}", "limits", limits, "error_bits", errors);
+  // The sampling error bits the Python layer sets itself (strict mode, on a device).
+  PyObject* sampling_bits = Py_BuildValue("{s:i}", "draft_to_target", static_cast<int>(specdec::kErrDraftToTarget));
+  PyObject* d = Py_BuildValue("{s:N,s:N,s:N}", "limits", limits, "error_bits", errors, "sampling_bits", sampling_bits);
   return d;
 }
 

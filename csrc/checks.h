@@ -114,39 +114,89 @@ struct SamplingArgs {
   }
 };
 
-inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, const at::Tensor& target, int64_t rows,
-                                const char* rows_name, const std::optional<at::Tensor>& draft, int64_t draft_rows,
-                                const char* draft_rows_name, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
-                                const at::Tensor& offset, const std::optional<at::Tensor>& error_flags) {
+// The engine-layout inputs both sampling ops take (DESIGN.md §3.4); absent ones are nullopt.
+struct EngineLayoutArgs {
+  const std::optional<at::Tensor>& uniforms;
+  const std::optional<at::Tensor>& final_uniforms;
+  const std::optional<at::Tensor>& target_to_draft;
+};
+
+// Target rows: [B, rows, V] (padded) or [rows, V] (flat); draft rows likewise with draft_rows rows and V columns, or Vd
+// columns with target_to_draft [V] (the draft column of each target id, -1 for none). Also the [B] controls
+// (greedy or temperature), seed and offset, final_uniforms [B], the error word; gathered into P. `rows_name` /
+// `draft_rows_name` spell the row counts in messages ("K+1", "N", "T+B"); `op`'s input names are target_/draft_ +
+// probs or logits.
+inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, const at::Tensor& target, bool flat,
+                                int64_t rows, const char* rows_name, const std::optional<at::Tensor>& draft,
+                                int64_t draft_rows, const char* draft_rows_name, const at::Tensor& greedy_or_temperature,
+                                const at::Tensor& seed, const at::Tensor& offset, const EngineLayoutArgs& E,
+                                const std::optional<at::Tensor>& error_flags) {
   const char *op = A.op, *tname = A.tname(), *dname = A.dname();
   const int64_t B = A.batch;
-  TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == rows, op, ": ", tname, " must be [B, ",
-                    rows_name, ", V] = [", B, ", ", rows, ", V], got ", target.sizes());
+  if (flat) {
+    TORCH_CHECK_VALUE(target.dim() == 2 && target.size(0) == rows, op, ": ", tname, " must be [", rows_name, ", V] = [", rows,
+                      ", V] in the flat form, got ", target.sizes());
+  } else {
+    TORCH_CHECK_VALUE(target.dim() == 3 && target.size(0) == B && target.size(1) == rows, op, ": ", tname, " must be [B, ",
+                      rows_name, ", V] = [", B, ", ", rows, ", V], got ", target.sizes());
+  }
   const auto dtype = target.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", tname,
                     " must be float32, float16 or bfloat16, got ", dtype);
-  const int64_t V = target.size(2);
+  const int64_t V = target.size(-1);
   TORCH_CHECK_VALUE(V >= 1 && V <= kMaxVocab, op, ": the vocabulary size V must be in [1, ", kMaxVocab, "], got ", V);
-  TORCH_CHECK_VALUE(target.stride(2) == 1, op, ": ", tname, " must be contiguous in its last (vocabulary) dimension");
+  TORCH_CHECK_VALUE(target.stride(-1) == 1, op, ": ", tname, " must be contiguous in its last (vocabulary) dimension");
+  int64_t Vd = V;
+  if (E.target_to_draft.has_value()) {
+    const at::Tensor& m = *E.target_to_draft;
+    TORCH_CHECK_VALUE(m.dim() == 1 && m.size(0) == V && m.scalar_type() == at::kInt && m.is_contiguous(), op,
+                      ": target_to_draft must be a contiguous [V] = [", V, "] int32 tensor, got ", m.sizes(), " ",
+                      m.scalar_type());
+    TORCH_CHECK_VALUE(draft.has_value(), op, ": a draft vocabulary map needs ", dname);
+    A.same_device(m, "target_to_draft");
+    Vd = draft->size(-1);
+    TORCH_CHECK_VALUE(Vd >= 1 && Vd <= kMaxVocab, op, ": the draft vocabulary size Vd must be in [1, ", kMaxVocab, "], got ",
+                      Vd);
+    P.target_to_draft = m.data_ptr<int32_t>();
+  }
   if (draft.has_value()) {
     const at::Tensor& d = *draft;
-    TORCH_CHECK_VALUE(d.dim() == 3 && d.size(0) == B && d.size(1) == draft_rows && d.size(2) == V, op, ": ", dname,
-                      " must be [B, ", draft_rows_name, ", V] = [", B, ", ", draft_rows, ", ", V, "], got ", d.sizes());
+    if (flat) {
+      TORCH_CHECK_VALUE(d.dim() == 2 && d.size(0) == draft_rows && d.size(1) == Vd, op, ": ", dname, " must be [",
+                        draft_rows_name, ", ", E.target_to_draft ? "Vd" : "V", "] = [", draft_rows, ", ", Vd,
+                        "] in the flat form, got ", d.sizes());
+    } else {
+      TORCH_CHECK_VALUE(d.dim() == 3 && d.size(0) == B && d.size(1) == draft_rows && d.size(2) == Vd, op, ": ", dname,
+                        " must be [B, ", draft_rows_name, ", ", E.target_to_draft ? "Vd" : "V", "] = [", B, ", ",
+                        draft_rows, ", ", Vd, "], got ", d.sizes());
+    }
     TORCH_CHECK_VALUE(d.scalar_type() == dtype, op, ": ", dname, " must have the dtype of ", tname, " (", dtype, "), got ",
                       d.scalar_type());
-    TORCH_CHECK_VALUE(d.stride(2) == 1, op, ": ", dname, " must be contiguous in its last (vocabulary) dimension");
+    TORCH_CHECK_VALUE(d.stride(-1) == 1, op, ": ", dname, " must be contiguous in its last (vocabulary) dimension");
     A.same_device(d, dname);
     P.draft = d.data_ptr();
-    P.draft_stride_b = d.stride(0);
-    P.draft_stride_k = d.stride(1);
+    P.draft_stride_b = flat ? 0 : d.stride(0);
+    P.draft_stride_k = d.stride(-2);
   }
+  if (E.target_to_draft.has_value() && A.device.is_cpu()) {
+    // Host-side here: the kernels then trust the columns (on CUDA they treat one outside [0, Vd) as absent).
+    const int32_t* m = E.target_to_draft->data_ptr<int32_t>();
+    for (int64_t v = 0; v < V; ++v) {
+      TORCH_CHECK_VALUE(m[v] >= -1 && m[v] < Vd, op, ": target_to_draft[", v, "] = ", m[v], " is outside [-1, Vd = ", Vd, ")");
+    }
+  }
+  P.draft_vocab = Vd;
   A.vector_of(greedy_or_temperature, A.logits ? "temperature" : "greedy", A.logits ? at::kFloat : at::kBool);
   A.vector_of(seed, "seed", at::kLong);
   A.vector_of(offset, "offset", at::kLong);
+  if (E.final_uniforms.has_value()) {
+    A.vector_of(*E.final_uniforms, "final_uniforms", at::kFloat);
+    P.final_uniforms = E.final_uniforms->data_ptr<float>();
+  }
   P.error_flags = error_flags_pointer(op, error_flags, A.device);
   P.target = target.data_ptr();
-  P.target_stride_b = target.stride(0);
-  P.target_stride_k = target.stride(1);
+  P.target_stride_b = flat ? 0 : target.stride(0);
+  P.target_stride_k = target.stride(-2);
   if (A.logits) {
     P.temperature = greedy_or_temperature.data_ptr<float>();
   } else {
@@ -159,31 +209,90 @@ inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, c
   P.logits = A.logits;
 }
 
-// Checks the arguments of both chain sampling ops and gathers them into the kernels' parameters.
+// A contiguous float32 tensor of `shape` (the caller's uniforms).
+inline const float* uniforms_pointer(const SamplingArgs& A, const at::Tensor& u, at::IntArrayRef shape, const char* shape_name) {
+  TORCH_CHECK_VALUE(u.sizes() == shape && u.scalar_type() == at::kFloat && u.is_contiguous(), A.op,
+                    ": uniforms must be a contiguous ", shape_name, " = ", shape, " float32 tensor, got ", u.sizes(), " ",
+                    u.scalar_type());
+  A.same_device(u, "uniforms");
+  return u.data_ptr<float>();
+}
+
+// Checks the arguments of both chain sampling ops and gathers them into the kernels' parameters. Padded form:
+// draft_token_ids [B, K], num_draft_tokens [B], target rows [B, K+1, V] ([B, K, V] allowed with bonus_token_ids),
+// draft rows [B, K, V or Vd], uniforms [B, K]. Flat form (cu_num_draft_tokens [B]): draft_token_ids [T], target rows
+// [T + B, V] or [T, V] with bonus_token_ids, draft rows [T, V or Vd], uniforms [T]. Outputs [B, K + 1] (K =
+// max_draft_tokens in the flat form) and [B].
 inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, const at::Tensor& target,
-                                             const std::optional<at::Tensor>& draft, const at::Tensor& num_draft_tokens,
+                                             const std::optional<at::Tensor>& draft,
+                                             const std::optional<at::Tensor>& num_draft_tokens,
                                              const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
                                              const at::Tensor& offset, const at::Tensor& output_token_ids,
                                              const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags,
-                                             bool logits) {
+                                             const std::optional<at::Tensor>& cu_num_draft_tokens,
+                                             const std::optional<at::Tensor>& bonus_token_ids, const EngineLayoutArgs& E,
+                                             const std::optional<at::Tensor>& accepted_independently, bool logits) {
   const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
-  TORCH_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got ", draft_token_ids.sizes());
+  const bool flat = cu_num_draft_tokens.has_value();
   TORCH_CHECK_VALUE(draft_token_ids.scalar_type() == at::kInt || draft_token_ids.scalar_type() == at::kLong, op,
                     ": draft_token_ids must be int32 or int64, got ", draft_token_ids.scalar_type());
-  const int64_t B = draft_token_ids.size(0), K = draft_token_ids.size(1);
-  TORCH_CHECK_VALUE(K >= 1 && K <= kMaxDraftTokens, op, ": the number of draft tokens K must be in [1, ", kMaxDraftTokens,
-                    "], got ", K);
+  TORCH_CHECK_VALUE(output_token_ids.dim() == 2, op, ": output_token_ids must be [B, K+1], got ", output_token_ids.sizes());
+  int64_t B, K, T = 0;
+  if (flat) {
+    TORCH_CHECK_VALUE(draft_token_ids.dim() == 1, op, ": draft_token_ids must be [T] in the flat form, got ",
+                      draft_token_ids.sizes());
+    B = cu_num_draft_tokens->numel();
+    K = output_token_ids.size(1) - 1;
+    T = draft_token_ids.size(0);
+    TORCH_CHECK_VALUE(K >= 0 && K <= kMaxDraftTokens, op, ": max_draft_tokens must be in [0, ", kMaxDraftTokens, "], got ", K);
+  } else {
+    TORCH_CHECK_VALUE(draft_token_ids.dim() == 2, op, ": draft_token_ids must be [B, K], got ", draft_token_ids.sizes());
+    B = draft_token_ids.size(0);
+    K = draft_token_ids.size(1);
+    TORCH_CHECK_VALUE(K >= 0 && K <= kMaxDraftTokens, op, ": the number of draft tokens K must be in [0, ", kMaxDraftTokens,
+                      "], got ", K);
+    TORCH_CHECK_VALUE(num_draft_tokens.has_value(), op, ": num_draft_tokens is needed in the padded form");
+  }
   const SamplingArgs A{op, logits, B, target.device()};
   ChainSamplingParams P{};
-  check_sampling_rows(P, A, target, K + 1, "K+1", draft, K, "K", greedy_or_temperature, seed, offset, error_flags);
+  const bool bonus = bonus_token_ids.has_value();
+  if (flat) {
+    check_sampling_rows(P, A, target, true, bonus ? T : T + B, bonus ? "T" : "T+B", draft, T, "T", greedy_or_temperature,
+                        seed, offset, E, error_flags);
+    A.vector_of(*cu_num_draft_tokens, "cu_num_draft_tokens", at::kInt);
+    P.cu_num_draft_tokens = cu_num_draft_tokens->data_ptr<int32_t>();
+    P.flat_positions = T;
+  } else {
+    // With the caller's bonus tokens the bonus row is never read: [B, K, V] will do.
+    const int64_t rows = bonus && target.dim() == 3 && target.size(1) == K ? K : K + 1;
+    check_sampling_rows(P, A, target, false, rows, rows == K ? "K" : "K+1", draft, K, "K", greedy_or_temperature, seed,
+                        offset, E, error_flags);
+    A.vector_of(*num_draft_tokens, "num_draft_tokens", at::kInt);
+    P.num_draft_tokens = num_draft_tokens->data_ptr<int32_t>();
+  }
   A.same_device(draft_token_ids, "draft_token_ids");
   TORCH_CHECK_VALUE(draft_token_ids.is_contiguous(), op, ": draft_token_ids must be contiguous");
-  A.vector_of(num_draft_tokens, "num_draft_tokens", at::kInt);
   A.matrix_of(output_token_ids, "output_token_ids", K + 1, "K+1");
   A.vector_of(num_accepted, "num_accepted", at::kInt);
+  if (bonus) {
+    const at::Tensor& t = *bonus_token_ids;
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == B && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong) &&
+                          t.is_contiguous(),
+                      op, ": bonus_token_ids must be a contiguous [B] = [", B, "] int32 or int64 tensor, got ", t.sizes(), " ",
+                      t.scalar_type());
+    A.same_device(t, "bonus_token_ids");
+    P.bonus_ids = t.data_ptr();
+    P.bonus_ids_int64 = t.scalar_type() == at::kLong;
+  }
+  if (E.uniforms.has_value()) {
+    P.uniforms = flat ? uniforms_pointer(A, *E.uniforms, {T}, "[T]") : uniforms_pointer(A, *E.uniforms, {B, K}, "[B, K]");
+  }
+  if (accepted_independently.has_value()) {
+    A.vector_of(*accepted_independently, "accepted_independently", at::kInt);
+    P.accepted_independently = accepted_independently->data_ptr<int32_t>();
+  }
   P.draft_ids = draft_token_ids.data_ptr();
   P.draft_ids_int64 = draft_token_ids.scalar_type() == at::kLong;
-  P.num_draft_tokens = num_draft_tokens.data_ptr<int32_t>();
   P.output_token_ids = output_token_ids.data_ptr<int32_t>();
   P.num_accepted = num_accepted.data_ptr<int32_t>();
   P.num_draft = K;
@@ -197,6 +306,10 @@ inline constexpr ErrorBit kSamplingErrorBits[] = {
     {kErrNumDraftTokens, "num_draft_tokens holds values outside [0, K]"},
     {kErrTemperature, "temperature must be finite and >= 0"},
     {kErrTargetNoMass, "{target} has a row to sample from with no mass (every logit -inf, or every probability 0)"},
+    {kErrUniform, "uniforms and final_uniforms must be in [0, 1)"},
+    {kErrBonusTokenId, "bonus_token_ids holds ids outside [0, V)"},
+    {kErrCuNumDraftTokens, "cu_num_draft_tokens must be non-decreasing, in [0, T], with steps of at most max_draft_tokens"},
+    {kErrDraftToTarget, "draft_to_target holds an id outside [0, V) or an id twice"},
 };
 
 // The message for error bits raised by the sampling kernels (SamplingError).
@@ -224,7 +337,7 @@ inline TreeSamplingParams make_tree_params(const at::Tensor& parents, const at::
                                            const at::Tensor& seed, const at::Tensor& offset,
                                            const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
                                            const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags,
-                                           bool logits) {
+                                           const EngineLayoutArgs& E, bool logits) {
   const char* op = tree_sampling_op_name(logits);
   TORCH_CHECK_VALUE(parents.dim() == 2, op, ": parents must be [B, N], got ", parents.sizes());
   const int64_t B = parents.size(0), N = parents.size(1);
@@ -232,7 +345,8 @@ inline TreeSamplingParams make_tree_params(const at::Tensor& parents, const at::
                     "], got ", N);
   const SamplingArgs A{op, logits, B, target.device()};
   TreeSamplingParams T{};
-  check_sampling_rows(T.rows, A, target, N, "N", draft, N, "N", greedy_or_temperature, seed, offset, error_flags);
+  check_sampling_rows(T.rows, A, target, false, N, "N", draft, N, "N", greedy_or_temperature, seed, offset, E, error_flags);
+  if (E.uniforms.has_value()) T.rows.uniforms = uniforms_pointer(A, *E.uniforms, {B, N}, "[B, N]");
   A.matrix_of(parents, "parents", N, "N");
   TORCH_CHECK_VALUE(candidate_token_ids.dim() == 2 && candidate_token_ids.size(0) == B && candidate_token_ids.size(1) == N &&
                         (candidate_token_ids.scalar_type() == at::kInt || candidate_token_ids.scalar_type() == at::kLong) &&
@@ -266,6 +380,8 @@ inline constexpr ErrorBit kTreeSamplingErrorBits[] = {
                      "(a parent out of range, after its child, or a cycle)"},
     {kErrNumNodes, "num_nodes holds values outside [1, N]"},
     {kErrDuplicateSibling, "candidate_token_ids repeats a token among the children of one node"},
+    {kErrUniform, "uniforms and final_uniforms must be in [0, 1)"},
+    {kErrDraftToTarget, "draft_to_target holds an id outside [0, V) or an id twice"},
 };
 
 inline std::string tree_sampling_error_message(int32_t bits, bool logits) {

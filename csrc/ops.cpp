@@ -11,16 +11,25 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
 
   // Chain speculative sampling (DESIGN.md §3.1). Writes output_token_ids [B, K+1] int32 (accepted drafts, then
   // the resampled or bonus token, then -1) and num_accepted [B] int32; ORs the invalid-input bits into
-  // error_flags when given (the CPU kernel raises on them instead).
+  // error_flags when given (the CPU kernel raises on them instead). Engine layouts (DESIGN.md §3.4): with
+  // cu_num_draft_tokens [B] the inputs are flat (draft_token_ids [T], rows [T + B, V] / [T, V]) and num_draft_tokens
+  // is None, K being output_token_ids' width less one (max_draft_tokens); bonus_token_ids [B] replaces the bonus
+  // draw; uniforms ([B, K] or [T]) and final_uniforms [B] replace the Philox draws; target_to_draft [V] int32 maps
+  // target ids to the columns of draft rows with a reduced vocabulary (-1: none); accepted_independently [B] gets
+  // FlashInfer's count of drafts accepted when each is judged on its own.
   m.def(
       "chain_speculative_sampling(Tensor draft_token_ids, Tensor target_probs, Tensor? draft_probs, "
-      "Tensor num_draft_tokens, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
-      "Tensor(b!) num_accepted, Tensor(c!)? error_flags) -> ()");
+      "Tensor? num_draft_tokens, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
+      "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
+      "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
+      "Tensor(d!)? accepted_independently=None) -> ()");
   // The same from logits: softmax(logits / temperature[b]) in float32 inside the kernel; temperature 0 = greedy.
   m.def(
       "chain_speculative_sampling_from_logits(Tensor draft_token_ids, Tensor target_logits, Tensor? draft_logits, "
-      "Tensor num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
-      "Tensor(b!) num_accepted, Tensor(c!)? error_flags) -> ()");
+      "Tensor? num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
+      "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
+      "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
+      "Tensor(d!)? accepted_independently=None) -> ()");
 
   // Tree speculative sampling (README "Tree speculation", specdec/tree_sampling.h): per request a tree of N <= 64
   // nodes (parents [B, N] int32, -1 for the root and padding; candidate_token_ids [B, N] int32/int64; num_nodes
@@ -28,14 +37,17 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // sampled from without replacement [B, N, V]. Writes the accepted path's tokens then the last token
   // (output_token_ids [B, N] int32, -1 padded), its node indices from the root (accepted_nodes [B, N] int32, -1
   // padded) and num_accepted [B] int32; ORs invalid-input bits into error_flags (the CPU kernel raises instead).
+  // uniforms [B, N] (node c's acceptance draw in column c), final_uniforms [B] and target_to_draft [V] as for chains.
   m.def(
       "tree_speculative_sampling(Tensor parents, Tensor candidate_token_ids, Tensor num_nodes, Tensor target_probs, "
       "Tensor? draft_probs, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
-      "Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags) -> ()");
+      "Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, Tensor? uniforms=None, "
+      "Tensor? final_uniforms=None, Tensor? target_to_draft=None) -> ()");
   m.def(
       "tree_speculative_sampling_from_logits(Tensor parents, Tensor candidate_token_ids, Tensor num_nodes, "
       "Tensor target_logits, Tensor? draft_logits, Tensor temperature, Tensor seed, Tensor offset, "
-      "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags) -> ()");
+      "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, "
+      "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None) -> ()");
 
   // KV-cache truncation after verification (DESIGN.md §3.3): cache_seqlens[b] += num_kept[b]; with kept_indices
   // (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the discarded slots

@@ -17,6 +17,7 @@ _C = _extension.load("_C")
 _CONSTANTS = _C.constants()
 LIMITS = _CONSTANTS["limits"]
 _ERROR_BITS = _CONSTANTS["error_bits"]
+_SAMPLING_BITS = _CONSTANTS["sampling_bits"]
 
 _INT64_MIN, _UINT64_END = -(2**63), 2**64
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -230,24 +231,97 @@ def _sampling_controls(op: str, logits: bool, greedy_or_temperature, seed, offse
     return control, seed, _request_vector(0 if offset is None else offset, "offset", op, batch, device)
 
 
+def _float32_tensor(t, name: str, op: str, device):
+    """A caller's float32 tensor (uniforms), contiguous, on `device`; None stays None."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+        raise ValueError(f"{op}: {name} must be a float32 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    _check_devices(op, device, "the rows", **{name: t})
+    return t.contiguous()
+
+
+def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, device, flags):
+    """The inverse of a reduced draft vocabulary's map: [V] int32, the draft column of each target id or -1. Built with
+    device ops (no host read on CUDA, capturable); a map with an id outside [0, V) or an id twice raises on the CPU
+    and sets the error word's bit in strict mode elsewhere (the kernels then see a map without those columns)."""
+    if draft_to_target is None:
+        return None
+    if draft is None:
+        raise ValueError(f"{op}: draft_to_target maps the columns of {dname}, which is None (point proposals)")
+    if not isinstance(draft_to_target, torch.Tensor) or draft_to_target.dim() != 1:
+        raise ValueError(f"{op}: draft_to_target must be a [Vd] integer tensor")
+    if draft_to_target.numel() != draft.shape[-1]:
+        raise ValueError(f"{op}: draft_to_target has {draft_to_target.numel()} entries but {dname} has "
+                         f"{draft.shape[-1]} columns (Vd)")
+    _check_devices(op, device, "the rows", draft_to_target=draft_to_target)
+    if draft_to_target.dtype.is_floating_point or draft_to_target.dtype.is_complex or draft_to_target.dtype == torch.bool:
+        raise ValueError(f"{op}: draft_to_target must be an integer tensor, got {draft_to_target.dtype}")
+    ids = draft_to_target.long()
+    columns = torch.arange(ids.numel(), device=device)
+    in_range = (ids >= 0) & (ids < vocab)
+    # Slot V takes the ids out of range; where an id repeats, its lowest column wins (a deterministic map).
+    inverse = torch.full((vocab + 1,), ids.numel(), dtype=torch.int64, device=device)
+    inverse.scatter_reduce_(0, torch.where(in_range, ids, vocab), columns, reduce="amin")
+    valid = in_range & (inverse[ids.clamp(0, vocab)] == columns)
+    if device.type == "cpu":
+        if not bool(valid.all()):
+            j = int((~valid).nonzero()[0, 0])
+            x = int(ids[j])
+            why = f"outside [0, V = {vocab})" if not 0 <= x < vocab else "an id an earlier column already maps to"
+            raise ValueError(f"{op}: draft_to_target[{j}] = {x} is {why}: the map must hold distinct target ids")
+    elif flags is not None:
+        flags |= (~valid).any().int() * _SAMPLING_BITS["draft_to_target"]
+    inverse = inverse[:vocab]
+    return torch.where(inverse < ids.numel(), inverse, -1).to(torch.int32)
+
+
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
-                    offset, generator, out, records_errors) -> SamplingOutput:
+                    offset, generator, out, cu_num_draft_tokens, max_draft_tokens, bonus_token_ids, uniforms,
+                    final_uniforms, draft_to_target, accepted_independently, records_errors) -> SamplingOutput:
     op = "chain_speculative_sampling_from_logits" if logits else "chain_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
-    if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 2:
-        raise ValueError(f"{op}: draft_token_ids must be a [B, K] tensor")
+    flat = cu_num_draft_tokens is not None
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, torch.Tensor):
         raise TypeError(f"{op}: {dname} must be a tensor or None, got {type(draft).__name__}")
-    batch, k = draft_token_ids.shape
     device = target.device
-    _check_devices(op, device, tname, draft_token_ids=draft_token_ids, **{dname: draft})
-    if num_draft_tokens is None:
-        num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device)
+    if flat:
+        if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 1:
+            raise ValueError(f"{op}: draft_token_ids must be a [T] tensor with cu_num_draft_tokens (the flat form)")
+        if num_draft_tokens is not None:
+            raise ValueError(f"{op}: num_draft_tokens and cu_num_draft_tokens are two forms of one thing: pass one")
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
+                not 0 <= max_draft_tokens <= LIMITS["max_draft_tokens"]:
+            raise ValueError(f"{op}: max_draft_tokens must be a Python int in [0, {LIMITS['max_draft_tokens']}] with "
+                             f"cu_num_draft_tokens (the output width less one; a host int keeps the call capturable), "
+                             f"got {max_draft_tokens!r}")
+        if not isinstance(cu_num_draft_tokens, torch.Tensor) or cu_num_draft_tokens.dim() != 1:
+            raise ValueError(f"{op}: cu_num_draft_tokens must be a [B] int32 tensor (inclusive cumulative sum)")
+        _check_devices(op, device, tname, cu_num_draft_tokens=cu_num_draft_tokens)
+        cu_num_draft_tokens = _as_int32(cu_num_draft_tokens, "cu_num_draft_tokens", op)
+        batch, k = cu_num_draft_tokens.numel(), max_draft_tokens
     else:
-        num_draft_tokens = _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
+        if max_draft_tokens is not None:
+            raise ValueError(f"{op}: max_draft_tokens goes with cu_num_draft_tokens (the flat form)")
+        if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 2:
+            raise ValueError(f"{op}: draft_token_ids must be a [B, K] tensor (or [T] with cu_num_draft_tokens)")
+        batch, k = draft_token_ids.shape
+        if k > LIMITS["max_draft_tokens"]:
+            raise ValueError(f"{op}: at most {LIMITS['max_draft_tokens']} draft tokens per request, got K = {k}")
+    _check_devices(op, device, tname, draft_token_ids=draft_token_ids, **{dname: draft})
+    if not flat:
+        num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device) if num_draft_tokens is None else \
+            _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
+    if bonus_token_ids is not None:
+        if not isinstance(bonus_token_ids, torch.Tensor) or bonus_token_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{op}: bonus_token_ids must be a [B] int32 or int64 tensor")
+        _check_devices(op, device, tname, bonus_token_ids=bonus_token_ids)
+        bonus_token_ids = bonus_token_ids.reshape(-1).contiguous()  # vLLM hands [B, 1]
+    uniforms = _float32_tensor(uniforms, "uniforms", op, device)
+    final_uniforms = _float32_tensor(final_uniforms, "final_uniforms", op, device)
     control, seed, offset = _sampling_controls(op, logits, greedy_or_temperature, seed, offset, generator, batch, device)
     _check_devices(op, device, tname, seed=seed, offset=offset)
     if out is None:
@@ -256,13 +330,15 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     elif not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise ValueError(f"{op}: out must be a tuple (output_token_ids [B, K+1] int32, num_accepted [B] int32)")
     out = SamplingOutput(*out)
-    _check_devices(op, device, tname, output_token_ids=out.output_token_ids, num_accepted=out.num_accepted)
+    _check_devices(op, device, tname, output_token_ids=out.output_token_ids, num_accepted=out.num_accepted,
+                   accepted_independently=accepted_independently)
     flags = _error_flags(op, device, records_errors)
+    target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
     fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
-       flags)
+       flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft, accepted_independently)
     _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
-    if _strict and target.dim() == 3 and target.shape[0] and not _capturing():  # (capture refused it above on CUDA)
+    if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, logits)
     return out
 
@@ -286,7 +362,8 @@ def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parent
 
 
 def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
-                   seed, offset, generator, out, records_errors) -> TreeSamplingOutput:
+                   seed, offset, generator, out, uniforms, final_uniforms, draft_to_target,
+                   records_errors) -> TreeSamplingOutput:
     op = "tree_speculative_sampling_from_logits" if logits else "tree_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
@@ -312,6 +389,8 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     num_nodes = torch.full((batch,), n, dtype=torch.int32, device=device) if num_nodes is None else \
         _per_request(num_nodes, "num_nodes", op, batch, device, torch.int32)
     control, seed, offset = _sampling_controls(op, logits, greedy_or_temperature, seed, offset, generator, batch, device)
+    uniforms = _float32_tensor(uniforms, "uniforms", op, device)
+    final_uniforms = _float32_tensor(final_uniforms, "final_uniforms", op, device)
     if out is None:
         out = TreeSamplingOutput(torch.empty((batch, n), dtype=torch.int32, device=device),
                                  torch.empty((batch, n), dtype=torch.int32, device=device),
@@ -323,8 +402,10 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     _check_devices(op, device, tname, output_token_ids=out.output_token_ids, accepted_nodes=out.accepted_nodes,
                    num_accepted=out.num_accepted)
     flags = _error_flags(op, device, records_errors)
+    target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
-    fn(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags)
+    fn(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms, final_uniforms,
+       target_to_draft)
     _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
     if _strict and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_tree_row(op, tname, dname, target, draft, parents, num_nodes, logits)
@@ -422,7 +503,10 @@ class Ops:
         return _philox_uniform(self.namespace, seed, offset, n, stream)
 
     def chain_speculative_sampling(self, draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None,
-                                   greedy=None, seed=None, offset=None, generator=None, out=None) -> SamplingOutput:
+                                   greedy=None, seed=None, offset=None, generator=None, out=None,
+                                   cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
+                                   final_uniforms=None, draft_to_target=None,
+                                   accepted_independently=None) -> SamplingOutput:
         """Chain speculative sampling (DESIGN.md §3.1) from probabilities: accept draft token x at position i with
         probability min(1, p_i(x) / q_i(x)); at the first rejection draw from norm(max(0, p_i - q_i)); if all
         num_draft_tokens[b] drafts are accepted, draw a bonus token from p_k. The emitted tokens are distributed
@@ -433,26 +517,48 @@ class Ops:
         num_draft_tokens [B] (ragged batches), greedy [B] bool or a bool, seed/offset [B] or ints (Philox key
         and counter base; seed None draws from `generator`), out: preallocated (output_token_ids, num_accepted).
         Returns SamplingOutput(output_token_ids [B, K+1] int32, num_accepted [B] int32).
+
+        Engine layouts (DESIGN.md §3.4), zero-copy:
+        cu_num_draft_tokens [B] int32 (inclusive cumulative sum, vLLM's) with max_draft_tokens (a Python int): the flat
+          form. draft_token_ids [T], draft rows [T, V], target rows [T + B, V] (request b's k_b rows, then its bonus
+          row) or [T, V] with bonus_token_ids; outputs [B, max_draft_tokens + 1] and [B], exactly the padded form's.
+        bonus_token_ids [B] (or [B, 1]) int32/int64: the token emitted when all of request b's drafts are accepted;
+          the bonus row is then never read (padded target rows may be [B, K, V]).
+        uniforms ([B, K], or [T] flat) and final_uniforms [B], float32 in [0, 1): replace the Philox draws of the
+          acceptance tests (accept while u * q < p) and of the resampled / bonus token (inverse CDF at u).
+        draft_to_target [Vd] int: draft rows have Vd columns, column j being target id draft_to_target[j] (distinct
+          ids); q is 0 off the map. Lossless, without expanding the draft rows.
+        accepted_independently [B] int32, filled: the drafts accepted when each is judged on its own (FlashInfer's
+          accepted count); reads the rows after the first rejection, which the op otherwise never reads.
         """
         return _chain_sampling(self.namespace, draft_token_ids, target_probs, draft_probs, logits=False,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed, offset=offset,
-                               generator=generator, out=out, records_errors=self.records_errors(target_probs))
+                               generator=generator, out=out, cu_num_draft_tokens=cu_num_draft_tokens,
+                               max_draft_tokens=max_draft_tokens, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
+                               final_uniforms=final_uniforms, draft_to_target=draft_to_target,
+                               accepted_independently=accepted_independently,
+                               records_errors=self.records_errors(target_probs))
 
     def chain_speculative_sampling_from_logits(self, draft_token_ids, target_logits, draft_logits=None, *, temperature,
                                                num_draft_tokens=None, seed=None, offset=None, generator=None,
-                                               out=None) -> SamplingOutput:
+                                               out=None, cu_num_draft_tokens=None, max_draft_tokens=None,
+                                               bonus_token_ids=None, uniforms=None, final_uniforms=None,
+                                               draft_to_target=None, accepted_independently=None) -> SamplingOutput:
         """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
         computed inside the kernel in float32 and never written to memory; a temperature below 1e-5 (0 included;
         LIMITS["min_temperature"]) makes a row greedy.
-        temperature: a float or [B] float32."""
+        temperature: a float or [B] float32. The engine-layout arguments are chain_speculative_sampling's."""
         return _chain_sampling(self.namespace, draft_token_ids, target_logits, draft_logits, logits=True,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
-                               offset=offset, generator=generator, out=out,
+                               offset=offset, generator=generator, out=out, cu_num_draft_tokens=cu_num_draft_tokens,
+                               max_draft_tokens=max_draft_tokens, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
+                               final_uniforms=final_uniforms, draft_to_target=draft_to_target,
+                               accepted_independently=accepted_independently,
                                records_errors=self.records_errors(target_logits))
 
     def tree_speculative_sampling(self, parents, candidate_token_ids, target_probs, draft_probs=None, *,
                                   num_nodes=None, greedy=None, seed=None, offset=None, generator=None,
-                                  out=None) -> TreeSamplingOutput:
+                                  out=None, uniforms=None, final_uniforms=None, draft_to_target=None) -> TreeSamplingOutput:
         """Tree speculative sampling from probabilities (README "Tree speculation"): walks a tree of candidates
         from its root, accepting at each node one child or none, so that every emitted token is distributed as
         the target's; lossless for point proposals (no draft_probs) and for children sampled without
@@ -466,19 +572,25 @@ class Ops:
         (RNG contract; node c draws uniform c - 1 of stream 0, the last token uniform 0 of stream 1), out.
         Returns TreeSamplingOutput(output_token_ids [B, N], accepted_nodes [B, N] (truncate_kv_cache's
         kept_indices, with num_kept = num_accepted + 1), num_accepted [B]).
+        uniforms [B, N] float32 in [0, 1): node c's acceptance draw in column c (column 0, the root, unused),
+        final_uniforms [B]: the last token's; both replace the Philox draws. draft_to_target [Vd]: draft rows with a
+        reduced vocabulary (chain_speculative_sampling).
         """
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_probs, draft_probs, logits=False,
                               num_nodes=num_nodes, greedy_or_temperature=greedy, seed=seed, offset=offset,
-                              generator=generator, out=out, records_errors=self.records_errors(target_probs))
+                              generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
+                              draft_to_target=draft_to_target, records_errors=self.records_errors(target_probs))
 
     def tree_speculative_sampling_from_logits(self, parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                               temperature, num_nodes=None, seed=None, offset=None, generator=None,
-                                              out=None) -> TreeSamplingOutput:
+                                              out=None, uniforms=None, final_uniforms=None,
+                                              draft_to_target=None) -> TreeSamplingOutput:
         """tree_speculative_sampling from logits: softmax(logits / temperature[b]) in float32 inside the kernel,
         never written to memory; a temperature below 1e-5 (LIMITS["min_temperature"]) makes a request greedy."""
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_logits, draft_logits, logits=True,
                               num_nodes=num_nodes, greedy_or_temperature=temperature, seed=seed, offset=offset,
-                              generator=generator, out=out, records_errors=self.records_errors(target_logits))
+                              generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
+                              draft_to_target=draft_to_target, records_errors=self.records_errors(target_logits))
 
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False) -> None:
@@ -554,7 +666,7 @@ def _register_fakes(namespace: str) -> None:
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "tree_speculative_sampling",
                  "tree_speculative_sampling_from_logits", "truncate_kv_cache"):
         # Each writes only its output arguments.
-        torch.library.register_fake(f"{namespace}::{name}")(lambda *args: None)
+        torch.library.register_fake(f"{namespace}::{name}")(lambda *args, **kwargs: None)
 
 
 _register_fakes("specdec")

@@ -2,6 +2,8 @@
 
 Each function computes what the op's contract says, on any device, with no custom kernel.
 """
+from typing import NamedTuple
+
 import torch
 
 from .ops import LIMITS
@@ -68,14 +70,16 @@ def _inverse_cdf(mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, threshold, right=True).clamp_max(mass.shape[-1] - 1).squeeze(-1)
 
 
-def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset):
+def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset,
+                     layout):
     """Shared by both reference ops. p_rows [B, K+1, V] and q_rows [B, K, V] (or None) are float64 masses;
-    p_accept/q_accept [B, K] the float32 p(x), q(x) the acceptance test uses."""
+    p_accept/q_accept [B, K] the float32 p(x), q(x) the acceptance test uses; layout the _EngineLayout."""
     batch, k = draft_token_ids.shape
     device = draft_token_ids.device
     ids = draft_token_ids.long()
-    u = philox_uniform(seed, offset, k, stream=0)
-    u_resample = philox_uniform(seed, offset, 1, stream=1)[:, 0]
+    u = philox_uniform(seed, offset, k, stream=0) if layout.uniforms is None else layout.uniforms.to(device)
+    u_resample = philox_uniform(seed, offset, 1, stream=1)[:, 0] if layout.final_uniforms is None else \
+        layout.final_uniforms.to(device)
     positions = torch.arange(k, device=device)
     active = positions < num_draft_tokens.long().unsqueeze(-1)
     argmax = p_rows.argmax(-1)  # [B, K+1]
@@ -85,7 +89,9 @@ def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy
     rows = torch.arange(batch, device=device)
     p_j = p_rows[rows, j]
     rejected = j < num_draft_tokens.long()
-    if q_rows is not None:
+    if k == 0:  # nothing drafted: the token comes from p_0
+        q_j = torch.zeros_like(p_j)
+    elif q_rows is not None:
         q_j = torch.where(rejected.unsqueeze(-1), q_rows[rows, j.clamp_max(k - 1)], torch.zeros_like(p_j))
     else:  # point proposals: q is one-hot at the rejected draft token
         q_j = torch.zeros_like(p_j)
@@ -94,6 +100,10 @@ def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy
     residual = (p_j - q_j).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_j)  # p == q: sample p itself
     token = torch.where(greedy, argmax[rows, j], _inverse_cdf(residual, u_resample))
+    if layout.bonus_token_ids is not None:
+        token = torch.where(rejected, token, layout.bonus_token_ids.reshape(-1).long())
+    if layout.accepted_independently is not None:
+        layout.accepted_independently.copy_((accept & active).sum(-1))
     out = torch.full((batch, k + 1), -1, dtype=torch.int32, device=device)
     keep = positions.unsqueeze(0) < accepted.unsqueeze(-1)
     out[:, :k] = torch.where(keep, ids, -1).int()
@@ -111,23 +121,100 @@ def _defaults(draft_token_ids, num_draft_tokens, seed, offset):
             full(0 if offset is None else offset, torch.int64))
 
 
+def _checked_ids(draft_token_ids, num_draft_tokens, vocab: int) -> torch.Tensor:
+    """The draft ids as int64, those below each request's count checked to be in [0, V); the ones past it (never
+    read, any value) clamped into range for the gathers."""
+    ids = draft_token_ids.long()
+    active = torch.arange(ids.shape[1], device=ids.device) < num_draft_tokens.long().unsqueeze(-1)
+    if (((ids < 0) | (ids >= vocab)) & active).any():
+        raise ValueError("chain_speculative_sampling: draft_token_ids holds ids outside [0, V)")
+    return ids.clamp(0, vocab - 1)
+
+
+class _EngineLayout(NamedTuple):
+    """The engine-layout arguments (DESIGN.md §3.4) once the flat form is padded: uniforms [B, K] (or [B, N]),
+    final_uniforms [B], bonus_token_ids [B], accepted_independently [B] to fill."""
+    uniforms: torch.Tensor | None = None
+    final_uniforms: torch.Tensor | None = None
+    bonus_token_ids: torch.Tensor | None = None
+    accepted_independently: torch.Tensor | None = None
+
+
+def _full_draft_rows(draft_rows, draft_to_target, vocab: int, logits: bool):
+    """Draft rows of a reduced vocabulary ([..., Vd], column j = target id draft_to_target[j]) as full-vocabulary rows:
+    probability 0 (logit -inf) off the map."""
+    if draft_rows is None or draft_to_target is None:
+        return draft_rows
+    ids = draft_to_target.long()
+    if ((ids < 0) | (ids >= vocab)).any() or ids.unique().numel() != ids.numel():
+        raise ValueError("draft_to_target must hold distinct ids in [0, V)")
+    full = draft_rows.new_full((*draft_rows.shape[:-1], vocab), float("-inf") if logits else 0.0)
+    full[..., ids] = draft_rows
+    return full
+
+
+def _pad_flat(cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus):
+    """The flat form (vLLM's: request b owns draft positions cu[b-1]..cu[b], target rows from cu[b-1] + b, or
+    cu[b-1] with caller bonus tokens) as the padded form: ([B, K] ids, [B, K+1, V] target rows, [B, K, V] draft rows,
+    [B, K] uniforms, [B] counts), K = max_draft_tokens. The pad is zeros (never read: past each request's count)."""
+    cu = cu_num_draft_tokens.long().tolist()
+    batch, k, total = len(cu), max_draft_tokens, draft_token_ids.shape[0]
+    starts = [0] + cu[:-1]
+    if any(not 0 <= s <= e <= total or e - s > k for s, e in zip(starts, cu)):
+        raise ValueError("cu_num_draft_tokens must be non-decreasing in [0, T] with steps of at most max_draft_tokens")
+    ids = draft_token_ids.new_zeros((batch, k))
+    target = target_rows.new_full((batch, k + 1, target_rows.shape[-1]), 1.0)
+    draft = None if draft_rows is None else draft_rows.new_full((batch, k, draft_rows.shape[-1]), 1.0)
+    u = None if uniforms is None else uniforms.new_full((batch, k), 0.5)
+    for b, (s, e) in enumerate(zip(starts, cu)):
+        n = e - s
+        ids[b, :n] = draft_token_ids[s:e]
+        first = s if bonus is not None else s + b
+        target[b, :n + (bonus is None)] = target_rows[first:first + n + (bonus is None)]
+        if draft is not None:
+            draft[b, :n] = draft_rows[s:e]
+        if u is not None:
+            u[b, :n] = uniforms[s:e]
+    counts = torch.tensor([e - s for s, e in zip(starts, cu)], dtype=torch.int32, device=draft_token_ids.device)
+    return ids, target, draft, u, counts
+
+
+def _chain_inputs(draft_token_ids, target_rows, draft_rows, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
+                  bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits: bool):
+    """Both chain references' inputs in the padded form with full-vocabulary draft rows, and the _EngineLayout."""
+    if cu_num_draft_tokens is not None:
+        draft_token_ids, target_rows, draft_rows, uniforms, num_draft_tokens = _pad_flat(
+            cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus_token_ids)
+    elif bonus_token_ids is not None and target_rows.shape[1] == draft_token_ids.shape[1]:
+        target_rows = torch.cat([target_rows, torch.ones_like(target_rows[:, :1])], 1)  # the bonus row, never used
+    draft_rows = _full_draft_rows(draft_rows, draft_to_target, target_rows.shape[-1], logits)
+    if uniforms is not None and ((uniforms < 0) | ~(uniforms < 1)).any() or \
+            final_uniforms is not None and ((final_uniforms < 0) | ~(final_uniforms < 1)).any():
+        raise ValueError("uniforms and final_uniforms must be in [0, 1)")
+    layout = _EngineLayout(uniforms, final_uniforms, bonus_token_ids, accepted_independently)
+    return draft_token_ids, target_rows, draft_rows, num_draft_tokens, layout
+
+
 def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
-                               seed, offset=None):
-    """Reference of specdec_ext.chain_speculative_sampling (seed required). Returns (output_token_ids, num_accepted)."""
+                               seed, offset=None, cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None,
+                               uniforms=None, final_uniforms=None, draft_to_target=None, accepted_independently=None):
+    """Reference of specdec_ext.chain_speculative_sampling (seed required), engine layouts included (the flat form is
+    padded first). Returns (output_token_ids, num_accepted)."""
+    draft_token_ids, target_probs, draft_probs, num_draft_tokens, layout = _chain_inputs(
+        draft_token_ids, target_probs, draft_probs, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
+        bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits=False)
     batch, k = draft_token_ids.shape
     v = target_probs.shape[-1]
     num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
     greedy = torch.as_tensor(False if greedy is None else greedy, device=draft_token_ids.device).expand(batch)
-    ids = draft_token_ids.long()
-    if ((ids < 0) | (ids >= v)).any():
-        raise ValueError("chain_speculative_sampling: draft_token_ids holds ids outside [0, V)")
+    ids = _checked_ids(draft_token_ids, num_draft_tokens, v)
     p32 = target_probs.float()
     p_accept = p32[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     q_accept = torch.ones_like(p_accept) if draft_probs is None else \
         draft_probs.float().gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     q_rows = None if draft_probs is None else draft_probs.double()
     return _chain_reference(draft_token_ids, p32.double(), q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed,
-                            offset)
+                            offset, layout)
 
 
 def _temperature(temperature, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,20 +225,26 @@ def _temperature(temperature, batch: int, device) -> tuple[torch.Tensor, torch.T
 
 
 def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
-                                           num_draft_tokens=None, seed, offset=None):
+                                           num_draft_tokens=None, seed, offset=None, cu_num_draft_tokens=None,
+                                           max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
+                                           final_uniforms=None, draft_to_target=None, accepted_independently=None):
     """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
     (so acceptance can differ from the kernels' float32 where u * q is within rounding of p); greedy below
     MIN_TEMPERATURE."""
+    draft_token_ids, target_logits, draft_logits, num_draft_tokens, layout = _chain_inputs(
+        draft_token_ids, target_logits, draft_logits, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
+        bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits=True)
     batch, k = draft_token_ids.shape
     num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
     t, greedy = _temperature(temperature, batch, draft_token_ids.device)
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
     p_rows = torch.softmax(target_logits.double() * scale, -1)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
-    ids = draft_token_ids.long().unsqueeze(-1)
+    ids = _checked_ids(draft_token_ids, num_draft_tokens, p_rows.shape[-1]).unsqueeze(-1)
     p_accept = p_rows[:, :k].gather(-1, ids).squeeze(-1).float()
     q_accept = torch.ones_like(p_accept) if q_rows is None else q_rows.gather(-1, ids).squeeze(-1).float()
-    return _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset)
+    return _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset,
+                            layout)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,7 +275,7 @@ def tree_node_errors(parents, candidate_token_ids, num_nodes, vocab) -> list:
     return errors
 
 
-def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset):
+def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset, layout):
     """p_rows [B, N, V] float64 target probabilities at every node; q_rows [B, N, V] (row n: the draft
     distribution n's children were drawn from without replacement) or None (point proposals)."""
     batch, n = parents.shape
@@ -194,8 +287,10 @@ def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, gre
     rows, nodes = torch.arange(batch, device=device), torch.arange(n, device=device)
     par, ids = parents.long(), candidate_token_ids.long()
     in_tree = (nodes > 0) & (nodes < num_nodes.long().unsqueeze(-1))
-    u_node = torch.cat([torch.ones(batch, 1, device=device), philox_uniform(seed, offset, n, stream=0)[:, :n - 1]], 1)
-    u_resample = philox_uniform(seed, offset, 1, stream=1)[:, 0]
+    u_node = torch.cat([torch.ones(batch, 1, device=device), philox_uniform(seed, offset, n, stream=0)[:, :n - 1]], 1) \
+        if layout.uniforms is None else layout.uniforms.to(device)
+    u_resample = philox_uniform(seed, offset, 1, stream=1)[:, 0] if layout.final_uniforms is None else \
+        layout.final_uniforms.to(device)
     node = torch.zeros(batch, dtype=torch.long, device=device)
     depth = torch.zeros_like(node)
     token = torch.full_like(node, -1)
@@ -258,18 +353,20 @@ def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, gre
 
 
 def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_probs=None, *, num_nodes=None,
-                              greedy=None, seed, offset=None):
+                              greedy=None, seed, offset=None, uniforms=None, final_uniforms=None, draft_to_target=None):
     """Reference of specdec_ext.tree_speculative_sampling (seed required). Returns (output_token_ids,
     accepted_nodes, num_accepted)."""
     num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
     greedy = torch.as_tensor(False if greedy is None else greedy, device=parents.device).expand(parents.shape[0])
+    draft_probs = _full_draft_rows(draft_probs, draft_to_target, target_probs.shape[-1], logits=False)
     q_rows = None if draft_probs is None else draft_probs.double()
     return _tree_reference(parents, candidate_token_ids, num_nodes, target_probs.double(), q_rows, greedy, seed,
-                           offset)
+                           offset, _EngineLayout(uniforms, final_uniforms))
 
 
 def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_logits, draft_logits=None, *,
-                                          temperature, num_nodes=None, seed, offset=None):
+                                          temperature, num_nodes=None, seed, offset=None, uniforms=None,
+                                          final_uniforms=None, draft_to_target=None):
     """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64;
     greedy below MIN_TEMPERATURE."""
     batch = parents.shape[0]
@@ -277,8 +374,10 @@ def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_l
     t, greedy = _temperature(temperature, batch, parents.device)
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
     p_rows = torch.softmax(target_logits.double() * scale, -1)
+    draft_logits = _full_draft_rows(draft_logits, draft_to_target, target_logits.shape[-1], logits=True)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
-    return _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset)
+    return _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset,
+                           _EngineLayout(uniforms, final_uniforms))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -486,8 +486,13 @@ def test_bad_arguments_are_named(backend, gen):
         f(ids, tp, dp[:, :, :5], seed=1)
     with pytest.raises(ValueError, match="draft_token_ids"):
         f(ids.float(), tp, dp, seed=1)
-    with pytest.raises(ValueError, match="K must be in"):
-        f(torch.zeros(3, 17, dtype=torch.int32), torch.rand(3, 18, 10), None, seed=1)
+    with pytest.raises(ValueError, match="at most 128 draft tokens"):
+        f(torch.zeros(3, 129, dtype=torch.int32), torch.rand(3, 130, 10), None, seed=1)
+    with pytest.raises(ValueError, match="K must be in"):  # the kernels' own check, past the wrapper
+        NAMESPACES[backend].chain_speculative_sampling(
+            torch.zeros(3, 129, dtype=torch.int32), torch.rand(3, 130, 10), None, torch.zeros(3, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.bool), torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+            torch.empty(3, 130, dtype=torch.int32), torch.empty(3, dtype=torch.int32), None)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         f(ids, tp, dp, num_draft_tokens=torch.ones(2, dtype=torch.int32), seed=1)
     with pytest.raises(ValueError, match="seed"):

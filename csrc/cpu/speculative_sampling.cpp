@@ -36,6 +36,22 @@ SPECDEC_CPU_CLONES bool convert_tile(const T* row, int64_t vocab, int64_t t, flo
   return bad != 0;
 }
 
+// convert_tile for a draft row with a reduced vocabulary: entry v is the draft's column target_to_draft[v], and
+// `absent` where the draft has no such column (or past the vocabulary).
+template <typename T>
+bool gather_tile(const T* row, const ChainSamplingParams& P, int64_t t, float absent, float* x) {
+  const int n = static_cast<int>(std::min<int64_t>(kTile, P.vocab - t * kTile));
+  int bad = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t c = draft_column(P, t * kTile + i);
+    const float v = c >= 0 ? static_cast<float>(row[c]) : absent;
+    x[i] = v;
+    bad |= static_cast<int>(c >= 0 && invalid_entry(v, P.logits));
+  }
+  for (int i = n; i < kTile; ++i) x[i] = absent;
+  return bad != 0;
+}
+
 // Folds one tile of logits into the lanes' (max, sum) states (maxsum_push_block). The loop over lanes
 // vectorises with interleaved loads of the 8-entry blocks.
 SPECDEC_CPU_CLONES void push_tile(const float* x, float scale, float* m, float* s) {
@@ -133,27 +149,28 @@ struct CpuSamplingEngine {
   int32_t errors = 0;
   // Per-request scratch, reused across rows: tiles as floats, lane states, totals.
   std::vector<float> tile_p, tile_q, lane_a, lane_b, lane_c, lane_d;
-  float group_totals[kMaxTiles * kGroups], tile_totals[kMaxTiles];
+  std::vector<float> group_totals, tile_totals;  // [tiles * kGroups], [tiles]
 
   explicit CpuSamplingEngine(const ChainSamplingParams& p)
-      : P(p), tile_p(kTile), tile_q(kTile), lane_a(kLanes), lane_b(kLanes), lane_c(kLanes), lane_d(kLanes) {}
+      : P(p), tile_p(kTile), tile_q(kTile), lane_a(kLanes), lane_b(kLanes), lane_c(kLanes), lane_d(kLanes),
+        group_totals(tiles() * kGroups), tile_totals(tiles()) {}
 
-  const T* row_target(int64_t b, int64_t i) const {
-    return static_cast<const T*>(P.target) + b * P.target_stride_b + i * P.target_stride_k;
-  }
-  const T* row_draft(int64_t b, int64_t i) const {
-    return static_cast<const T*>(P.draft) + b * P.draft_stride_b + i * P.draft_stride_k;
-  }
+  const T* row_target(int64_t b, int64_t i) const { return static_cast<const T*>(P.target) + target_row_offset(P, b, i); }
+  const T* row_draft(int64_t b, int64_t i) const { return static_cast<const T*>(P.draft) + draft_row_offset(P, b, i); }
   void flag(int32_t bits) { errors |= bits; }
   int32_t bad_bit(bool target) const { return target ? kErrTargetNonFinite : kErrDraftNonFinite; }
   float load(const T* row, int64_t v, bool target) {
+    if (!target) v = draft_column(P, v);
+    if (v < 0) return P.logits ? kNegInf : 0.0f;  // a target id the reduced draft vocabulary lacks: q = 0
     const float x = static_cast<float>(row[v]);
     if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
     return x;
   }
   int64_t tiles() const { return (P.vocab + kTile - 1) / kTile; }
   void load_tile(const T* row, int64_t t, float absent, bool target, float* x) {
-    if (convert_tile(row, P.vocab, t, absent, P.logits, x)) errors |= bad_bit(target);
+    const bool bad = !target && P.target_to_draft != nullptr ? gather_tile(row, P, t, absent, x)
+                                                             : convert_tile(row, P.vocab, t, absent, P.logits, x);
+    if (bad) errors |= bad_bit(target);
   }
 
   int32_t argmax(const T* row) {
@@ -231,7 +248,7 @@ struct CpuSamplingEngine {
     if (!(total > 0.0f) || !is_finite(total)) return -1;
     const float threshold = fmul(u, total);
     float before_tile, before_group, before_lane, before_entry;
-    const int t = first_crossing(tile_totals, tiles, 0.0f, threshold, &before_tile);
+    const int t = first_crossing(tile_totals.data(), tiles, 0.0f, threshold, &before_tile);
     const int g = first_crossing(&group_totals[t * kGroups], kGroups, before_tile, threshold, &before_group);
     const float base = fadd(before_tile, before_group);
     float lane_sums[kGroup], m[kLaneEntries];
@@ -245,9 +262,10 @@ struct CpuSamplingEngine {
     return t * kTile + (g * kGroup + l) * kLaneEntries + j;
   }
 
-  void write(int64_t b, int32_t accepted, int32_t token) {
+  void write(int64_t b, int32_t accepted, int32_t token, int32_t independent) {
     for (int64_t j = 0; j <= P.num_draft; ++j) P.output_token_ids[b * (P.num_draft + 1) + j] = output_id(P, b, j, accepted, token);
     P.num_accepted[b] = accepted;
+    if (P.accepted_independently != nullptr) P.accepted_independently[b] = independent;
   }
 };
 
@@ -332,14 +350,16 @@ int32_t run_tree(const TreeSamplingParams& TP) {
   return errors.load();
 }
 
+using Opt = std::optional<at::Tensor>;
+
 void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
-                       const at::Tensor& target, const std::optional<at::Tensor>& draft,
-                       const at::Tensor& greedy_or_temperature, const at::Tensor& seed, const at::Tensor& offset,
-                       const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
-                       const std::optional<at::Tensor>& error_flags, bool logits) {
+                       const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
+                       const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
+                       const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
+                       const EngineLayoutArgs& E, bool logits) {
   const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
                                                  seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 logits);
+                                                 E, logits);
   int32_t errors = check_tree_controls(TP);
   if (errors == 0) {
     dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), tree_sampling_op_name(logits),
@@ -351,68 +371,48 @@ void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_to
   }
 }
 
-void tree_sampling_probs_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
-                             const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
-                             const at::Tensor& greedy, const at::Tensor& seed, const at::Tensor& offset,
-                             const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
-                             const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags) {
-  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target_probs, draft_probs, greedy, seed, offset,
-                    output_token_ids, accepted_nodes, num_accepted, error_flags, false);
+template <bool kLogits>
+void tree_sampling_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+                          const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
+                          const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
+                          const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
+                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft) {
+  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature, seed, offset,
+                    output_token_ids, accepted_nodes, num_accepted, error_flags,
+                    EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, kLogits);
 }
 
-void tree_sampling_logits_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
-                              const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_logits,
-                              const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
-                              const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
-                              const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags) {
-  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target_logits, draft_logits, temperature, seed, offset,
-                    output_token_ids, accepted_nodes, num_accepted, error_flags, true);
-}
-
-void chain_sampling_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const std::optional<at::Tensor>& draft,
-                        const at::Tensor& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
-                        const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                        const std::optional<at::Tensor>& error_flags, bool logits) {
-  const ChainSamplingParams P = make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature,
-                                                  seed, offset, output_token_ids, num_accepted, error_flags, logits);
+template <bool kLogits>
+void chain_sampling_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
+                           const Opt& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
+                           const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
+                           const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
+                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
+                           const Opt& accepted_independently) {
+  const ChainSamplingParams P =
+      make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
+                        output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
+                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, accepted_independently, kLogits);
   // Counts, ids and temperatures of every request first: they raise before anything is sampled or written.
   int32_t errors = 0;
   for (int64_t b = 0; b < P.batch; ++b) errors |= check_request_controls(P, b);
   if (errors == 0) {
-    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling",
+    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), kLogits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling",
                                                           [&](auto tag) { errors = run<typename decltype(tag)::type>(P); });
   }
   if (errors != 0) {
     if (P.error_flags != nullptr) *P.error_flags |= errors;
-    TORCH_CHECK_VALUE(false, sampling_error_message(errors, logits));
+    TORCH_CHECK_VALUE(false, sampling_error_message(errors, kLogits));
   }
-}
-
-void chain_sampling_probs_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target_probs,
-                              const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft_tokens,
-                              const at::Tensor& greedy, const at::Tensor& seed, const at::Tensor& offset,
-                              const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                              const std::optional<at::Tensor>& error_flags) {
-  chain_sampling_cpu(draft_token_ids, target_probs, draft_probs, num_draft_tokens, greedy, seed, offset, output_token_ids,
-                     num_accepted, error_flags, false);
-}
-
-void chain_sampling_logits_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target_logits,
-                               const std::optional<at::Tensor>& draft_logits, const at::Tensor& num_draft_tokens,
-                               const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
-                               const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                               const std::optional<at::Tensor>& error_flags) {
-  chain_sampling_cpu(draft_token_ids, target_logits, draft_logits, num_draft_tokens, temperature, seed, offset,
-                     output_token_ids, num_accepted, error_flags, true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("chain_speculative_sampling", &chain_sampling_probs_cpu);
-  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_logits_cpu);
-  m.impl("tree_speculative_sampling", &tree_sampling_probs_cpu);
-  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_logits_cpu);
+  m.impl("chain_speculative_sampling", &chain_sampling_op_cpu<false>);
+  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_op_cpu<true>);
+  m.impl("tree_speculative_sampling", &tree_sampling_op_cpu<false>);
+  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_op_cpu<true>);
 }
 
 }  // namespace specdec

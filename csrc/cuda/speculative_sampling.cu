@@ -64,17 +64,24 @@ struct TreeKernel {
   };
 };
 
-void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& target, const std::optional<at::Tensor>& draft,
-                           const at::Tensor& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
+using Opt = std::optional<at::Tensor>;
+
+template <bool kLogits>
+void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
+                           const Opt& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
                            const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                           const std::optional<at::Tensor>& error_flags, bool logits) {
-  const ChainSamplingParams P = make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature,
-                                                  seed, offset, output_token_ids, num_accepted, error_flags, logits);
+                           const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
+                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
+                           const Opt& accepted_independently) {
+  const ChainSamplingParams P =
+      make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
+                        output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
+                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, accepted_independently, kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "chain sampling: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
   const Stream stream = current_stream(target);
-  const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
+  const char* op = kLogits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
   dispatch_float_types<float, half_t, bf16_t>(target.scalar_type(), op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_sampling<ChainKernel<T>::template Of>(std::is_same_v<T, float> ? "chain_sampling_kernel<float>"
@@ -84,19 +91,20 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
   });
 }
 
+template <bool kLogits>
 void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
-                          const at::Tensor& target, const std::optional<at::Tensor>& draft,
-                          const at::Tensor& greedy_or_temperature, const at::Tensor& seed, const at::Tensor& offset,
-                          const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
-                          const std::optional<at::Tensor>& error_flags, bool logits) {
+                          const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
+                          const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
+                          const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
+                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft) {
   const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
                                                  seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 logits);
+                                                 EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "tree sampling: tensors must be on ", kLauncherDevice);
   if (TP.rows.batch == 0) return;
   const LauncherGuard guard(target);
   const Stream stream = current_stream(target);
-  dispatch_float_types<float, half_t, bf16_t>(target.scalar_type(), tree_sampling_op_name(logits), [&](auto tag) {
+  dispatch_float_types<float, half_t, bf16_t>(target.scalar_type(), tree_sampling_op_name(kLogits), [&](auto tag) {
     using T = typename decltype(tag)::type;
     launch_sampling<TreeKernel<T>::template Of>(std::is_same_v<T, float> ? "tree_sampling_kernel<float>"
                                                 : std::is_same_v<T, half_t> ? "tree_sampling_kernel<half>"
@@ -105,49 +113,13 @@ void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate
   });
 }
 
-void tree_sampling_probs(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
-                         const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs, const at::Tensor& greedy,
-                         const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
-                         const at::Tensor& accepted_nodes, const at::Tensor& num_accepted,
-                         const std::optional<at::Tensor>& error_flags) {
-  tree_sampling_launch(parents, candidate_token_ids, num_nodes, target_probs, draft_probs, greedy, seed, offset,
-                       output_token_ids, accepted_nodes, num_accepted, error_flags, false);
-}
-
-void tree_sampling_logits(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
-                          const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_logits,
-                          const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
-                          const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
-                          const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags) {
-  tree_sampling_launch(parents, candidate_token_ids, num_nodes, target_logits, draft_logits, temperature, seed, offset,
-                       output_token_ids, accepted_nodes, num_accepted, error_flags, true);
-}
-
-void chain_sampling_probs(const at::Tensor& draft_token_ids, const at::Tensor& target_probs,
-                          const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft_tokens,
-                          const at::Tensor& greedy, const at::Tensor& seed, const at::Tensor& offset,
-                          const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                          const std::optional<at::Tensor>& error_flags) {
-  chain_sampling_launch(draft_token_ids, target_probs, draft_probs, num_draft_tokens, greedy, seed, offset, output_token_ids,
-                        num_accepted, error_flags, false);
-}
-
-void chain_sampling_logits(const at::Tensor& draft_token_ids, const at::Tensor& target_logits,
-                           const std::optional<at::Tensor>& draft_logits, const at::Tensor& num_draft_tokens,
-                           const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
-                           const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                           const std::optional<at::Tensor>& error_flags) {
-  chain_sampling_launch(draft_token_ids, target_logits, draft_logits, num_draft_tokens, temperature, seed, offset,
-                        output_token_ids, num_accepted, error_flags, true);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(SPECDEC_LIB, SPECDEC_LAUNCHER_KEY, m) {
-  m.impl("chain_speculative_sampling", &chain_sampling_probs);
-  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_logits);
-  m.impl("tree_speculative_sampling", &tree_sampling_probs);
-  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_logits);
+  m.impl("chain_speculative_sampling", &chain_sampling_launch<false>);
+  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_launch<true>);
+  m.impl("tree_speculative_sampling", &tree_sampling_launch<false>);
+  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_launch<true>);
 }
 
 }  // namespace specdec

@@ -46,7 +46,7 @@ struct ClusterSamplingEngine {
 
   const ChainSamplingParams P;  // a copy: a reference to the kernel parameter would put it in local memory
   unsigned rank;        // of this block in the cluster
-  float* group_totals;  // [kMaxTiles * kGroups]
+  float* group_totals;  // [kTileChunk * kGroups]: the group totals of up to kTileChunk tiles at a time
   float* tile_totals;   // [kMaxTiles]
   float* lane_sums;     // [kGroup]
   MaxSumPair* ms_scratch;  // [kGroups]
@@ -74,14 +74,16 @@ struct ClusterSamplingEngine {
   }
 
   SPECDEC_DEVICE const T* row_target(int64_t b, int64_t i) const {
-    return static_cast<const T*>(P.target) + b * P.target_stride_b + i * P.target_stride_k;
+    return static_cast<const T*>(P.target) + target_row_offset(P, b, i);
   }
   SPECDEC_DEVICE const T* row_draft(int64_t b, int64_t i) const {
-    return static_cast<const T*>(P.draft) + b * P.draft_stride_b + i * P.draft_stride_k;
+    return static_cast<const T*>(P.draft) + draft_row_offset(P, b, i);
   }
   SPECDEC_DEVICE void flag(int32_t bits) { errors |= bits; }
   SPECDEC_DEVICE int32_t bad_bit(bool target) const { return target ? kErrTargetNonFinite : kErrDraftNonFinite; }
   SPECDEC_DEVICE float load(const T* row, int64_t v, bool target) {
+    if (!target) v = draft_column(P, v);
+    if (v < 0) return P.logits ? kNegInf : 0.0f;  // a target id the reduced draft vocabulary lacks: q = 0
     const float x = to_float(row[v]);
     if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
     return x;
@@ -93,6 +95,8 @@ struct ClusterSamplingEngine {
   SPECDEC_DEVICE bool vector_row(const T* row) const {
     return row != nullptr && reinterpret_cast<uintptr_t>(row) % 16 == 0 && P.vocab % kLaneEntries == 0;
   }
+  // A draft row with a reduced vocabulary is gathered entry by entry (load_draft_block).
+  SPECDEC_DEVICE bool vector_draft_row(const T* row) const { return P.target_to_draft == nullptr && vector_row(row); }
 
   // This thread's canonical lane. With one block, threadIdx.x itself: a special register costs no register.
   SPECDEC_DEVICE unsigned lane() const { return kClusterBlocks == 1 ? threadIdx.x : rank * kThreads + threadIdx.x; }
@@ -113,6 +117,19 @@ struct ClusterSamplingEngine {
     } else {
 #pragma unroll
       for (int j = 0; j < kLaneEntries; ++j) r.h[j / kPerVec].v[j % kPerVec] = v0 + j < vocab() ? row[v0 + j] : T{};
+    }
+    return r;
+  }
+  // load_block for a draft row: with a reduced vocabulary, entry v is the draft's column target_to_draft[v], and a
+  // target id without one reads as a masked logit or a zero probability (mass 0, valid).
+  SPECDEC_DEVICE RawBlock load_draft_block(const T* row, bool vec, int v0) const {
+    if (P.target_to_draft == nullptr) return load_block(row, vec, v0);
+    const T absent = from_float<T>(P.logits ? kNegInf : 0.0f);
+    RawBlock r;
+#pragma unroll
+    for (int j = 0; j < kLaneEntries; ++j) {
+      const int64_t c = v0 + j < vocab() ? draft_column(P, v0 + j) : -1;
+      r.h[j / kPerVec].v[j % kPerVec] = c >= 0 ? row[c] : absent;
     }
     return r;
   }
@@ -149,16 +166,18 @@ struct ClusterSamplingEngine {
   //
   // Calls f(p, q, t, v0) with this lane's raw blocks of tile t of the target row and (if row_q) the draft
   // row, v0 being the block's first entry, for every tile in order. Nothing is read past the vocabulary.
+  // Tiles [first, end) only when given (end < 0: to the last).
   template <typename F>
-  SPECDEC_DEVICE void for_each_tile(const T* row_p, bool vec_p, const T* row_q, bool vec_q, F&& f) const {
-    const int tiles = this->tiles();
-    for (int t0 = 0; t0 < tiles; t0 += kTilesInFlight) {
+  SPECDEC_DEVICE void for_each_tile(const T* row_p, bool vec_p, const T* row_q, bool vec_q, F&& f, int first = 0,
+                                    int end = -1) const {
+    const int tiles = end < 0 ? this->tiles() : end;
+    for (int t0 = first; t0 < tiles; t0 += kTilesInFlight) {
       RawBlock p[kTilesInFlight], q[kTilesInFlight];
 #pragma unroll
       for (int d = 0; d < kTilesInFlight; ++d) {
         const int v0 = block_start(t0 + d, lane());
         p[d] = load_block(row_p, vec_p, v0);
-        q[d] = row_q != nullptr ? load_block(row_q, vec_q, v0) : RawBlock{};
+        q[d] = row_q != nullptr ? load_draft_block(row_q, vec_q, v0) : RawBlock{};
       }
 #pragma unroll
       for (int d = 0; d < kTilesInFlight; ++d) {
@@ -187,7 +206,7 @@ struct ClusterSamplingEngine {
   SPECDEC_DEVICE_NOINLINE void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {
     const bool has_q = row_q != nullptr;
     MaxSum lp = maxsum_identity(), lq = maxsum_identity();
-    for_each_tile(row_p, vector_row(row_p), row_q, vector_row(row_q), [&](const RawBlock& p, const RawBlock& q, int, int v0) {
+    for_each_tile(row_p, vector_row(row_p), row_q, vector_draft_row(row_q), [&](const RawBlock& p, const RawBlock& q, int, int v0) {
       float x[kLaneEntries];
       to_floats(p, v0, true, x);
       lp = maxsum_push_block(lp, x, block_max(x), scale);
@@ -217,41 +236,54 @@ struct ClusterSamplingEngine {
     return block_sum(mass);
   }
 
-  // Pass 1 of sampling: every group's total in every tile (the pairwise tree over its lanes' block sums)
-  // into group_totals[t * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
+  // Group totals of tiles [first, end) (at most kTileChunk; the pairwise tree over each group's lanes' block sums)
+  // into group_totals[(t - first) * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
   // This block's groups only: group g's totals are in group_totals of cluster rank g / kWarps.
   template <typename Spec>
-  SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec) {
+  SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec,
+                                                 int first, int end) {
     const bool has_q = row_q != nullptr;
-    for_each_tile(row_p, vec_p, row_q, vec_q, [&](const RawBlock& p, const RawBlock& q, int t, int v0) {
-      const float group_total = group_reduce<kGroup>(block_mass(p, q, has_q, spec, v0), FloatSum{});
-      if (lane_id() == 0) group_totals[t * kGroups + lane() / kGroup] = group_total;
-    });
+    for_each_tile(
+        row_p, vec_p, row_q, vec_q,
+        [&](const RawBlock& p, const RawBlock& q, int t, int v0) {
+          const float group_total = group_reduce<kGroup>(block_mass(p, q, has_q, spec, v0), FloatSum{});
+          if (lane_id() == 0) group_totals[(t - first) * kGroups + lane() / kGroup] = group_total;
+        },
+        first, end);
   }
 
-  // Pass 1 and the totals: group_totals of every tile (all groups, in every block of the cluster), tile_totals,
-  // and the row's total, which every thread returns.
+  // Group totals of tiles [first, end) in every block of the cluster: each block takes the other blocks' groups.
   template <typename Spec>
-  SPECDEC_DEVICE float row_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec) {
-    const int tiles = this->tiles();
-    tile_group_totals(row_p, row_q, vec_p, vec_q, spec);
+  SPECDEC_DEVICE void chunk_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec, int first,
+                                         int end) {
+    tile_group_totals(row_p, row_q, vec_p, vec_q, spec, first, end);
     sync_all();
     if constexpr (kClusterBlocks > 1) {
-      // Every block takes the other blocks' group totals; from here on each block searches on its own, and
-      // all find the same token. Each block writes only entries the others do not read.
-      for (int i = static_cast<int>(threadIdx.x); i < tiles * kGroups; i += kThreads) {
+      // From here on each block searches on its own, and all find the same token. Each block writes only entries
+      // the others do not read.
+      for (int i = static_cast<int>(threadIdx.x); i < (end - first) * kGroups; i += kThreads) {
         const unsigned owner = static_cast<unsigned>(i % kGroups / kWarps);
         if (owner != rank) group_totals[i] = of_rank(group_totals, owner)[i];
       }
       sync_all();  // no block writes its totals again before all have read them
     }
-    // Tile totals (groups in order), one thread per tile; then the tile and the group, by one thread.
-    if (static_cast<int>(threadIdx.x) < tiles) {
-      float total = 0.0f;
-      for (int g = 0; g < kGroups; ++g) total = fadd(total, group_totals[threadIdx.x * kGroups + g]);
-      tile_totals[threadIdx.x] = total;
+  }
+
+  // Pass 1 and the totals: tile_totals of every tile (its groups' totals in order), computed kTileChunk tiles at a
+  // time, and the row's total, which every thread returns.
+  template <typename Spec>
+  SPECDEC_DEVICE float row_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec) {
+    const int tiles = this->tiles();
+    for (int first = 0; first < tiles; first += kTileChunk) {
+      const int end = first + kTileChunk < tiles ? first + kTileChunk : tiles;
+      chunk_group_totals(row_p, row_q, vec_p, vec_q, spec, first, end);
+      if (static_cast<int>(threadIdx.x) < end - first) {  // one thread per tile
+        float total = 0.0f;
+        for (int g = 0; g < kGroups; ++g) total = fadd(total, group_totals[threadIdx.x * kGroups + g]);
+        tile_totals[first + threadIdx.x] = total;
+      }
+      sync_threads();  // the next chunk's totals overwrite group_totals
     }
-    sync_threads();
     float total = 0.0f;
     for (int t = 0; t < tiles; ++t) total = fadd(total, tile_totals[t]);
     return total;
@@ -260,40 +292,47 @@ struct ClusterSamplingEngine {
   // The row's total mass under spec, in the canonical order (every thread returns it).
   template <typename Spec>
   SPECDEC_DEVICE_NOINLINE float total(const T* row_p, const T* row_q, const Spec& spec) {
-    const float r = row_totals(row_p, row_q, vector_row(row_p), vector_row(row_q), spec);
+    const float r = row_totals(row_p, row_q, vector_row(row_p), vector_draft_row(row_q), spec);
     sync_threads();  // tile_totals is read by every thread before the next pass writes it
     return r;
   }
 
   template <typename Spec>
   SPECDEC_DEVICE_NOINLINE int32_t sample(const T* row_p, const T* row_q, const Spec& spec, float u) {
-    const bool vec_p = vector_row(row_p), vec_q = vector_row(row_q), has_q = row_q != nullptr;
+    const bool vec_p = vector_row(row_p), vec_q = vector_draft_row(row_q), has_q = row_q != nullptr;
     const int tiles = this->tiles();
     const float total = row_totals(row_p, row_q, vec_p, vec_q, spec);
     if (threadIdx.x == 0) {
-      int32_t group = -1;
+      int32_t tile = -1;
       if (total > 0.0f && is_finite(total)) {
         const float threshold = fmul(u, total);
-        float before_tile, before_group;
-        const int t = first_crossing(tile_totals, tiles, 0.0f, threshold, &before_tile);
-        const int g = first_crossing(&group_totals[t * kGroups], kGroups, before_tile, threshold, &before_group);
-        group = t * kGroups + g;
-        float_scratch[0] = fadd(before_tile, before_group);
+        float before_tile;
+        tile = first_crossing(tile_totals, tiles, 0.0f, threshold, &before_tile);
+        float_scratch[0] = before_tile;
         float_scratch[1] = threshold;
       }
-      int_scratch[0] = group;
+      int_scratch[0] = tile;
+    }
+    sync_threads();
+    const int32_t tile = int_scratch[0];
+    sync_threads();  // int_scratch is written again below
+    if (tile < 0) return -1;
+    // The chosen tile's group totals again (the same sums as pass 1), then its group by one thread.
+    chunk_group_totals(row_p, row_q, vec_p, vec_q, spec, tile, tile + 1);
+    if (threadIdx.x == 0) {
+      float before_group;
+      const float threshold = float_scratch[1];
+      const int g = first_crossing(group_totals, kGroups, float_scratch[0], threshold, &before_group);
+      int_scratch[0] = tile * kGroups + g;
+      float_scratch[0] = fadd(float_scratch[0], before_group);
     }
     sync_threads();
     const int32_t group = int_scratch[0];
-    if (group < 0) {
-      sync_threads();
-      return -1;
-    }
     // The group's 32 block sums, by warp 0; then the lane and the entry, by one thread.
     const int t = group / kGroups, g = group % kGroups;
     if (threadIdx.x < kWarpSize) {
       const int v0 = block_start(t, static_cast<unsigned>(g * kGroup) + threadIdx.x);
-      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_draft_block(row_q, vec_q, v0) : RawBlock{};
       lane_sums[threadIdx.x] = block_mass(rp, rq, has_q, spec, v0);
     }
     sync_threads();
@@ -302,7 +341,7 @@ struct ClusterSamplingEngine {
       float before_lane, before_entry;
       const int l = first_crossing(lane_sums, kGroup, base, threshold, &before_lane);
       const int v0 = block_start(t, static_cast<unsigned>(g * kGroup + l));
-      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_block(row_q, vec_q, v0) : RawBlock{};
+      const RawBlock rp = load_block(row_p, vec_p, v0), rq = has_q ? load_draft_block(row_q, vec_q, v0) : RawBlock{};
       float m[kLaneEntries];
       block_mass(rp, rq, has_q, spec, v0, m);
       const int j = first_crossing(m, kLaneEntries, fadd(base, before_lane), threshold, &before_entry);
@@ -314,12 +353,15 @@ struct ClusterSamplingEngine {
     return token;
   }
 
-  SPECDEC_DEVICE void write(int64_t b, int32_t accepted, int32_t token) {
+  SPECDEC_DEVICE void write(int64_t b, int32_t accepted, int32_t token, int32_t independent) {
     if (rank != 0) return;  // every block of the cluster knows the outcome; one writes it
     for (int64_t j = threadIdx.x; j <= P.num_draft; j += kThreads) {
       P.output_token_ids[b * (P.num_draft + 1) + j] = output_id(P, b, j, accepted, token);
     }
-    if (threadIdx.x == 0) P.num_accepted[b] = accepted;
+    if (threadIdx.x == 0) {
+      P.num_accepted[b] = accepted;
+      if (P.accepted_independently != nullptr) P.accepted_independently[b] = independent;
+    }
   }
 };
 
@@ -329,7 +371,7 @@ template <typename T, int kClusterBlocks>
 __global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) chain_sampling_kernel(const ChainSamplingParams params) {
   using Engine = ClusterSamplingEngine<T, kClusterBlocks>;
   const ChainSamplingParams P = params;
-  SPECDEC_SHARED(float, group_totals, kMaxTiles * kGroups);
+  SPECDEC_SHARED(float, group_totals, kTileChunk * kGroups);
   SPECDEC_SHARED(float, tile_totals, kMaxTiles);
   SPECDEC_SHARED(float, lane_sums, kGroup);
   SPECDEC_SHARED(MaxSumPair, ms_scratch, kGroups);

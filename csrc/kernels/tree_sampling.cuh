@@ -64,7 +64,7 @@ template <typename T, int kClusterBlocks>
 __global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) tree_sampling_kernel(const TreeSamplingParams params) {
   using Engine = TreeClusterEngine<T, kClusterBlocks>;
   const TreeSamplingParams TP = params;
-  SPECDEC_SHARED(float, group_totals, kMaxTiles * kGroups);
+  SPECDEC_SHARED(float, group_totals, kTileChunk * kGroups);
   SPECDEC_SHARED(float, tile_totals, kMaxTiles);
   SPECDEC_SHARED(float, lane_sums, kGroup);
   SPECDEC_SHARED(MaxSumPair, ms_scratch, kGroups);

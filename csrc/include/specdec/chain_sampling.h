@@ -17,13 +17,25 @@
 namespace specdec {
 
 struct ChainSamplingParams {
-  const void* draft_ids;        // [B, K] int32 or int64
+  const void* draft_ids;        // [B, K] (padded) or [T] (flat) int32 or int64
   bool draft_ids_int64;
-  const void* target;           // [B, K+1, V] probabilities or logits (T)
-  const void* draft;            // [B, K, V] or nullptr: point proposals
-  int64_t target_stride_b, target_stride_k;  // in elements; the vocabulary dimension is contiguous
-  int64_t draft_stride_b, draft_stride_k;
-  const int32_t* num_draft_tokens;  // [B]
+  const void* target;           // [B, K+1, V] (padded) or [T + B, V] / [T, V] with bonus_ids (flat); probabilities or logits
+  const void* draft;            // [B, K, Vd] or [T, Vd], or nullptr: point proposals
+  int64_t target_stride_b, target_stride_k;  // in elements (flat: stride_b 0, stride_k the row stride); the
+  int64_t draft_stride_b, draft_stride_k;    // vocabulary dimension is contiguous
+  const int32_t* num_draft_tokens;  // [B] (padded); unused in the flat form
+  // Engine layouts (DESIGN.md §3.4). Flat form: request b owns draft positions [cu[b-1], cu[b]) (cu[-1] = 0)
+  // of draft_ids, the draft rows and uniforms, and target rows from cu[b-1] + b (its bonus row last) or, with
+  // bonus_ids, from cu[b-1]. num_draft is then max_draft_tokens, the outputs' width less one.
+  const int32_t* cu_num_draft_tokens;  // [B] inclusive cumulative sum, or nullptr (padded form)
+  int64_t flat_positions;       // T: the flat form's draft positions (draft_ids' length)
+  const void* bonus_ids;        // [B] int32/int64 or nullptr: the token emitted when every draft is accepted
+  bool bonus_ids_int64;
+  const float* uniforms;        // acceptance draws at the request's draft positions (tree: [B, N] by node), or nullptr (Philox)
+  const float* final_uniforms;  // [B]: the resampled / bonus token's draw, or nullptr (Philox)
+  const int32_t* target_to_draft;  // [V]: the draft column of each target id (-1: none), or nullptr (draft rows have V columns)
+  int64_t draft_vocab;          // Vd: the draft rows' columns
+  int32_t* accepted_independently;  // [B] or nullptr: drafts accepted when each is judged on its own (FlashInfer's count)
   const bool* greedy;           // [B] (probabilities); nullptr with logits
   const float* temperature;     // [B] (logits); nullptr with probabilities
   const int64_t* seed;          // [B]
@@ -35,9 +47,66 @@ struct ChainSamplingParams {
   bool logits;
 };
 
+// Request b's first draft position: its index into draft_ids, the draft rows and uniforms.
+SPECDEC_HD int64_t draft_start(const ChainSamplingParams& P, int64_t b) {
+  if (P.cu_num_draft_tokens == nullptr) return b * P.num_draft;
+  return b > 0 ? P.cu_num_draft_tokens[b - 1] : 0;
+}
+
+// Request b's draft count as given (not clamped): num_draft_tokens[b], or cu[b] - cu[b-1] in the flat form.
+SPECDEC_HD int64_t given_num_drafts(const ChainSamplingParams& P, int64_t b) {
+  if (P.cu_num_draft_tokens == nullptr) return P.num_draft_tokens[b];
+  return static_cast<int64_t>(P.cu_num_draft_tokens[b]) - draft_start(P, b);
+}
+
+// Whether request b's rows can be found: always in the padded form (a bad count is clamped); in the flat form its
+// positions [cu[b-1], cu[b]) must lie in [0, T] and number at most max_draft_tokens. An inconsistent request is
+// never read: it emits no token.
+SPECDEC_HD bool request_rows_valid(const ChainSamplingParams& P, int64_t b) {
+  if (P.cu_num_draft_tokens == nullptr) return true;
+  const int64_t start = draft_start(P, b), end = P.cu_num_draft_tokens[b];
+  return start >= 0 && start <= end && end <= P.flat_positions && end - start <= P.num_draft;
+}
+
+// Element offsets of request b's target row i (0 <= i <= k_b) and draft row i.
+SPECDEC_HD int64_t target_row_offset(const ChainSamplingParams& P, int64_t b, int64_t i) {
+  if (P.cu_num_draft_tokens == nullptr) return b * P.target_stride_b + i * P.target_stride_k;
+  return (draft_start(P, b) + (P.bonus_ids != nullptr ? 0 : b) + i) * P.target_stride_k;
+}
+SPECDEC_HD int64_t draft_row_offset(const ChainSamplingParams& P, int64_t b, int64_t i) {
+  if (P.cu_num_draft_tokens == nullptr) return b * P.draft_stride_b + i * P.draft_stride_k;
+  return (draft_start(P, b) + i) * P.draft_stride_k;
+}
+
 SPECDEC_HD int64_t draft_token(const ChainSamplingParams& P, int64_t b, int64_t i) {
-  return P.draft_ids_int64 ? static_cast<const int64_t*>(P.draft_ids)[b * P.num_draft + i]
-                           : static_cast<const int32_t*>(P.draft_ids)[b * P.num_draft + i];
+  const int64_t at = draft_start(P, b) + i;
+  return P.draft_ids_int64 ? static_cast<const int64_t*>(P.draft_ids)[at] : static_cast<const int32_t*>(P.draft_ids)[at];
+}
+
+SPECDEC_HD int64_t bonus_token(const ChainSamplingParams& P, int64_t b) {
+  return P.bonus_ids_int64 ? static_cast<const int64_t*>(P.bonus_ids)[b] : static_cast<const int32_t*>(P.bonus_ids)[b];
+}
+
+// Whether a caller's uniform is usable: in [0, 1) (0 accepts every draft with p > 0; NaN is not).
+SPECDEC_HD bool uniform_valid(float u) { return u >= 0.0f && u < 1.0f; }
+
+// The acceptance draw of draft position i of request b: the caller's uniform, or uniform i of Philox stream 0.
+SPECDEC_HD float accept_uniform(const ChainSamplingParams& P, int64_t b, int64_t i, uint64_t seed, uint64_t offset) {
+  if (P.uniforms != nullptr) return P.uniforms[draft_start(P, b) + i];
+  return philox_uniform_at(seed, offset, kStreamAccept, static_cast<uint64_t>(i));
+}
+
+// The draw of the round's resampled or bonus token: the caller's final uniform, or uniform 0 of Philox stream 1.
+SPECDEC_HD float final_uniform(const ChainSamplingParams& P, int64_t b, uint64_t seed, uint64_t offset) {
+  if (P.final_uniforms != nullptr) return P.final_uniforms[b];
+  return philox_uniform_at(seed, offset, kStreamResample, 0);
+}
+
+// The draft column holding target id v (v itself without a map), or -1 if the draft has no such column.
+SPECDEC_HD int64_t draft_column(const ChainSamplingParams& P, int64_t v) {
+  if (P.target_to_draft == nullptr) return v;
+  const int32_t c = P.target_to_draft[v];
+  return c >= 0 && c < P.draft_vocab ? c : -1;
 }
 
 // Position j of a request's output row: the accepted drafts, the last token, then -1.
@@ -87,7 +156,8 @@ SPECDEC_HD int first_crossing(const float* parts, int n, float base, float thres
 // the round happens to end. Returns SamplingError bits.
 SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t b) {
   int32_t bits = 0;
-  int64_t k = P.num_draft_tokens[b];
+  if (!request_rows_valid(P, b)) return kErrCuNumDraftTokens;
+  int64_t k = given_num_drafts(P, b);
   if (k < 0 || k > P.num_draft) {
     bits |= kErrNumDraftTokens;
     k = k < 0 ? 0 : P.num_draft;
@@ -95,6 +165,12 @@ SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t 
   for (int64_t i = 0; i < k; ++i) {
     const int64_t x = draft_token(P, b, i);
     if (x < 0 || x >= P.vocab) bits |= kErrDraftTokenId;
+    if (P.uniforms != nullptr && !uniform_valid(P.uniforms[draft_start(P, b) + i])) bits |= kErrUniform;
+  }
+  if (P.final_uniforms != nullptr && !uniform_valid(P.final_uniforms[b])) bits |= kErrUniform;
+  if (P.bonus_ids != nullptr) {
+    const int64_t x = bonus_token(P, b);
+    if (x < 0 || x >= P.vocab) bits |= kErrBonusTokenId;
   }
   if (P.logits) {
     const float t = P.temperature[b];
@@ -114,95 +190,127 @@ SPECDEC_HD bool request_greedy(const ChainSamplingParams& P, int64_t b, float* s
   return greedy;
 }
 
+// Whether draft position i of request b (0 <= i < its count) is accepted when judged on its own. Sampled rows fill
+// *spec with the rows' statistics (for the residual draw), greedy ones *best with the target's argmax.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine>
+SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t i, bool greedy,
+                                       float scale, uint64_t seed, uint64_t offset, MassSpec* spec, int32_t* best) {
+  const bool has_q = P.draft != nullptr;
+  int64_t x = draft_token(P, b, i);
+  if (x < 0 || x >= P.vocab) x = -1;  // rejected: an id that is not in the vocabulary has no probability
+  const auto* row_p = e.row_target(b, i);
+  const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
+  if (greedy) {
+    *best = e.argmax(row_p);
+    return *best >= 0 && x == *best;
+  }
+  *spec = MassSpec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
+  float p = 0.0f, q = has_q ? 0.0f : 1.0f;
+  if (P.logits) {
+    MaxSum sp, sq;
+    e.softmax_stats(row_p, row_q, scale, &sp, &sq);
+    spec->m_p = sp.m;
+    spec->inv_z_p = fdiv(1.0f, sp.s);
+    spec->m_q = sq.m;
+    spec->inv_z_q = fdiv(1.0f, sq.s);
+    if (x >= 0) {
+      p = softmax_prob(e.load(row_p, x, true), scale, spec->m_p, spec->inv_z_p);
+      if (has_q) q = softmax_prob(e.load(row_q, x, false), scale, spec->m_q, spec->inv_z_q);
+    }
+  } else if (x >= 0) {
+    p = e.load(row_p, x, true);
+    if (has_q) q = e.load(row_q, x, false);
+  }
+  // Accept with probability min(1, p/q): u < p/q, as u * q < p so that q == 0 always rejects.
+  const float u = accept_uniform(P, b, i, seed, offset);
+  return x >= 0 && q > 0.0f && fmul(u, q) < p;
+}
+
 // The flow for one request. Engine supplies:
-//   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked);
-//   argmax(row) -> int32, or -1 if the row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale,
-//   MaxSum*, MaxSum*) (base-2 statistics of the logits at scale, maxsum_push_block);
-//   sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is zero or not finite;
-//   flag(bits); write(b, accepted, token).
+//   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked; a draft
+//   row is read at draft_column(v), absent columns reading as probability 0); argmax(row) -> int32, or -1 if the
+//   row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale, MaxSum*, MaxSum*) (base-2 statistics of
+//   the logits at scale, maxsum_push_block); sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is
+//   zero or not finite; flag(bits); write(b, accepted, token).
 // Invalid controls are flagged up front and then given defined meanings (a count is clamped to [0, K], an id
-// outside [0, V) is rejected, a bad temperature is greedy, as is one below kMinTemperature). A target row the round must draw its last token
-// from, but which has no mass, yields the token -1 (and kErrTargetNoMass).
+// outside [0, V) is rejected, a bad temperature is greedy, as is one below kMinTemperature; a flat request whose
+// positions are inconsistent emits nothing). A target row the round must draw its last token from, but which has
+// no mass, yields the token -1 (and kErrTargetNoMass).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
 #endif
 template <typename Engine>
 SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P, int64_t b) {
-  const int64_t K = P.num_draft, V = P.vocab;
+  const int64_t K = P.num_draft;
   e.flag(check_request_controls(P, b));
-  int32_t k = P.num_draft_tokens[b];
-  k = k < 0 ? 0 : k > K ? static_cast<int32_t>(K) : k;
+  if (!request_rows_valid(P, b)) {
+    e.write(b, 0, -1, 0);
+    return;
+  }
+  const int64_t given = given_num_drafts(P, b);
+  const int32_t k = static_cast<int32_t>(given < 0 ? 0 : given > K ? K : given);
   float scale;  // log2(e) / temperature: softmax in base 2
   const bool greedy = request_greedy(P, b, &scale);
   const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
-  const bool has_q = P.draft != nullptr;
 
   int32_t accepted = 0, token = -1;
-  bool rejected = false;
-  for (int32_t i = 0; i < k; ++i) {
-    int64_t x = draft_token(P, b, i);
-    if (x < 0 || x >= V) x = -1;  // rejected: an id that is not in the vocabulary has no probability
-    const auto* row_p = e.row_target(b, i);
-    const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
-    if (greedy) {
-      const int32_t best = e.argmax(row_p);
-      if (best >= 0 && x == best) {
-        ++accepted;
-        continue;
-      }
-      token = best;
-      rejected = true;
-      break;
-    }
-    MassSpec spec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
-    float p = 0.0f, q = has_q ? 0.0f : 1.0f;
-    if (P.logits) {
-      MaxSum sp, sq;
-      e.softmax_stats(row_p, row_q, scale, &sp, &sq);
-      spec.m_p = sp.m;
-      spec.inv_z_p = fdiv(1.0f, sp.s);
-      spec.m_q = sq.m;
-      spec.inv_z_q = fdiv(1.0f, sq.s);
-      if (x >= 0) {
-        p = softmax_prob(e.load(row_p, x, true), scale, spec.m_p, spec.inv_z_p);
-        if (has_q) q = softmax_prob(e.load(row_q, x, false), scale, spec.m_q, spec.inv_z_q);
-      }
-    } else if (x >= 0) {
-      p = e.load(row_p, x, true);
-      if (has_q) q = e.load(row_q, x, false);
-    }
-    // Accept with probability min(1, p/q): u < p/q, as u * q < p so that q == 0 always rejects.
-    const float u = philox_uniform_at(seed, offset, kStreamAccept, static_cast<uint64_t>(i));
-    if (x >= 0 && q > 0.0f && fmul(u, q) < p) {
+  while (accepted < k) {
+    MassSpec spec{};
+    int32_t best = -1;
+    if (chain_draft_accepted(e, P, b, accepted, greedy, scale, seed, offset, &spec, &best)) {
       ++accepted;
       continue;
     }
-    const float u_resample = philox_uniform_at(seed, offset, kStreamResample, 0);
+    if (greedy) {
+      token = best;
+      break;
+    }
+    const auto* row_p = e.row_target(b, accepted);
+    const auto* row_q = P.draft != nullptr ? e.row_draft(b, accepted) : nullptr;
+    const float u_resample = final_uniform(P, b, seed, offset);
     token = e.sample(row_p, row_q, spec, u_resample);
     if (token < 0) {  // max(0, p - q) sums to 0 (p == q): sample p itself
       spec.p_only = true;
       token = e.sample(row_p, nullptr, spec, u_resample);
     }
-    rejected = true;
     break;
   }
-  if (!rejected) {  // every draft accepted: the bonus token from p_k
-    const auto* row_p = e.row_target(b, k);
-    if (greedy) {
-      token = e.argmax(row_p);
+  if (accepted == k) {  // every draft accepted: the caller's bonus token, or one drawn from p_k
+    if (P.bonus_ids != nullptr) {
+      const int64_t x = bonus_token(P, b);
+      token = x >= 0 && x < P.vocab ? static_cast<int32_t>(x) : -1;
     } else {
-      MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
-      if (P.logits) {
-        MaxSum sp, sq;
-        e.softmax_stats(row_p, nullptr, scale, &sp, &sq);
-        spec.m_p = sp.m;
-        spec.inv_z_p = fdiv(1.0f, sp.s);
+      const auto* row_p = e.row_target(b, k);
+      if (greedy) {
+        token = e.argmax(row_p);
+      } else {
+        MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
+        if (P.logits) {
+          MaxSum sp, sq;
+          e.softmax_stats(row_p, nullptr, scale, &sp, &sq);
+          spec.m_p = sp.m;
+          spec.inv_z_p = fdiv(1.0f, sp.s);
+        }
+        token = e.sample(row_p, nullptr, spec, final_uniform(P, b, seed, offset));
       }
-      token = e.sample(row_p, nullptr, spec, philox_uniform_at(seed, offset, kStreamResample, 0));
+      if (token < 0) e.flag(kErrTargetNoMass);  // the row of the last token has no mass: -1 is emitted
+    }
+  } else if (token < 0) {
+    e.flag(kErrTargetNoMass);
+  }
+  // FlashInfer's count: the drafts after the first rejection judged on their own (their rows are read only here).
+  int32_t independent = accepted;
+  if (P.accepted_independently != nullptr) {
+    for (int32_t i = accepted + 1; i < k; ++i) {
+      MassSpec spec{};
+      int32_t best = -1;
+      if (chain_draft_accepted(e, P, b, i, greedy, scale, seed, offset, &spec, &best)) ++independent;
     }
   }
-  if (token < 0) e.flag(kErrTargetNoMass);  // the row of the last token has no mass: -1 is emitted
-  e.write(b, accepted, token);
+  e.write(b, accepted, token, independent);
 }
 
 }  // namespace specdec

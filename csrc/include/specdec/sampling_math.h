@@ -47,10 +47,13 @@ constexpr int kLaneEntries = 8;               // contiguous entries of a lane in
 constexpr int kTile = kLanes * kLaneEntries;  // 8192 entries
 constexpr int kGroup = 32;                    // lanes per group
 constexpr int kGroups = kLanes / kGroup;
-constexpr int64_t kMaxVocab = 262144;
+constexpr int64_t kMaxVocab = int64_t{1} << 24;  // entry indices and cumulative masses stay exact in float32
 constexpr int kMaxTiles = static_cast<int>(kMaxVocab / kTile);
+// Group totals are kept for kTileChunk tiles at a time (shared memory on CUDA): a row's pass folds them into
+// tile totals chunk by chunk, and sampling recomputes the chosen tile's.
+constexpr int kTileChunk = 32;
 constexpr float kLog2e = 1.44269502e+00f;  // log2(e), rounded to float
-constexpr int kMaxDraftTokens = 16;
+constexpr int kMaxDraftTokens = 128;  // per request (vLLM's limit)
 // Temperatures t < kMinTemperature (0 included) make a request greedy (argmax acceptance, no randomness), in
 // every backend and the reference (vLLM's _SAMPLING_EPS), bit for bit as temperature 0. Below it,
 // softmax(logits / t) leaves less than e^-20 of its mass off the argmax unless another logit is within 20 t
@@ -72,6 +75,11 @@ enum SamplingError : int32_t {
   kErrNumDraftTokens = 8,
   kErrTemperature = 16,
   kErrTargetNoMass = 32,  // a target row the round samples from has no positive mass: the token is -1
+  // 64, 128, 256: the tree op's (tree_sampling.h)
+  kErrUniform = 512,             // a caller's uniform (uniforms, final_uniforms) outside [0, 1)
+  kErrBonusTokenId = 1024,       // bonus_token_ids outside [0, V)
+  kErrCuNumDraftTokens = 2048,   // cu_num_draft_tokens not an inclusive cumsum in [0, T] with steps <= max_draft_tokens
+  kErrDraftToTarget = 4096,      // draft_to_target holds an id outside [0, V) or one id twice
 };
 
 // ----- correctly rounded primitives, never contracted ----------------------------------------------

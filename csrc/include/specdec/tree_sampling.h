@@ -29,7 +29,8 @@
 //
 // Randomness (the chain op's RNG contract): testing node c draws uniform c - 1 of kStreamAccept, the last token
 // uniform 0 of kStreamResample; so a tree that is a chain draws exactly what the chain op draws, and emits
-// the same tokens.
+// the same tokens. A caller's uniforms replace them: uniforms[b, c] for node c (column 0, the root, unused) and
+// final_uniforms[b] for the last token.
 //
 // Rounding. R_j and the mass left in q (Q_j) are kept by subtraction in float32; the residual's mass after a
 // rejected sample, S_{j+1}, is a pass over the row in the canonical order (sampling_math.h), made only when
@@ -74,10 +75,23 @@ SPECDEC_HD int32_t tree_num_nodes(const TreeSamplingParams& T, int64_t b) {
   return n < 1 ? 1 : n > T.nodes ? static_cast<int32_t>(T.nodes) : n;
 }
 
-// The request's controls other than its nodes: the node count, the root, the temperature.
+// The acceptance draw of node c (> 0) of request b: the caller's uniforms[b, c], or uniform c - 1 of Philox stream 0
+// (so that a chain-shaped tree draws what the chain op draws).
+SPECDEC_HD float tree_accept_uniform(const TreeSamplingParams& T, int64_t b, int32_t c, uint64_t seed, uint64_t offset) {
+  if (T.rows.uniforms != nullptr) return T.rows.uniforms[b * T.nodes + c];
+  return philox_uniform_at(seed, offset, kStreamAccept, static_cast<uint64_t>(c - 1));
+}
+
+// The request's controls other than its nodes: the node count, the root, the temperature, the caller's uniforms.
 SPECDEC_HD int32_t check_tree_request(const TreeSamplingParams& T, int64_t b) {
   int32_t bits = 0;
   if (T.num_nodes[b] < 1 || T.num_nodes[b] > T.nodes) bits |= kErrNumNodes;
+  if (T.rows.uniforms != nullptr) {
+    for (int32_t c = 1; c < tree_num_nodes(T, b); ++c) {
+      if (!uniform_valid(T.rows.uniforms[b * T.nodes + c])) bits |= kErrUniform;
+    }
+  }
+  if (T.rows.final_uniforms != nullptr && !uniform_valid(T.rows.final_uniforms[b])) bits |= kErrUniform;
   if (tree_parent(T, b, 0) != -1) bits |= kErrTreeParent;
   if (T.rows.logits) {
     const float t = T.rows.temperature[b];
@@ -225,7 +239,7 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
     while (child >= 0) {
       const int32_t x = static_cast<int32_t>(e.token(child));
       const float pv = e.load(row_p, x, true), qv = node_q ? e.load(row_q, x, false) : 0.0f;
-      const float u = philox_uniform_at(seed, offset, kStreamAccept, static_cast<uint64_t>(child - 1));
+      const float u = tree_accept_uniform(T, b, child, seed, offset);
       const float inv_q = mass_left > 0.0f ? fdiv(1.0f, mass_left) : 0.0f;
       float p_x;  // p_n(x), for point proposals' R
       bool accept;
@@ -262,7 +276,7 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
       ++depth;
       continue;
     }
-    const float u_resample = philox_uniform_at(seed, offset, kStreamResample, 0);
+    const float u_resample = final_uniform(P, b, seed, offset);
     token = e.sample(row_p, row_q, spec, u_resample);
     if (token < 0 && !spec.p_only) {  // the residual has no mass: sample p itself
       spec.p_only = true;
