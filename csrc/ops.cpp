@@ -38,16 +38,19 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // (output_token_ids [B, N] int32, -1 padded), its node indices from the root (accepted_nodes [B, N] int32, -1
   // padded) and num_accepted [B] int32; ORs invalid-input bits into error_flags (the CPU kernel raises instead).
   // uniforms [B, N] (node c's acceptance draw in column c), final_uniforms [B] and target_to_draft [V] as for chains.
+  // With cu_num_draft_tokens [B] (num_nodes None) the trees are flat: request b's k_b + 1 nodes (root first) at
+  // cu[b-1] + b of parents, candidate_token_ids, the rows [T + B, V] and uniforms [T + B]; outputs [B, N].
   m.def(
-      "tree_speculative_sampling(Tensor parents, Tensor candidate_token_ids, Tensor num_nodes, Tensor target_probs, "
+      "tree_speculative_sampling(Tensor parents, Tensor candidate_token_ids, Tensor? num_nodes, Tensor target_probs, "
       "Tensor? draft_probs, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, Tensor? uniforms=None, "
-      "Tensor? final_uniforms=None, Tensor? target_to_draft=None) -> ()");
+      "Tensor? final_uniforms=None, Tensor? target_to_draft=None, Tensor? cu_num_draft_tokens=None) -> ()");
   m.def(
-      "tree_speculative_sampling_from_logits(Tensor parents, Tensor candidate_token_ids, Tensor num_nodes, "
+      "tree_speculative_sampling_from_logits(Tensor parents, Tensor candidate_token_ids, Tensor? num_nodes, "
       "Tensor target_logits, Tensor? draft_logits, Tensor temperature, Tensor seed, Tensor offset, "
       "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, "
-      "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None) -> ()");
+      "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
+      "Tensor? cu_num_draft_tokens=None) -> ()");
 
   // KV-cache truncation after verification (DESIGN.md §3.3): cache_seqlens[b] += num_kept[b]; with kept_indices
   // (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the discarded slots

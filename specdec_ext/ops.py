@@ -276,6 +276,23 @@ def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, de
     return torch.where(inverse < ids.numel(), inverse, -1).to(torch.int32)
 
 
+def _flat_form(op: str, cu_num_draft_tokens, max_draft_tokens, counts, counts_name: str, device, tname: str):
+    """The flat form's (cu_num_draft_tokens as int32, B, max_draft_tokens), checked: cu a [B] integer tensor on `device`,
+    max_draft_tokens a host int in range, and no padded-form counts besides."""
+    if counts is not None:
+        raise ValueError(f"{op}: {counts_name} and cu_num_draft_tokens are two forms of one thing: pass one")
+    if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
+            not 0 <= max_draft_tokens <= LIMITS["max_draft_tokens"]:
+        raise ValueError(f"{op}: max_draft_tokens must be a Python int in [0, {LIMITS['max_draft_tokens']}] with "
+                         f"cu_num_draft_tokens (the output width less one; a host int keeps the call capturable), "
+                         f"got {max_draft_tokens!r}")
+    if not isinstance(cu_num_draft_tokens, torch.Tensor) or cu_num_draft_tokens.dim() != 1:
+        raise ValueError(f"{op}: cu_num_draft_tokens must be a [B] int32 tensor (inclusive cumulative sum)")
+    _check_devices(op, device, tname, cu_num_draft_tokens=cu_num_draft_tokens)
+    cu = _as_int32(cu_num_draft_tokens, "cu_num_draft_tokens", op)
+    return cu, cu.numel(), max_draft_tokens
+
+
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
                     offset, generator, out, cu_num_draft_tokens, max_draft_tokens, bonus_token_ids, uniforms,
                     final_uniforms, draft_to_target, accepted_independently, records_errors) -> SamplingOutput:
@@ -291,18 +308,8 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     if flat:
         if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 1:
             raise ValueError(f"{op}: draft_token_ids must be a [T] tensor with cu_num_draft_tokens (the flat form)")
-        if num_draft_tokens is not None:
-            raise ValueError(f"{op}: num_draft_tokens and cu_num_draft_tokens are two forms of one thing: pass one")
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
-                not 0 <= max_draft_tokens <= LIMITS["max_draft_tokens"]:
-            raise ValueError(f"{op}: max_draft_tokens must be a Python int in [0, {LIMITS['max_draft_tokens']}] with "
-                             f"cu_num_draft_tokens (the output width less one; a host int keeps the call capturable), "
-                             f"got {max_draft_tokens!r}")
-        if not isinstance(cu_num_draft_tokens, torch.Tensor) or cu_num_draft_tokens.dim() != 1:
-            raise ValueError(f"{op}: cu_num_draft_tokens must be a [B] int32 tensor (inclusive cumulative sum)")
-        _check_devices(op, device, tname, cu_num_draft_tokens=cu_num_draft_tokens)
-        cu_num_draft_tokens = _as_int32(cu_num_draft_tokens, "cu_num_draft_tokens", op)
-        batch, k = cu_num_draft_tokens.numel(), max_draft_tokens
+        cu_num_draft_tokens, batch, k = _flat_form(op, cu_num_draft_tokens, max_draft_tokens, num_draft_tokens,
+                                                   "num_draft_tokens", device, tname)
     else:
         if max_draft_tokens is not None:
             raise ValueError(f"{op}: max_draft_tokens goes with cu_num_draft_tokens (the flat form)")
@@ -362,19 +369,27 @@ def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parent
 
 
 def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
-                   seed, offset, generator, out, uniforms, final_uniforms, draft_to_target,
-                   records_errors) -> TreeSamplingOutput:
+                   seed, offset, generator, out, uniforms, final_uniforms, draft_to_target, cu_num_draft_tokens,
+                   max_draft_tokens, records_errors) -> TreeSamplingOutput:
     op = "tree_speculative_sampling_from_logits" if logits else "tree_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
+    flat = cu_num_draft_tokens is not None
     for name, t in (("parents", parents), ("candidate_token_ids", candidate_token_ids)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{op}: {name} must be a [B, N] tensor")
+        if not isinstance(t, torch.Tensor) or t.dim() != (1 if flat else 2):
+            raise ValueError(f"{op}: {name} must be a " + ("[T + B] tensor in the flat form" if flat else "[B, N] tensor"))
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, torch.Tensor):
         raise TypeError(f"{op}: {dname} must be a tensor or None, got {type(draft).__name__}")
-    batch, n = parents.shape
+    if flat:
+        cu_num_draft_tokens, batch, n = _flat_form(op, cu_num_draft_tokens, max_draft_tokens, num_nodes, "num_nodes",
+                                                   target.device, tname)
+        n += 1  # the root
+    else:
+        if max_draft_tokens is not None:
+            raise ValueError(f"{op}: max_draft_tokens goes with cu_num_draft_tokens (the flat form)")
+        batch, n = parents.shape
     if not 1 <= n <= LIMITS["max_tree_nodes"]:
         raise ValueError(f"{op}: the number of tree nodes N must be in [1, {LIMITS['max_tree_nodes']}], got {n}")
     if candidate_token_ids.shape != parents.shape:
@@ -386,8 +401,9 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     if candidate_token_ids.dtype not in (torch.int32, torch.int64):
         candidate_token_ids = _as_int32(candidate_token_ids, "candidate_token_ids", op)
     candidate_token_ids = candidate_token_ids.contiguous()
-    num_nodes = torch.full((batch,), n, dtype=torch.int32, device=device) if num_nodes is None else \
-        _per_request(num_nodes, "num_nodes", op, batch, device, torch.int32)
+    if not flat:
+        num_nodes = torch.full((batch,), n, dtype=torch.int32, device=device) if num_nodes is None else \
+            _per_request(num_nodes, "num_nodes", op, batch, device, torch.int32)
     control, seed, offset = _sampling_controls(op, logits, greedy_or_temperature, seed, offset, generator, batch, device)
     uniforms = _float32_tensor(uniforms, "uniforms", op, device)
     final_uniforms = _float32_tensor(final_uniforms, "final_uniforms", op, device)
@@ -405,9 +421,9 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
     fn(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms, final_uniforms,
-       target_to_draft)
+       target_to_draft, cu_num_draft_tokens)
     _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
-    if _strict and target.dim() == 3 and target.shape[0] and not _capturing():
+    if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_tree_row(op, tname, dname, target, draft, parents, num_nodes, logits)
     return out
 
@@ -558,7 +574,8 @@ class Ops:
 
     def tree_speculative_sampling(self, parents, candidate_token_ids, target_probs, draft_probs=None, *,
                                   num_nodes=None, greedy=None, seed=None, offset=None, generator=None,
-                                  out=None, uniforms=None, final_uniforms=None, draft_to_target=None) -> TreeSamplingOutput:
+                                  out=None, uniforms=None, final_uniforms=None, draft_to_target=None,
+                                  cu_num_draft_tokens=None, max_draft_tokens=None) -> TreeSamplingOutput:
         """Tree speculative sampling from probabilities (README "Tree speculation"): walks a tree of candidates
         from its root, accepting at each node one child or none, so that every emitted token is distributed as
         the target's; lossless for point proposals (no draft_probs) and for children sampled without
@@ -575,22 +592,29 @@ class Ops:
         uniforms [B, N] float32 in [0, 1): node c's acceptance draw in column c (column 0, the root, unused),
         final_uniforms [B]: the last token's; both replace the Philox draws. draft_to_target [Vd]: draft rows with a
         reduced vocabulary (chain_speculative_sampling).
+        cu_num_draft_tokens [B] with max_draft_tokens (a Python int): flat trees. Request b's k_b + 1 nodes (its root
+        first, parents relative to its own nodes) are entries cu[b-1] + b .. cu[b] + b of parents, candidate_token_ids,
+        the target and draft rows [T + B, V] and uniforms [T + B]; outputs [B, max_draft_tokens + 1], exactly the
+        padded form's.
         """
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_probs, draft_probs, logits=False,
                               num_nodes=num_nodes, greedy_or_temperature=greedy, seed=seed, offset=offset,
                               generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
-                              draft_to_target=draft_to_target, records_errors=self.records_errors(target_probs))
+                              draft_to_target=draft_to_target, cu_num_draft_tokens=cu_num_draft_tokens,
+                              max_draft_tokens=max_draft_tokens, records_errors=self.records_errors(target_probs))
 
     def tree_speculative_sampling_from_logits(self, parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                               temperature, num_nodes=None, seed=None, offset=None, generator=None,
                                               out=None, uniforms=None, final_uniforms=None,
-                                              draft_to_target=None) -> TreeSamplingOutput:
+                                              draft_to_target=None, cu_num_draft_tokens=None,
+                                              max_draft_tokens=None) -> TreeSamplingOutput:
         """tree_speculative_sampling from logits: softmax(logits / temperature[b]) in float32 inside the kernel,
         never written to memory; a temperature below 1e-5 (LIMITS["min_temperature"]) makes a request greedy."""
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_logits, draft_logits, logits=True,
                               num_nodes=num_nodes, greedy_or_temperature=temperature, seed=seed, offset=offset,
                               generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
-                              draft_to_target=draft_to_target, records_errors=self.records_errors(target_logits))
+                              draft_to_target=draft_to_target, cu_num_draft_tokens=cu_num_draft_tokens,
+                              max_draft_tokens=max_draft_tokens, records_errors=self.records_errors(target_logits))
 
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False) -> None:

@@ -352,10 +352,36 @@ def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, gre
     return out, path.int(), depth.int()
 
 
+def _pad_flat_trees(cu_num_draft_tokens, max_draft_tokens, parents, candidate_token_ids, target_rows, draft_rows,
+                    uniforms):
+    """Flat trees (request b's k_b + 1 nodes from cu[b-1] + b) as padded [B, N] trees, N = max_draft_tokens + 1: (parents,
+    candidate_token_ids, target rows, draft rows, uniforms, num_nodes). The pad is a valid filler, never read."""
+    cu = [0] + cu_num_draft_tokens.long().tolist()
+    batch, n = len(cu) - 1, max_draft_tokens + 1
+    if any(not 0 <= cu[b] <= cu[b + 1] <= parents.shape[0] - batch or cu[b + 1] - cu[b] >= n for b in range(batch)):
+        raise ValueError("cu_num_draft_tokens must be non-decreasing in [0, T] with steps of at most max_draft_tokens")
+
+    def pad(flat, fill):
+        if flat is None:
+            return None
+        out = flat.new_full((batch, n, *flat.shape[1:]), fill)
+        for b in range(batch):
+            out[b, :cu[b + 1] - cu[b] + 1] = flat[cu[b] + b:cu[b + 1] + b + 1]
+        return out
+
+    num_nodes = torch.tensor([cu[b + 1] - cu[b] + 1 for b in range(batch)], dtype=torch.int32)
+    return (pad(parents, -1), pad(candidate_token_ids, 0), pad(target_rows, 1.0), pad(draft_rows, 1.0),
+            pad(uniforms, 0.5), num_nodes)
+
+
 def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_probs=None, *, num_nodes=None,
-                              greedy=None, seed, offset=None, uniforms=None, final_uniforms=None, draft_to_target=None):
-    """Reference of specdec_ext.tree_speculative_sampling (seed required). Returns (output_token_ids,
-    accepted_nodes, num_accepted)."""
+                              greedy=None, seed, offset=None, uniforms=None, final_uniforms=None, draft_to_target=None,
+                              cu_num_draft_tokens=None, max_draft_tokens=None):
+    """Reference of specdec_ext.tree_speculative_sampling (seed required; flat trees are padded first). Returns
+    (output_token_ids, accepted_nodes, num_accepted)."""
+    if cu_num_draft_tokens is not None:
+        parents, candidate_token_ids, target_probs, draft_probs, uniforms, num_nodes = _pad_flat_trees(
+            cu_num_draft_tokens, max_draft_tokens, parents, candidate_token_ids, target_probs, draft_probs, uniforms)
     num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
     greedy = torch.as_tensor(False if greedy is None else greedy, device=parents.device).expand(parents.shape[0])
     draft_probs = _full_draft_rows(draft_probs, draft_to_target, target_probs.shape[-1], logits=False)
@@ -366,9 +392,13 @@ def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_
 
 def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                           temperature, num_nodes=None, seed, offset=None, uniforms=None,
-                                          final_uniforms=None, draft_to_target=None):
+                                          final_uniforms=None, draft_to_target=None, cu_num_draft_tokens=None,
+                                          max_draft_tokens=None):
     """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64;
     greedy below MIN_TEMPERATURE."""
+    if cu_num_draft_tokens is not None:
+        parents, candidate_token_ids, target_logits, draft_logits, uniforms, num_nodes = _pad_flat_trees(
+            cu_num_draft_tokens, max_draft_tokens, parents, candidate_token_ids, target_logits, draft_logits, uniforms)
     batch = parents.shape[0]
     num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
     t, greedy = _temperature(temperature, batch, parents.device)

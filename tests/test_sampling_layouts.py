@@ -67,11 +67,11 @@ def call(backend, logits, ids, target, draft, *, seed, offset, control, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_draft", [True, False])
 def test_flat_form_equals_padded(gen, backend, logits, dtype, with_draft):
-    batch, max_k, vocab = 7, 5, 300
+    batch, max_k, vocab = 21, 5, 300
     padded, flat = ragged_batch(gen, batch, max_k, vocab, dtype)
     kind = "logits" if logits else "probs"
-    control = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 2.0, 0.9]) if logits else \
-        torch.tensor([True, False, False, False, True, False, False])
+    control = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 2.0, 0.9]).repeat(3) if logits else \
+        torch.tensor([True, False, False, False, True, False, False]).repeat(3)
     keys = {"seed": padded["seed"], "offset": padded["offset"], "control": control}
     ref = call(backend, logits, padded["ids"], padded[f"target_{kind}"],
                padded[f"draft_{kind}"] if with_draft else None, num_draft_tokens=padded["num_draft_tokens"],
@@ -411,3 +411,79 @@ def test_opcheck_engine_layouts(gen):
                       final_uniforms=padded["final_uniforms"], target_to_draft=t2d,
                       accepted_independently=torch.zeros(batch, dtype=torch.int32))
         torch.library.opcheck(ns.chain_speculative_sampling_from_logits.default, args, kwargs)
+
+
+def random_trees(gen, batch, max_nodes, vocab, dtype=torch.float32):
+    """Padded random trees with ragged node counts (a lone root included), rows favouring the candidates, and the flat
+    twin (request b's nodes from cu[b-1] + b)."""
+    counts = torch.randint(1, max_nodes + 1, (batch,), generator=gen, dtype=torch.int32)
+    counts[0] = 1
+    parents = torch.full((batch, max_nodes), -1, dtype=torch.int32)
+    cand = torch.zeros(batch, max_nodes, dtype=torch.int32)
+    for b in range(batch):
+        for c in range(1, int(counts[b])):  # mostly a chain, with branches
+            deep = bool(torch.rand(1, generator=gen) < 0.6)
+            parents[b, c] = c - 1 if deep else int(torch.randint(0, c, (1,), generator=gen))
+        cand[b] = torch.randperm(vocab, generator=gen)[:max_nodes].int()  # distinct: siblings never repeat
+    logits = torch.randn(batch, max_nodes, vocab, generator=gen) * 2
+    for b in range(batch):  # each node's target favours its first child, so that paths go deep
+        seen = set()
+        for c in range(1, int(counts[b])):
+            p = int(parents[b, c])
+            logits[b, p, cand[b, c]] += 2.0 if p in seen else 9.0
+            seen.add(p)
+    draft = logits + 0.5 * torch.randn(batch, max_nodes, vocab, generator=gen)
+    padded = {"parents": parents, "cand": cand, "num_nodes": counts, "target_logits": logits.to(dtype),
+              "draft_logits": draft.to(dtype), "target_probs": torch.softmax(logits, -1).to(dtype),
+              "draft_probs": torch.softmax(draft, -1).to(dtype), "uniforms": torch.rand(batch, max_nodes, generator=gen)}
+    flat = {"cu": (counts - 1).cumsum(0).int()}
+    for key in ("parents", "cand", "target_logits", "draft_logits", "target_probs", "draft_probs", "uniforms"):
+        flat[key] = torch.cat([padded[key][b, :counts[b]] for b in range(batch)])
+    return padded, flat
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+@pytest.mark.parametrize("logits", [False, True])
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_flat_trees_equal_padded(gen, backend, logits, with_draft):
+    batch, max_nodes, vocab = 14, 9, 120
+    padded, flat = random_trees(gen, batch, max_nodes, vocab)
+    kind = "logits" if logits else "probs"
+    ops = BACKENDS[backend]
+    fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
+    control = {"temperature": torch.tensor([0.0, 0.8, 1.0, 1.2, 0.0, 0.9, 1.5]).repeat(2)} if logits else \
+        {"greedy": torch.tensor([True, False, False, False, True, False, False]).repeat(2)}
+    keys = dict(seed=torch.arange(batch) * 7 + 1, offset=torch.arange(batch), **control)
+    for extra in ({}, {"uniforms": True, "final_uniforms": torch.rand(batch, generator=gen)}):
+        u = {"uniforms": padded["uniforms"]} if extra else {}
+        fu = {"final_uniforms": extra["final_uniforms"]} if extra else {}
+        want = fn(padded["parents"], padded["cand"], padded[f"target_{kind}"],
+                  padded[f"draft_{kind}"] if with_draft else None, num_nodes=padded["num_nodes"], **u, **fu, **keys)
+        got = fn(flat["parents"], flat["cand"], flat[f"target_{kind}"], flat[f"draft_{kind}"] if with_draft else None,
+                 cu_num_draft_tokens=flat["cu"], max_draft_tokens=max_nodes - 1,
+                 **({"uniforms": flat["uniforms"]} if extra else {}), **fu, **keys)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert (want.num_accepted >= 2).any(), "some path must go deeper than one node"
+    ref_fn = reference.tree_speculative_sampling_from_logits if logits else reference.tree_speculative_sampling
+    ref = ref_fn(flat["parents"], flat["cand"], flat[f"target_{kind}"], flat[f"draft_{kind}"] if with_draft else None,
+                 cu_num_draft_tokens=flat["cu"], max_draft_tokens=max_nodes - 1, uniforms=flat["uniforms"],
+                 final_uniforms=extra["final_uniforms"], **keys)
+    if not logits:  # from probabilities the reference agrees on every decision
+        assert torch.equal(got.num_accepted, ref[2]) and torch.equal(got.accepted_nodes, ref[1])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_bad_flat_trees_raise(gen, backend):
+    padded, flat = random_trees(gen, 3, 4, 30)
+    fn = BACKENDS[backend].tree_speculative_sampling
+    bad_cu = flat["cu"].clone()
+    bad_cu[1] = bad_cu[2] + 1  # decreasing
+    with pytest.raises(ValueError, match="cu_num_draft_tokens"):
+        with_strict(backend, lambda: fn(flat["parents"], flat["cand"], flat["target_probs"], None, seed=0,
+                                        cu_num_draft_tokens=bad_cu, max_draft_tokens=3))
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        fn(flat["parents"], flat["cand"], flat["target_probs"], None, seed=0, cu_num_draft_tokens=flat["cu"])
+    with pytest.raises(ValueError, match="num_nodes"):
+        fn(flat["parents"], flat["cand"], flat["target_probs"], None, seed=0, cu_num_draft_tokens=flat["cu"],
+           max_draft_tokens=3, num_nodes=padded["num_nodes"])

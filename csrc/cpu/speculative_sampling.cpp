@@ -352,14 +352,14 @@ int32_t run_tree(const TreeSamplingParams& TP) {
 
 using Opt = std::optional<at::Tensor>;
 
-void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
                        const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
                        const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                        const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
-                       const EngineLayoutArgs& E, bool logits) {
+                       const Opt& cu_num_draft_tokens, const EngineLayoutArgs& E, bool logits) {
   const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
                                                  seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 E, logits);
+                                                 cu_num_draft_tokens, E, logits);
   int32_t errors = check_tree_controls(TP);
   if (errors == 0) {
     dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), tree_sampling_op_name(logits),
@@ -372,14 +372,15 @@ void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_to
 }
 
 template <bool kLogits>
-void tree_sampling_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+void tree_sampling_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
                           const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
                           const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
-                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft) {
+                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
+                          const Opt& cu_num_draft_tokens) {
   tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature, seed, offset,
                     output_token_ids, accepted_nodes, num_accepted, error_flags,
-                    EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, kLogits);
+                    cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, kLogits);
 }
 
 template <bool kLogits>

@@ -92,14 +92,16 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
 }
 
 template <bool kLogits>
-void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const at::Tensor& num_nodes,
+void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
                           const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
                           const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
-                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft) {
+                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
+                          const Opt& cu_num_draft_tokens) {
   const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
                                                  seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, kLogits);
+                                                 cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft},
+                                                 kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "tree sampling: tensors must be on ", kLauncherDevice);
   if (TP.rows.batch == 0) return;
   const LauncherGuard guard(target);

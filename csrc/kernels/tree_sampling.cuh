@@ -29,7 +29,7 @@ struct TreeClusterEngine : ClusterSamplingEngine<T, kClusterBlocks> {
 
   SPECDEC_DEVICE void load_tree(int64_t b, int32_t n) {
     sync_threads();  // the previous request's nodes are no longer read
-    for (int c = static_cast<int>(threadIdx.x); c < tree->nodes; c += Base::kThreads) {
+    for (int c = static_cast<int>(threadIdx.x); c < n; c += Base::kThreads) {  // the request's nodes only
       node_parent[c] = tree_parent(*tree, b, c);
       node_token[c] = tree_token(*tree, b, c);
     }

@@ -36,6 +36,7 @@ struct ChainSamplingParams {
   const int32_t* target_to_draft;  // [V]: the draft column of each target id (-1: none), or nullptr (draft rows have V columns)
   int64_t draft_vocab;          // Vd: the draft rows' columns
   int32_t* accepted_independently;  // [B] or nullptr: drafts accepted when each is judged on its own (FlashInfer's count)
+  bool draft_rows_per_node;     // trees: flat draft rows are [T + B, Vd], one per node like the target's
   const bool* greedy;           // [B] (probabilities); nullptr with logits
   const float* temperature;     // [B] (logits); nullptr with probabilities
   const int64_t* seed;          // [B]
@@ -75,7 +76,7 @@ SPECDEC_HD int64_t target_row_offset(const ChainSamplingParams& P, int64_t b, in
 }
 SPECDEC_HD int64_t draft_row_offset(const ChainSamplingParams& P, int64_t b, int64_t i) {
   if (P.cu_num_draft_tokens == nullptr) return b * P.draft_stride_b + i * P.draft_stride_k;
-  return (draft_start(P, b) + i) * P.draft_stride_k;
+  return (draft_start(P, b) + (P.draft_rows_per_node ? b : 0) + i) * P.draft_stride_k;
 }
 
 SPECDEC_HD int64_t draft_token(const ChainSamplingParams& P, int64_t b, int64_t i) {

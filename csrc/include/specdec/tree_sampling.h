@@ -53,24 +53,33 @@ enum TreeSamplingError : int32_t {
 
 struct TreeSamplingParams {
   ChainSamplingParams rows;     // target/draft rows [B, N, V] (row n of the draft: what n's children were drawn
-                                // from), greedy/temperature, seed, offset, error_flags; its draft ids, counts and
-                                // chain outputs are unused
-  const int32_t* parents;       // [B, N]
-  const void* token_ids;        // [B, N] int32 or int64
+                                // from), greedy/temperature, seed, offset, error_flags, the flat form's
+                                // cu_num_draft_tokens; its draft ids, counts and chain outputs are unused
+  const int32_t* parents;       // [B, N], or [T + B] in the flat form (request b's k_b + 1 nodes from cu[b-1] + b)
+  const void* token_ids;        // likewise, int32 or int64
   bool token_ids_int64;
-  const int32_t* num_nodes;     // [B]
+  const int32_t* num_nodes;     // [B] (padded form)
   int32_t* output_token_ids;    // [B, N]
   int32_t* accepted_nodes;      // [B, N]
   int32_t* num_accepted;        // [B]
   int64_t nodes;                // N
 };
 
-SPECDEC_HD int32_t tree_parent(const TreeSamplingParams& T, int64_t b, int64_t c) { return T.parents[b * T.nodes + c]; }
-SPECDEC_HD int64_t tree_token(const TreeSamplingParams& T, int64_t b, int64_t c) {
-  return T.token_ids_int64 ? static_cast<const int64_t*>(T.token_ids)[b * T.nodes + c]
-                           : static_cast<const int32_t*>(T.token_ids)[b * T.nodes + c];
+// Where node c of request b is in parents, candidate_token_ids, the rows and uniforms: [B, N] padded, or from
+// cu[b-1] + b in the flat form (a request's k_b drafts and its root: k_b + 1 nodes).
+SPECDEC_HD int64_t tree_node_at(const TreeSamplingParams& T, int64_t b, int64_t c) {
+  return T.rows.cu_num_draft_tokens == nullptr ? b * T.nodes + c : draft_start(T.rows, b) + b + c;
 }
+SPECDEC_HD int32_t tree_parent(const TreeSamplingParams& T, int64_t b, int64_t c) { return T.parents[tree_node_at(T, b, c)]; }
+SPECDEC_HD int64_t tree_token(const TreeSamplingParams& T, int64_t b, int64_t c) {
+  return T.token_ids_int64 ? static_cast<const int64_t*>(T.token_ids)[tree_node_at(T, b, c)]
+                           : static_cast<const int32_t*>(T.token_ids)[tree_node_at(T, b, c)];
+}
+// Request b's node count, in [1, N] (1 for a flat request whose positions are inconsistent: it is never read).
 SPECDEC_HD int32_t tree_num_nodes(const TreeSamplingParams& T, int64_t b) {
+  if (T.rows.cu_num_draft_tokens != nullptr) {
+    return request_rows_valid(T.rows, b) ? static_cast<int32_t>(given_num_drafts(T.rows, b)) + 1 : 1;
+  }
   const int32_t n = T.num_nodes[b];
   return n < 1 ? 1 : n > T.nodes ? static_cast<int32_t>(T.nodes) : n;
 }
@@ -78,17 +87,18 @@ SPECDEC_HD int32_t tree_num_nodes(const TreeSamplingParams& T, int64_t b) {
 // The acceptance draw of node c (> 0) of request b: the caller's uniforms[b, c], or uniform c - 1 of Philox stream 0
 // (so that a chain-shaped tree draws what the chain op draws).
 SPECDEC_HD float tree_accept_uniform(const TreeSamplingParams& T, int64_t b, int32_t c, uint64_t seed, uint64_t offset) {
-  if (T.rows.uniforms != nullptr) return T.rows.uniforms[b * T.nodes + c];
+  if (T.rows.uniforms != nullptr) return T.rows.uniforms[tree_node_at(T, b, c)];
   return philox_uniform_at(seed, offset, kStreamAccept, static_cast<uint64_t>(c - 1));
 }
 
 // The request's controls other than its nodes: the node count, the root, the temperature, the caller's uniforms.
 SPECDEC_HD int32_t check_tree_request(const TreeSamplingParams& T, int64_t b) {
   int32_t bits = 0;
-  if (T.num_nodes[b] < 1 || T.num_nodes[b] > T.nodes) bits |= kErrNumNodes;
+  if (!request_rows_valid(T.rows, b)) return kErrCuNumDraftTokens;
+  if (T.num_nodes != nullptr && (T.num_nodes[b] < 1 || T.num_nodes[b] > T.nodes)) bits |= kErrNumNodes;
   if (T.rows.uniforms != nullptr) {
     for (int32_t c = 1; c < tree_num_nodes(T, b); ++c) {
-      if (!uniform_valid(T.rows.uniforms[b * T.nodes + c])) bits |= kErrUniform;
+      if (!uniform_valid(T.rows.uniforms[tree_node_at(T, b, c)])) bits |= kErrUniform;
     }
   }
   if (T.rows.final_uniforms != nullptr && !uniform_valid(T.rows.final_uniforms[b])) bits |= kErrUniform;
@@ -193,6 +203,10 @@ template <typename Engine>
 SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, int64_t b) {
   const ChainSamplingParams& P = T.rows;
   e.flag(check_tree_request(T, b));
+  if (!request_rows_valid(P, b)) {  // a flat request whose nodes cannot be found emits nothing
+    e.write_tree(b, 0, 0, -1);
+    return;
+  }
   const int32_t n = tree_num_nodes(T, b);
   e.load_tree(b, n);
   float scale;
