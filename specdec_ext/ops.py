@@ -196,11 +196,13 @@ def _check_rows(op: str, tname: str, target, rows: list, owned_target, logits: b
                          "probability 0)")
 
 
-def _check_every_row(op: str, tname: str, dname: str, target, draft, num_draft_tokens, logits: bool) -> None:
-    """Strict mode, chain: the rows request b owns are target rows 0..num_draft_tokens[b], draft rows below it."""
-    k = target.shape[1] - 1
+def _check_every_row(op: str, tname: str, dname: str, target, draft, num_draft_tokens, k: int, bonus: bool,
+                     logits: bool) -> None:
+    """Strict mode, chain: the rows request b owns are target rows 0..num_draft_tokens[b] (below it with caller bonus
+    tokens, whose bonus row is never read), draft rows below it."""
     counts = num_draft_tokens.clamp(0, k).unsqueeze(-1)
-    owned_target = torch.arange(k + 1, device=target.device) <= counts
+    positions = torch.arange(target.shape[1], device=target.device)
+    owned_target = positions < counts if bonus else positions <= counts
     rows = [(tname, target, owned_target)]
     if draft is not None:
         rows.append((dname, draft, torch.arange(k, device=target.device) < counts))
@@ -346,7 +348,7 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
        flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft, accepted_independently)
     _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
-        _check_every_row(op, tname, dname, target, draft, num_draft_tokens, logits)
+        _check_every_row(op, tname, dname, target, draft, num_draft_tokens, k, bonus_token_ids is not None, logits)
     return out
 
 

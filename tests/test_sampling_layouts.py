@@ -129,6 +129,14 @@ def test_caller_bonus_row_is_never_read(gen, backend, logits):
                out=poisoned(batch, k))
     assert torch.equal(out.num_accepted, torch.full((batch,), k, dtype=torch.int32))
     assert torch.equal(out.output_token_ids[:, k], padded["bonus"].int())
+    # Strict mode checks every row a request owns: the bonus rows are not its rows.
+    specdec_ext.set_strict(True)
+    try:
+        strict = call(backend, logits, ids, target, None, seed=1, offset=0, control=0.0 if logits else True,
+                      bonus_token_ids=padded["bonus"])
+    finally:
+        specdec_ext.set_strict(False)
+    assert torch.equal(strict.output_token_ids, out.output_token_ids)
     # The same without bonus tokens reads the NaN rows and raises (so the test above can fail).
     if backend == "cpu":
         with pytest.raises(ValueError, match="NaN"):
