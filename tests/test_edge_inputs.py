@@ -84,7 +84,7 @@ def test_softmax_scale_must_be_finite_and_positive(backend, scale, gen):
         BACKENDS[backend].verify_attention(q, kc, kc.clone(), sl, softmax_scale=scale)
     namespace = torch.ops.specdec if backend == "cpu" else torch.ops.specdec_sim
     with pytest.raises(ValueError, match="softmax_scale"):  # the op itself checks too
-        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, False, None)
+        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, torch.empty_like(q), None, None)
 
 
 def test_lse_only_when_asked(backend, gen):
@@ -92,13 +92,17 @@ def test_lse_only_when_asked(backend, gen):
     q, kc = randn(2, 3, 4, 64, gen=gen, dtype=dt), randn(2, 16, 2, 64, gen=gen, dtype=dt)
     sl = torch.tensor([3, 9], dtype=torch.int32)
     namespace = torch.ops.specdec if backend == "cpu" else torch.ops.specdec_sim
-    out, lse = namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, None, False, None)
-    assert lse.numel() == 0
-    out_with, lse_with = namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, None, True, None)
-    assert torch.equal(out, out_with) and lse_with.shape == (2, 3, 4) and torch.isfinite(lse_with).all()
+
+    def call(scale, lse):
+        out = torch.full_like(q, float("nan"))
+        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, out, lse, None)
+        return out
+
+    out = call(None, None)
+    lse = torch.full((2, 3, 4), float("nan"))
+    assert torch.equal(out, call(None, lse)) and torch.isfinite(lse).all()
     # softmax_scale None is 1/sqrt(D).
-    scaled, _ = namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, 0.125, False, None)
-    assert torch.equal(out, scaled)
+    assert torch.equal(out, call(0.125, None))
 
 
 def test_sampling_needs_a_target_tensor():
