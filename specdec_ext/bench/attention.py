@@ -2,6 +2,8 @@
 enable_gqa), the reference, and with --flex FlexAttention (torch.compile'd, one compile per shape), Hq/Hkv = 32/8,
 D = 128, every request with the same context length. GB/s counts the KV-cache bytes that must be read (every
 cached K and V row once)."""
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -123,12 +125,16 @@ def main_layouts(args, device) -> int:
          lambda: f(q, kv_fi[:, 0], kv_fi[:, 1], None, kv_indptr=indptr, kv_indices=table.reshape(-1),
                    kv_last_page_len=last, kv_layout="HND")),
     ]
-    rows = []
-    for _ in range(3):  # warm-up of every case before any is timed
+    # Warm-up, then the cases timed round-robin (one call of each per round): a drift of the machine's speed during
+    # the run (other work, clocks) moves every case alike instead of the ratios. Median per case.
+    for _ in range(3):
         for _, fn in cases:
             fn()
-    for name, fn in cases:
-        rows.append({"layout": name, "us": median_us(fn, device, args.repeats)})
+    times = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for i, (_, fn) in enumerate(cases):
+            times[i].append(median_us(fn, device, repeats=1, warmup=0))
+    rows = [{"layout": name, "us": statistics.median(t)} for (name, _), t in zip(cases, times)]
     base = rows[0]["us"]
     for row in rows:
         row["vs_baseline"] = row["us"] / base
