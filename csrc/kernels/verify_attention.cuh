@@ -12,7 +12,11 @@
 // padding of a row tile can at most quadruple: still far below the tensor cores' rate per byte loaded.
 //
 // Head dim 256: the Q fragments (D/16 x 4 registers per lane) would not fit beside the output accumulators, so
-// the block's Q rows are staged in shared memory and read with ldmatrix for each key subtile.
+// the block's Q rows are staged in shared memory and read with ldmatrix for each key subtile (165 KiB of shared
+// memory: one block per SM).
+// ptxas, sm_90a, nvcc 13 (not yet run on a GPU): D = 64: 128 registers, 8 bytes spilled; D = 128: 168 registers,
+// 40 bytes spilled (__launch_bounds__(128, 1) removes the spills at 194 registers, i.e. two blocks per SM instead
+// of three; to be measured); D = 256: 218 registers, no spills.
 //
 // Layouts (padded or flat q, NHD or HND caches with any page stride, block table or CSR table), the sliding
 // window and the soft cap are those of specdec/attention.h; every cache row goes through attention_cache_row.
