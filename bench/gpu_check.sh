@@ -30,6 +30,9 @@ tail -30 "$OUT/bench_attention.txt"
 python3 -m specdec_ext.cli bench attention --device cuda --repeats 30 --flex --batch 1,8 --vocab 4096,32768 --k 5 \
   > "$OUT/bench_attention_flex.txt" 2>&1
 tail -8 "$OUT/bench_attention_flex.txt"
+python3 -m specdec_ext.cli bench attention --device cuda --repeats 50 --layouts --json "$OUT/attention_layouts.json" \
+  > "$OUT/bench_attention_layouts.txt" 2>&1
+tail -9 "$OUT/bench_attention_layouts.txt"
 python3 -m specdec_ext.cli bench flat_sampling --device cuda --repeats 30 --json "$OUT/flat_sampling.json" \
   > "$OUT/bench_flat_sampling.txt" 2>&1
 tail -6 "$OUT/bench_flat_sampling.txt"

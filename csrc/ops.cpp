@@ -52,27 +52,33 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
       "Tensor? cu_num_draft_tokens=None) -> ()");
 
-  // KV-cache truncation after verification (DESIGN.md §3.3): cache_seqlens[b] += num_kept[b]; with kept_indices
-  // (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the discarded slots
-  // of the block are zeroed. Layers are the lists k_caches / v_caches (contiguous or paged with block_table).
+  // KV-cache truncation after verification (DESIGN.md §3.3, §3.4): cache_seqlens[b] += num_kept[b]; with
+  // kept_indices (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the
+  // discarded slots of the block are zeroed. Layers are the lists k_caches / v_caches: NHD or HND (kv_layout),
+  // contiguous, or paged (any page stride) through block_table or the CSR table kv_indptr / kv_indices.
   // block_len (the verified block's Q) is needed with kept_indices or clear; without it, only the lengths
   // change and num_kept is bounded by the cache. Rejected requests are left untouched; their error bits go to
   // error_flags when given (the CPU kernel raises instead).
   m.def(
       "truncate_kv_cache(Tensor(a!) cache_seqlens, Tensor num_kept, Tensor? kept_indices, Tensor(b!)[] k_caches, "
-      "Tensor(c!)[] v_caches, Tensor? block_table, int? block_len, bool clear, Tensor(d!)? error_flags) -> ()");
+      "Tensor(c!)[] v_caches, Tensor? block_table, int? block_len, bool clear, Tensor(d!)? error_flags, "
+      "Tensor? kv_indptr=None, Tensor? kv_indices=None, str kv_layout=\"NHD\") -> ()");
 
   // y [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) for M <= 16 rows (decode and verify steps of a model):
   // bound by reading the weight once, which the CPU kernel does with every core. float32 or bfloat16.
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 
-  // Attention of Q new tokens per request against the KV cache (DESIGN.md §3.2); k_new/v_new, when given, are
-  // written into the cache at cache_seqlens[b] + i first. Returns (out [B, Q, Hq, D], lse): lse is [B, Q, Hq]
-  // float32 with return_lse, else an empty tensor that nothing writes. softmax_scale None means 1/sqrt(D).
-  // error_flags, when given, collects AttentionError bits of invalid requests on CUDA (whose outputs are NaN);
-  // the CPU kernel raises instead.
+  // Attention of the new tokens of each request against its KV cache (DESIGN.md §3.2, §3.4; layouts in
+  // specdec/attention.h); k_new/v_new, when given, are written into the cache at positions length_b + i first.
+  // Writes out (q's shape and dtype) and, when given, lse (q's shape without D, float32). q is padded
+  // [B, Q, Hq, D], or flat [T, Hq, D] with qo_indptr [B+1]. The cache is NHD or HND (kv_layout), contiguous or
+  // paged through block_table or the CSR table (kv_indptr, kv_indices, kv_last_page_len; cache_seqlens is then
+  // None: the table's kv length includes the new tokens). window_left -1 and logits_soft_cap 0 are off.
+  // softmax_scale None means 1/sqrt(D). error_flags, when given, collects AttentionError bits of invalid
+  // requests on CUDA (whose outputs are NaN); the CPU kernel raises instead.
   m.def(
-      "verify_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k_new, "
-      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float? softmax_scale, bool return_lse, "
-      "Tensor(c!)? error_flags) -> (Tensor, Tensor)");
+      "verify_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? cache_seqlens, Tensor? k_new, "
+      "Tensor? v_new, Tensor? block_table, Tensor? tree_mask, float? softmax_scale, Tensor(c!) out, Tensor(d!)? lse, "
+      "Tensor(e!)? error_flags, Tensor? qo_indptr=None, Tensor? kv_indptr=None, Tensor? kv_indices=None, "
+      "Tensor? kv_last_page_len=None, str kv_layout=\"NHD\", int window_left=-1, float logits_soft_cap=0.0) -> ()");
 }

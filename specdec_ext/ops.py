@@ -443,7 +443,7 @@ def _layers(caches, name: str) -> list:
 
 
 def _truncate_kv_cache(ops, cache_seqlens, num_kept, *, block_len, kept_indices, k_caches, v_caches, block_table, clear,
-                       records_errors) -> None:
+                       kv_layout, kv_indptr, kv_indices, records_errors) -> None:
     op = "truncate_kv_cache"
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"{op}: cache_seqlens must be a [B] int32 tensor")
@@ -463,20 +463,60 @@ def _truncate_kv_cache(ops, cache_seqlens, num_kept, *, block_len, kept_indices,
     k_caches, v_caches = _layers(k_caches, "k_caches"), _layers(v_caches, "v_caches")
     if block_table is not None:
         block_table = _as_int32(block_table, "block_table", op)
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f'{op}: kv_layout must be "NHD" or "HND", got {kv_layout!r}')
+    if (kv_indptr is None) != (kv_indices is None):
+        raise ValueError(f"{op}: kv_indptr and kv_indices go together (FlashInfer's CSR page table)")
+    if kv_indptr is not None:
+        if block_table is not None:
+            raise ValueError(f"{op}: give block_table or the CSR table (kv_indptr, kv_indices), not both")
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise ValueError(f"{op}: {name} must be a 1-D int32 tensor")
+        kv_indptr, kv_indices = _as_int32(kv_indptr, "kv_indptr", op), _as_int32(kv_indices, "kv_indices", op)
     _check_devices(op, device, "cache_seqlens", kept_indices=kept_indices, k_caches=k_caches, v_caches=v_caches,
-                   block_table=block_table)
+                   block_table=block_table, kv_indptr=kv_indptr, kv_indices=kv_indices)
     flags = _error_flags(op, device, records_errors)
     ops.truncate_kv_cache(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table, block_len,
-                          bool(clear), flags)
+                          bool(clear), flags, kv_indptr, kv_indices, kv_layout)
     _raise_recorded_errors(op, device, flags, "truncate_kv_cache")
 
 
+def _index_vector(t, name: str, op: str, device):
+    """An int32 index tensor (qo_indptr, kv_indptr, ...) on `device`, or None."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        raise ValueError(f"{op}: {name} must be a 1-D int32 tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    _check_devices(op, device, "q", **{name: t})
+    return _as_int32(t, name, op)
+
+
+def _check_indptr(op: str, name: str, indptr, end: int, end_name: str, limit=None) -> None:
+    """CPU only (the kernels check on the device, strict mode raises): indptr starts >= 0, does not decrease and
+    ends <= end; with `limit`, no entry is wider than it."""
+    if indptr.device.type != "cpu" or indptr.numel() == 0:
+        return
+    widths = indptr[1:] - indptr[:-1]
+    if int(indptr[0]) < 0 or (widths < 0).any():
+        raise ValueError(f"{op}: {name} must start at >= 0 and not decrease, got {indptr.tolist()[:16]}")
+    if int(indptr[-1]) > end:
+        raise ValueError(f"{op}: {name} runs past {end_name} ({int(indptr[-1])} > {end})")
+    if limit is not None and widths.numel() and int(widths.max()) > limit:
+        raise ValueError(f"{op}: {name} gives a request {int(widths.max())} rows, at most {limit}")
+
+
 def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, block_table, tree_mask, softmax_scale,
-                      return_lse, records_errors):
+                      return_lse, qo_indptr, kv_layout, kv_indptr, kv_indices, kv_last_page_len, window_left,
+                      logits_soft_cap, out, records_errors):
     op = "verify_attention"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"{op}: cache_seqlens must be a tensor, got {type(cache_seqlens).__name__}")
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f'{op}: kv_layout must be "NHD" or "HND", got {kv_layout!r}')
     if tree_mask is not None:
         if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.bool:
             raise ValueError(f"{op}: tree_mask must be a bool tensor (True: query i sees new token j), got "
@@ -491,11 +531,46 @@ def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, 
             raise ValueError(f"{op}: softmax_scale must be a finite number > 0 (or None for 1/sqrt(D)), "
                              f"got {softmax_scale!r}")
         softmax_scale = float(softmax_scale)
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or not -1 <= window_left <= _INT32_MAX:
+        raise ValueError(f"{op}: window_left must be an int, -1 (off) or >= 0, got {window_left!r}")
+    if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)) or \
+            not 0 <= logits_soft_cap < math.inf:
+        raise ValueError(f"{op}: logits_soft_cap must be a finite number >= 0 (0: off), got {logits_soft_cap!r}")
+    qo_indptr = _index_vector(qo_indptr, "qo_indptr", op, q.device)
+    kv_indptr = _index_vector(kv_indptr, "kv_indptr", op, q.device)
+    kv_indices = _index_vector(kv_indices, "kv_indices", op, q.device)
+    kv_last_page_len = _index_vector(kv_last_page_len, "kv_last_page_len", op, q.device)
+    if kv_indptr is not None:
+        if block_table is not None:
+            raise ValueError(f"{op}: give block_table or the CSR table (kv_indptr, kv_indices, kv_last_page_len), "
+                             "not both")
+        if kv_indices is None or kv_last_page_len is None:
+            raise ValueError(f"{op}: kv_indptr needs kv_indices and kv_last_page_len")
+        if cache_seqlens is not None:
+            raise ValueError(f"{op}: cache_seqlens must be None with kv_indptr: the lengths come from the CSR table "
+                             "(FlashInfer's kv length, (pages - 1) * page_size + kv_last_page_len, includes the Q_b "
+                             "new tokens)")
+        _check_indptr(op, "kv_indptr", kv_indptr, kv_indices.numel(), "kv_indices")
+    elif kv_indices is not None or kv_last_page_len is not None:
+        raise ValueError(f"{op}: kv_indices and kv_last_page_len need kv_indptr")
+    elif cache_seqlens is None:
+        raise ValueError(f"{op}: cache_seqlens is needed (unless the CSR table kv_indptr is given)")
+    if qo_indptr is not None:
+        if q.dim() != 3:
+            raise ValueError(f"{op}: with qo_indptr, q must be flat [T, Hq, D], got {tuple(q.shape)}")
+        _check_indptr(op, "qo_indptr", qo_indptr, q.shape[0], "T (q's rows)", LIMITS["max_verify_queries"])
     _check_devices(op, q.device, "q", k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens, k_new=k_new,
-                   v_new=v_new, block_table=block_table, tree_mask=tree_mask)
+                   v_new=v_new, block_table=block_table, tree_mask=tree_mask, out=out)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous {q.dtype} tensor of q's shape {tuple(q.shape)}, got "
+                         f"{getattr(out, 'shape', type(out).__name__)}")
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32) if return_lse else None
     flags = _error_flags(op, q.device, records_errors)
-    out, lse = ops.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
-                                    softmax_scale, bool(return_lse), flags)
+    ops.verify_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, out,
+                         lse, flags, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, kv_layout, window_left,
+                         float(logits_soft_cap))
     _raise_recorded_errors(op, q.device, flags, "verify_attention")
     return (out, lse) if return_lse else out
 
@@ -619,15 +694,20 @@ class Ops:
                               max_draft_tokens=max_draft_tokens, records_errors=self.records_errors(target_logits))
 
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
-                          v_caches=(), block_table=None, clear=False) -> None:
+                          v_caches=(), block_table=None, clear=False, kv_layout="NHD", kv_indptr=None,
+                          kv_indices=None) -> None:
         """Cuts the KV cache back after verification (DESIGN.md §3.3), in place, without a host sync on CUDA.
 
         cache_seqlens [B] int32: lengths before the verified block (as passed to verify); advanced by num_kept.
         num_kept [B] (or an int): tokens of the block that stay (chain: num_accepted + 1).
         kept_indices [B, Q] int32, -1 padded: block-relative indices of the kept tokens, increasing (tree): block
         slot kept_indices[b, j] moves to block slot j in every layer, all layers in one launch.
-        k_caches, v_caches: every layer's cache, a list or one stacked [L, ...] tensor; contiguous
-        [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table [B, max_pages].
+        k_caches, v_caches: every layer's cache, a list or one stacked [L, ...] tensor; kv_layout "NHD"
+        (contiguous [B, S_max, Hkv, D], paged [num_pages, page_size, Hkv, D]) or "HND" ([B, Hkv, S_max, D],
+        [num_pages, Hkv, page_size, D]); paged caches may have any page stride (each page dense: FlashInfer's
+        kv[:, 0], vLLM's kv[0]) and are addressed through block_table [B, max_pages] or FlashInfer's CSR table
+        kv_indptr [B+1] / kv_indices [nnz] (request b's pages kv_indices[kv_indptr[b] : kv_indptr[b+1]]; the
+        lengths stay cache_seqlens, kv_last_page_len is not needed: an engine updates its own table after).
         clear: zero the block's discarded slots. block_len: Q, implied by kept_indices, needed for clear.
         Without kept_indices and clear only the lengths change, and num_kept[b] may be any count that keeps
         cache_seqlens[b] + num_kept[b] within the cache (a prefill, a block near the end of the cache).
@@ -635,23 +715,48 @@ class Ops:
         """
         _truncate_kv_cache(self.namespace, cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                            k_caches=k_caches, v_caches=v_caches, block_table=block_table, clear=clear,
+                           kv_layout=kv_layout, kv_indptr=kv_indptr, kv_indices=kv_indices,
                            records_errors=self.records_errors(cache_seqlens))
 
-    def verify_attention(self, q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None,
-                         tree_mask=None, softmax_scale=None, return_lse=False):
-        """Attention of the verify step (DESIGN.md §3.2): q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..64) against
-        the KV cache, contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table
-        [B, max_pages]. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j where tree_mask[i, j]
-        (default causal). k_new/v_new [B, Q, Hkv, D], when given, are written into the cache at
-        cache_seqlens[b] + j first; cache_seqlens is not advanced. Hq % Hkv == 0 (GQA/MQA).
-        Returns out [B, Q, Hq, D], or (out, lse [B, Q, Hq] float32) with return_lse.
+    def verify_attention(self, q, k_cache, v_cache, cache_seqlens=None, k_new=None, v_new=None, *, block_table=None,
+                         tree_mask=None, softmax_scale=None, return_lse=False, qo_indptr=None, kv_layout="NHD",
+                         kv_indptr=None, kv_indices=None, kv_last_page_len=None, window_left=-1, logits_soft_cap=0.0,
+                         out=None):
+        """Attention of the verify step (DESIGN.md §3.2, §3.4): each request's new tokens against its KV cache.
+        Query i of request b sits at position length_b + i; it sees cache[0 : length_b] and new token j where
+        tree_mask[i, j] (default causal, j <= i). k_new/v_new, when given, are written into the cache at
+        length_b + j first; no length is advanced. Hq % Hkv == 0 (GQA/MQA).
 
-        CPU: float32, bfloat16, float16, any head dim up to 256; invalid requests raise. CUDA: float16 and
-        bfloat16 on tensor cores (sm_80+), head dim 64 or 128, no host sync; a request whose block runs past
-        its cache or whose pages are outside the cache gets NaN outputs (set_strict(True) raises)."""
+        Queries: padded q [B, Q, Hq, D] (Q = K+1 or a tree's size, 1..128), k_new/v_new [B, Q, Hkv, D], tree_mask
+        [Q, Q] or [B, Q, Q]; or flat with qo_indptr [B+1] int32 (FlashInfer / vLLM): q [T, Hq, D], k_new/v_new
+        [T, Hkv, D], request b owns rows qo_indptr[b] .. qo_indptr[b+1] (0..128 of them), tree_mask flat bool
+        holding request b's [Q_b, Q_b] row-major at offset sum_{c<b} Q_c^2. The flat form returns bit for bit what
+        per-request padded calls return.
+
+        Cache: kv_layout "NHD" ([.., S or page_size, Hkv, D]) or "HND" ([.., Hkv, S or page_size, D]); contiguous
+        [B, ...] with cache_seqlens [B] int32 (length_b); paged [num_pages, ...] (any page stride, each page dense:
+        FlashInfer's kv[:, 0] / kv[:, 1], vLLM's kv[0] / kv[1], zero-copy) through block_table [B, max_pages] with
+        cache_seqlens, or through FlashInfer's CSR table kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]
+        (int32; request b's pages are kv_indices[kv_indptr[b] : kv_indptr[b+1]], each last page holding 1..page_size
+        tokens). With the CSR table cache_seqlens must be None: as in FlashInfer, the table describes the KV after
+        this step's tokens were appended, kv_len_b = (pages_b - 1) * page_size + kv_last_page_len[b] includes the
+        Q_b new tokens, and length_b = kv_len_b - Q_b (k_new, when given, is written into those last Q_b slots).
+
+        window_left: -1 (off) or w >= 0: a query at position p sees only keys at positions >= p - w (FlashInfer's).
+        logits_soft_cap: 0 (off) or c > 0: each scaled score s becomes c * tanh(s / c) (Gemma 2, FlashInfer's).
+        out: preallocated output (q's shape and dtype, contiguous; CUDA graphs), written in place and returned.
+        Returns out, or (out, lse float32, q's shape without D) with return_lse.
+
+        CPU: float32, bfloat16, float16, any head dim up to 256; invalid input raises. CUDA: float16 and bfloat16 on
+        tensor cores (sm_80+), head dim 64, 128 or 256, no host sync; a request whose block runs past its cache,
+        whose pages are outside the cache or whose qo_indptr / kv_indptr entries are inconsistent gets NaN outputs
+        (rows unknown with a bad qo_indptr: nothing written); set_strict(True) raises. Rows of q that no request
+        owns (qo_indptr[B] < T) are not written."""
         return _verify_attention(self.namespace, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                  block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
-                                 return_lse=return_lse, records_errors=self.records_errors(q))
+                                 return_lse=return_lse, qo_indptr=qo_indptr, kv_layout=kv_layout, kv_indptr=kv_indptr,
+                                 kv_indices=kv_indices, kv_last_page_len=kv_last_page_len, window_left=window_left,
+                                 logits_soft_cap=logits_soft_cap, out=out, records_errors=self.records_errors(q))
 
 
 NATIVE = Ops(torch.ops.specdec, records_errors=_on_device)
@@ -680,10 +785,8 @@ def _register_fakes(namespace: str) -> None:
     def _(seed, offset, n, stream=0):
         return seed.new_empty((seed.shape[0], n), dtype=torch.float32)
 
-    @torch.library.register_fake(f"{namespace}::verify_attention")
-    def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask, softmax_scale, return_lse,
-          error_flags):
-        return torch.empty_like(q), q.new_empty(q.shape[:3] if return_lse else (0,), dtype=torch.float32)
+    # verify_attention writes only its outputs (out, lse) and the caches (k_new appended).
+    torch.library.register_fake(f"{namespace}::verify_attention")(lambda *args, **kwargs: None)
 
     @torch.library.register_fake(f"{namespace}::skinny_linear")
     def _(x, weight, bias):

@@ -411,19 +411,30 @@ def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_l
 
 
 # ---------------------------------------------------------------------------------------------------
+def _request_pages(b, block_table, kv_indptr, kv_indices):
+    """Request b's page ids in order (block table row, or its run of the CSR kv_indices), or None (contiguous)."""
+    if kv_indptr is not None:
+        return kv_indices[int(kv_indptr[b]):int(kv_indptr[b + 1])].long()
+    return None if block_table is None else block_table[b].long()
+
+
 def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(), v_caches=(),
-                      block_table=None, clear=False) -> None:
+                      block_table=None, clear=False, kv_layout="NHD", kv_indptr=None, kv_indices=None) -> None:
     """Reference of specdec_ext.truncate_kv_cache: request by request, layer by layer, in place."""
     num_kept = torch.as_tensor(num_kept, device=cache_seqlens.device).expand(cache_seqlens.shape).tolist()
     if kept_indices is not None:
         block_len = kept_indices.shape[1]
+    if kv_layout == "HND":  # NHD views: writes reach the caches
+        k_caches, v_caches = [k.transpose(1, 2) for k in k_caches], [v.transpose(1, 2) for v in v_caches]
     layers = list(zip(k_caches, v_caches))
     for b, (base, n) in enumerate(zip(cache_seqlens.tolist(), num_kept)):
+        pages = _request_pages(b, block_table, kv_indptr, kv_indices)
+
         def slot(pos):  # (tensor index of the row) for position pos of request b
-            if block_table is None:
+            if pages is None:
                 return (b, pos)
             page_size = k_caches[0].shape[1]
-            return (int(block_table[b, pos // page_size]), pos % page_size)
+            return (int(pages[pos // page_size]), pos % page_size)
 
         for k, v in layers:
             for cache in (k, v):
@@ -438,45 +449,78 @@ def truncate_kv_cache(cache_seqlens, num_kept, *, block_len=None, kept_indices=N
 
 
 # ---------------------------------------------------------------------------------------------------
-def _cache_rows(cache, b, positions, block_table):
-    """Rows [len(positions), Hkv, D] of request b's cache (contiguous [B, S, ...] or paged [P, page, ...])."""
-    if block_table is None:
-        return cache[b, positions]
-    page_size = cache.shape[1]
-    pages = block_table[b, positions // page_size].long()
-    return cache[pages, positions % page_size]
+def _cache_index(cache_nhd, b, positions, pages):
+    """Index of request b's rows at `positions` in an NHD view of the cache ([B, S, ...] or [P, page, ...])."""
+    if pages is None:
+        return b, positions
+    page_size = cache_nhd.shape[1]
+    return pages[positions // page_size], positions % page_size
 
 
-def verify_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *, block_table=None, tree_mask=None,
-                     softmax_scale=None, return_lse=False, dtype=torch.float64):
-    """Reference of specdec_ext.verify_attention, computed in `dtype` (float64 for tests). Writes k_new/v_new
-    into the cache first, like the op. Query i of request b sees cache[0 : cache_seqlens[b]] and new token j
-    (at cache position cache_seqlens[b] + j) where tree_mask[i, j] (default causal, j <= i)."""
-    batch, n_q, hq, d = q.shape
-    hkv = k_cache.shape[-2]
+def verify_attention(q, k_cache, v_cache, cache_seqlens=None, k_new=None, v_new=None, *, block_table=None,
+                     tree_mask=None, softmax_scale=None, return_lse=False, qo_indptr=None, kv_layout="NHD",
+                     kv_indptr=None, kv_indices=None, kv_last_page_len=None, window_left=-1, logits_soft_cap=0.0,
+                     dtype=torch.float64):
+    """Reference of specdec_ext.verify_attention, computed in `dtype` (float64 for tests), request by request.
+    Writes k_new/v_new into the cache first, like the op. Query i of request b sits at position length_b + i and
+    sees cache[0 : length_b] and new token j (at length_b + j) where tree_mask[i, j] (default causal, j <= i),
+    only keys at positions >= length_b + i - window_left with a window; scores s = scale * q.k become
+    logits_soft_cap * tanh(s / logits_soft_cap) with a cap. Layouts as the op's (padded or flat q, NHD or HND,
+    contiguous, block table or CSR table with length_b = kv_len_b - Q_b)."""
+    hnd = kv_layout == "HND"
+    kc = k_cache.transpose(1, 2) if hnd else k_cache  # NHD views: writes reach the caches
+    vc = v_cache.transpose(1, 2) if hnd else v_cache
+    flat = qo_indptr is not None
+    if flat:
+        batch = qo_indptr.numel() - 1
+        bounds = [(int(qo_indptr[b]), int(qo_indptr[b + 1])) for b in range(batch)]
+    else:
+        batch, n_q = q.shape[:2]
+        bounds = [(b * n_q, (b + 1) * n_q) for b in range(batch)]
+    hq, d = q.shape[-2:]
+    hkv = kc.shape[-2]
+    q_rows = q.reshape(-1, hq, d)
     scale = d**-0.5 if softmax_scale is None else softmax_scale
-    out = torch.zeros(batch, n_q, hq, d, dtype=dtype, device=q.device)
-    lse = torch.full((batch, n_q, hq), float("-inf"), dtype=torch.float32, device=q.device)
-    causal = torch.ones(n_q, n_q, dtype=torch.bool, device=q.device).tril()
-    for b in range(batch):
-        length = int(cache_seqlens[b])
+    out = torch.zeros(q_rows.shape, dtype=dtype, device=q.device)
+    lse = torch.full(q_rows.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    k_rows = None if k_new is None else k_new.reshape(-1, hkv, d)
+    v_rows = None if v_new is None else v_new.reshape(-1, hkv, d)
+    mask_offset = 0
+    for b, (r0, r1) in enumerate(bounds):
+        n_q = r1 - r0
+        pages = _request_pages(b, block_table, kv_indptr, kv_indices)
+        if kv_indptr is not None:
+            kv_len = 0 if len(pages) == 0 else (len(pages) - 1) * kc.shape[1] + int(kv_last_page_len[b])
+            length = kv_len - n_q
+        else:
+            length = int(cache_seqlens[b])
+        if tree_mask is None:
+            mask = torch.ones(n_q, n_q, dtype=torch.bool, device=q.device).tril()
+        elif flat:
+            mask = tree_mask[mask_offset:mask_offset + n_q * n_q].reshape(n_q, n_q)
+        else:
+            mask = tree_mask if tree_mask.dim() == 2 else tree_mask[b]
+        mask_offset += n_q * n_q
+        if n_q == 0:
+            continue
         new_pos = torch.arange(length, length + n_q, device=q.device)
-        if k_new is not None:
-            if block_table is None:
-                k_cache[b, new_pos], v_cache[b, new_pos] = k_new[b], v_new[b]
-            else:
-                pages = block_table[b, new_pos // k_cache.shape[1]].long()
-                k_cache[pages, new_pos % k_cache.shape[1]] = k_new[b]
-                v_cache[pages, new_pos % v_cache.shape[1]] = v_new[b]
+        if k_rows is not None:
+            kc[_cache_index(kc, b, new_pos, pages)] = k_rows[r0:r1]
+            vc[_cache_index(vc, b, new_pos, pages)] = v_rows[r0:r1]
         positions = torch.arange(length + n_q, device=q.device)
-        keys = _cache_rows(k_cache, b, positions, block_table).to(dtype).repeat_interleave(hq // hkv, dim=1)
-        values = _cache_rows(v_cache, b, positions, block_table).to(dtype).repeat_interleave(hq // hkv, dim=1)
-        mask = causal if tree_mask is None else (tree_mask if tree_mask.dim() == 2 else tree_mask[b])
+        keys = kc[_cache_index(kc, b, positions, pages)].to(dtype).repeat_interleave(hq // hkv, dim=1)
+        values = vc[_cache_index(vc, b, positions, pages)].to(dtype).repeat_interleave(hq // hkv, dim=1)
         visible = torch.cat([torch.ones(n_q, length, dtype=torch.bool, device=q.device), mask.bool()], dim=1)  # [Q, S]
-        scores = torch.einsum("qhd,shd->hqs", q[b].to(dtype), keys) * scale
+        if window_left >= 0:
+            query_pos = torch.arange(length, length + n_q, device=q.device).unsqueeze(1)
+            visible &= positions.unsqueeze(0) >= query_pos - window_left
+        scores = torch.einsum("qhd,shd->hqs", q_rows[r0:r1].to(dtype), keys) * scale
+        if logits_soft_cap > 0:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
         row_lse = torch.logsumexp(scores, -1)  # [H, Q]
         probs = torch.where(visible.any(-1).unsqueeze(0).unsqueeze(-1), torch.softmax(scores, -1), 0.0)
-        out[b] = torch.einsum("hqs,shd->qhd", probs, values)
-        lse[b] = row_lse.transpose(0, 1).float()
+        out[r0:r1] = torch.einsum("hqs,shd->qhd", probs, values)
+        lse[r0:r1] = row_lse.transpose(0, 1).float()
+    out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
     return (out, lse) if return_lse else out

@@ -84,7 +84,7 @@ def test_softmax_scale_must_be_finite_and_positive(backend, scale, gen):
         BACKENDS[backend].verify_attention(q, kc, kc.clone(), sl, softmax_scale=scale)
     namespace = torch.ops.specdec if backend == "cpu" else torch.ops.specdec_sim
     with pytest.raises(ValueError, match="softmax_scale"):  # the op itself checks too
-        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, False, None)
+        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, torch.empty_like(q), None, None)
 
 
 def test_lse_only_when_asked(backend, gen):
@@ -92,13 +92,17 @@ def test_lse_only_when_asked(backend, gen):
     q, kc = randn(2, 3, 4, 64, gen=gen, dtype=dt), randn(2, 16, 2, 64, gen=gen, dtype=dt)
     sl = torch.tensor([3, 9], dtype=torch.int32)
     namespace = torch.ops.specdec if backend == "cpu" else torch.ops.specdec_sim
-    out, lse = namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, None, False, None)
-    assert lse.numel() == 0
-    out_with, lse_with = namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, None, True, None)
-    assert torch.equal(out, out_with) and lse_with.shape == (2, 3, 4) and torch.isfinite(lse_with).all()
+
+    def call(scale, lse):
+        out = torch.full_like(q, float("nan"))
+        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, out, lse, None)
+        return out
+
+    out = call(None, None)
+    lse = torch.full((2, 3, 4), float("nan"))
+    assert torch.equal(out, call(None, lse)) and torch.isfinite(lse).all()
     # softmax_scale None is 1/sqrt(D).
-    scaled, _ = namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, 0.125, False, None)
-    assert torch.equal(out, scaled)
+    assert torch.equal(out, call(0.125, None))
 
 
 def test_sampling_needs_a_target_tensor():
@@ -329,6 +333,30 @@ def test_sim_bad_page_for_new_tokens_fails_every_row_tile_and_split(gen):
     with strict_mode():
         with pytest.raises(ValueError, match="block_table points outside"):
             sim.verify_attention(q, kc, vc, sl, kn, vn, block_table=table)
+
+
+# ----- verify_attention: empty engine forms ----------------------------------------------------------------------------
+def test_flat_q_without_rows_and_requests_without_pages(backend, gen):
+    """T = 0, B = 0, and a CSR request with no pages and no rows: defined, nothing read or written."""
+    ops = BACKENDS[backend]
+    dt = attention_dtype(backend)
+    kc = randn(4, 8, 2, 64, gen=gen, dtype=dt)
+    empty_q = randn(0, 4, 64, gen=gen, dtype=dt)
+    out = ops.verify_attention(empty_q, kc, kc.clone(), torch.zeros(2, dtype=torch.int32),
+                               qo_indptr=torch.zeros(3, dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32))
+    assert out.shape == (0, 4, 64)
+    out = ops.verify_attention(empty_q, kc, kc.clone(), torch.zeros(0, dtype=torch.int32),
+                               qo_indptr=torch.zeros(1, dtype=torch.int32))
+    assert out.shape == (0, 4, 64)
+    # Request 0: no pages, no rows; request 1: 2 rows on pages [3, 1] (kv length 8 + 5, the rows its last two).
+    q = randn(2, 4, 64, gen=gen, dtype=dt)
+    before = kc.clone()
+    args = dict(qo_indptr=torch.tensor([0, 0, 2], dtype=torch.int32), kv_indptr=torch.tensor([0, 0, 2], dtype=torch.int32),
+                kv_indices=torch.tensor([3, 1], dtype=torch.int32), kv_last_page_len=torch.tensor([0, 5], dtype=torch.int32))
+    out = ops.verify_attention(q, kc, kc.clone(), None, **args)
+    want = ops.verify_attention(q[None], kc, kc.clone(), torch.tensor([11], dtype=torch.int32),
+                                block_table=torch.tensor([[3, 1]], dtype=torch.int32))
+    assert torch.equal(out, want[0]) and torch.equal(kc, before)
 
 
 # ----- batch invariance of verify_attention ----------------------------------------------------------------------

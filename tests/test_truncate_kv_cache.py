@@ -189,3 +189,121 @@ def test_opcheck(backend, gen):
     kept = torch.tensor([[0, 2, -1], [1, -1, -1], [0, 1, 2]], dtype=torch.int32)
     torch.library.opcheck(NAMESPACES[backend].truncate_kv_cache.default,
                           (lengths, torch.tensor([2, 1, 3], dtype=torch.int32), kept, ks, vs, None, 3, True, None))
+
+
+# ----- engine layouts (DESIGN.md §3.4): HND, strided page views, CSR page tables -----------------------------------
+def to_hnd(cache):
+    return cache.transpose(1, 2).contiguous()
+
+
+def random_round(gen, batch, block_len, capacity):
+    lengths = torch.randint(0, capacity - block_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    num_kept = torch.randint(0, block_len + 1, (batch,), generator=gen, dtype=torch.int32)
+    return lengths, num_kept, random_kept(gen, batch, block_len, num_kept)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_hnd_equals_nhd(backend, paged, tree, gen):
+    batch, layers, heads, dim, block_len, page = 4, 2, 3, 8, 9, 4
+    if paged:
+        table, num_pages = paged_layout(gen, batch, 8, page)
+        shape, kw = (num_pages, page, heads, dim), {"block_table": table}
+    else:
+        shape, kw = (batch, 32, heads, dim), {}
+    caches = make_caches(gen, layers, shape, torch.bfloat16)
+    lengths, num_kept, kept = random_round(gen, batch, block_len, 32)
+    kw.update(block_len=block_len, clear=True, kept_indices=kept if tree else None)
+    got, want = run_both(backend, lengths, num_kept, caches, **kw)
+    hnd = ([to_hnd(k) for k in caches[0]], [to_hnd(v) for v in caches[1]])
+    got_h, want_h = run_both(backend, lengths, num_kept, hnd, kv_layout="HND", **kw)
+    assert_same(got_h, want_h)
+    assert torch.equal(got_h[0], got[0])
+    for a, b in zip(got_h[1] + got_h[2], got[1] + got[2]):
+        assert torch.equal(a, to_hnd(b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_strided_page_views_equal_separate_tensors(backend, layout, gen):
+    batch, heads, dim, block_len, page = 3, 2, 8, 6, 4
+    table, num_pages = paged_layout(gen, batch, 6, page)
+    inner = (page, heads, dim) if layout == "NHD" else (heads, page, dim)
+    kv = [torch.randn(num_pages, 2, *inner, generator=gen) for _ in range(2)]  # FlashInfer: K and V of a page together
+    separate = ([x[:, 0].clone() for x in kv], [x[:, 1].clone() for x in kv])
+    lengths, num_kept, kept = random_round(gen, batch, block_len, 24)
+    kw = dict(block_len=block_len, kept_indices=kept, clear=True, block_table=table, kv_layout=layout)
+    lengths_views = lengths.clone()
+    BACKENDS[backend].truncate_kv_cache(lengths_views, num_kept, k_caches=[x[:, 0] for x in kv],
+                                        v_caches=[x[:, 1] for x in kv], **kw)
+    got, want = run_both(backend, lengths, num_kept, separate, **kw)
+    assert_same(got, want)
+    assert torch.equal(lengths_views, got[0])
+    for layer, x in enumerate(kv):
+        assert torch.equal(x[:, 0], got[1][layer]) and torch.equal(x[:, 1], got[2][layer])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_csr_table_equals_block_table(backend, layout, gen):
+    batch, heads, dim, block_len, page = 4, 2, 4, 7, 4
+    table, num_pages = paged_layout(gen, batch, 8, page)
+    shape = (num_pages, page, heads, dim) if layout == "NHD" else (num_pages, heads, page, dim)
+    caches = make_caches(gen, 2, shape, torch.float16)
+    lengths, num_kept, kept = random_round(gen, batch, block_len, 32)
+    # Each request lists only the pages its block reaches (FlashInfer's table after the verify step's append).
+    pages = [-(-(int(n) + block_len) // page) for n in lengths]
+    indptr = torch.tensor([0] + pages).cumsum(0).int()
+    indices = torch.cat([table[b, :n] for b, n in enumerate(pages)]).int()
+    kw = dict(block_len=block_len, kept_indices=kept, clear=True, kv_layout=layout)
+    got, want = run_both(backend, lengths, num_kept, caches, block_table=table, **kw)
+    got_c, want_c = run_both(backend, lengths, num_kept, caches, kv_indptr=indptr, kv_indices=indices, **kw)
+    assert_same(got_c, want_c)
+    assert_same(got_c, got)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_layout_inputs_are_named(backend):
+    f = BACKENDS[backend].truncate_kv_cache
+    k = [torch.randn(6, 4, 1, 4)]
+    kept = torch.tensor([[0, 2, -1], [1, -1, -1]], dtype=torch.int32)
+    indices = torch.tensor([3, 1, 0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_layout"):
+        f(torch.tensor([1, 2], dtype=torch.int32), 1, k_caches=k, v_caches=k, block_len=3, clear=True, kv_layout="nhd")
+    with pytest.raises(ValueError, match="kv_indptr and kv_indices"):
+        f(torch.tensor([1, 2], dtype=torch.int32), 1, k_caches=k, v_caches=k, block_len=3, clear=True,
+          kv_indptr=torch.tensor([0, 2, 4], dtype=torch.int32))
+    bad = [(torch.tensor([0, 3, 2], dtype=torch.int32), indices, "kv_indptr"),   # decreasing: request 1
+           (torch.tensor([0, 2, 5], dtype=torch.int32), indices, "kv_indptr"),   # past len(kv_indices): request 1
+           (torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([3, 1, 9, 5], dtype=torch.int32), "points outside"),
+           (torch.tensor([0, 2, 3], dtype=torch.int32), indices, "outside the cache")]  # request 1's block past its page
+    for indptr, idx, message in bad:
+        lengths = torch.tensor([1, 2], dtype=torch.int32)
+        ks, vs = [k[0].clone()], [k[0].clone()]
+        call = lambda lens: f(lens, torch.tensor([2, 1], dtype=torch.int32), kept_indices=kept, k_caches=ks,
+                              v_caches=vs, kv_indptr=indptr, kv_indices=idx)
+        if backend == "cpu":
+            with pytest.raises(ValueError, match=message):
+                call(lengths)
+            assert torch.equal(ks[0], k[0]) and lengths.tolist() == [1, 2]
+        else:
+            call(lengths)  # request 1 is left untouched, request 0 goes ahead
+            assert lengths.tolist() == [3, 2]
+            specdec_ext.set_strict(True)
+            try:
+                with pytest.raises(ValueError, match=message):
+                    call(torch.tensor([1, 2], dtype=torch.int32))
+            finally:
+                specdec_ext.set_strict(False)
+
+
+@pytest.mark.parametrize("backend", NAMESPACES)
+def test_opcheck_engine_forms(backend, gen):
+    kv = torch.randn(2, 7, 2, 3, 4, 8, generator=gen)  # layers x [pages, K/V, H, page, D]
+    lengths = torch.tensor([0, 5, 2], dtype=torch.int32)
+    kept = torch.tensor([[0, 2, -1], [1, -1, -1], [0, 1, 2]], dtype=torch.int32)
+    indptr, indices = torch.tensor([0, 1, 3, 5], dtype=torch.int32), torch.tensor([6, 0, 2, 5, 1], dtype=torch.int32)
+    torch.library.opcheck(NAMESPACES[backend].truncate_kv_cache.default,
+                          (lengths, torch.tensor([2, 1, 3], dtype=torch.int32), kept, [x[:, 0] for x in kv],
+                           [x[:, 1] for x in kv], None, 3, True, None, indptr, indices, "HND"))

@@ -13,9 +13,10 @@ namespace {
 void truncate_kv_cache_cpu(const at::Tensor& cache_seqlens, const at::Tensor& num_kept,
                            const std::optional<at::Tensor>& kept_indices, at::TensorList k_caches, at::TensorList v_caches,
                            const std::optional<at::Tensor>& block_table, std::optional<int64_t> block_len, bool clear,
-                           const std::optional<at::Tensor>& error_flags) {
+                           const std::optional<at::Tensor>& error_flags, const std::optional<at::Tensor>& kv_indptr,
+                           const std::optional<at::Tensor>& kv_indices, c10::string_view kv_layout) {
   const TruncateParams P = make_truncate_params(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table,
-                                                block_len, clear, error_flags);
+                                                block_len, clear, error_flags, kv_indptr, kv_indices, kv_layout);
   for (int64_t b = 0; b < P.batch; ++b) {
     const int32_t bits = check_truncate_request(P, b);
     if (bits != 0) {
@@ -30,12 +31,19 @@ void truncate_kv_cache_cpu(const at::Tensor& cache_seqlens, const at::Tensor& nu
         const int32_t base = P.cache_seqlens[b], n = P.num_kept[b];
         for (int kv = 0; kv < 2; ++kv) {
           uint32_t* cache = static_cast<uint32_t*>(kv == 0 ? P.k[layer] : P.v[layer]);
-          const size_t row_bytes = static_cast<size_t>(P.row_words) * 4;
+          const size_t run_bytes = static_cast<size_t>(P.segment_words) * 4;
           for (int32_t j = 0; P.kept_indices != nullptr && j < n; ++j) {
             const int32_t src = P.kept_indices[b * P.block_len + j];
-            if (src != j) std::memcpy(cache + cache_row(P, b, base + j), cache + cache_row(P, b, base + src), row_bytes);
+            if (src == j) continue;
+            const int64_t to = cache_row(P, b, base + j), from = cache_row(P, b, base + src);
+            for (int64_t r = 0; r < P.segments; ++r) {
+              std::memcpy(cache + to + r * P.stride_segment, cache + from + r * P.stride_segment, run_bytes);
+            }
           }
-          for (int64_t j = n; P.clear && j < P.block_len; ++j) std::memset(cache + cache_row(P, b, base + j), 0, row_bytes);
+          for (int64_t j = n; P.clear && j < P.block_len; ++j) {
+            const int64_t to = cache_row(P, b, base + j);
+            for (int64_t r = 0; r < P.segments; ++r) std::memset(cache + to + r * P.stride_segment, 0, run_bytes);
+          }
         }
       }
     });

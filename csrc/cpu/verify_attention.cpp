@@ -217,13 +217,14 @@ SPECDEC_CPU_CLONES SPECDEC_FUSED_MADD void tile_accumulate(const float* probs, i
   }
 }
 
-// Asks for the K and V rows of keys [t0, t1) in L2. Each key's D values are one short run, Hkv x D apart
-// from the next key's, too short for the hardware prefetchers to follow.
+// Asks for the K and V rows of keys [t0, t1) in L2. Each key's D values are one short run, far from the next
+// key's, too short for the hardware prefetchers to follow.
 template <typename T>
-void prefetch_keys(const AttentionParams& P, int64_t b, int64_t kvh, const T* k, const T* v, int64_t t0, int64_t t1) {
+void prefetch_keys(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t kvh, const T* k, const T* v,
+                   int64_t t0, int64_t t1) {
   const int64_t D = P.head_dim;
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t row = attention_cache_row(P, b, t) + kvh * D;
+    const int64_t row = attention_cache_row(P, R, b, t) + kvh * P.stride_head;
     for (int64_t e = 0; e < D; e += 64 / sizeof(T)) {
       __builtin_prefetch(k + row + e, 0, 2);
       __builtin_prefetch(v + row + e, 0, 2);
@@ -239,79 +240,92 @@ struct Workspace {
   std::vector<float> alpha;   // [rows_padded]
 };
 
-// Attends the item's query rows (R = Q x G, scaled, in ws.qt) to keys [begin, end) of request b, KV head kvh;
-// m, l (rows_padded) and acc (R x D) are the item's softmax state and unnormalised output.
+// Attends the item's query rows (R.queries x G, scaled, in ws.qt) to keys [begin, end) of request b, KV head
+// kvh; m, l (rows_padded) and acc (rows x D) are the item's softmax state and unnormalised output.
 template <typename T>
-void attend_range(const AttentionParams& P, int64_t b, int64_t kvh, int64_t begin, int64_t end, Workspace& ws,
-                  float* acc, float* m, float* l) {
-  const int64_t D = P.head_dim, G = P.q_heads / P.kv_heads, R = P.num_queries * G;
-  const int64_t rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
-  const int64_t length = P.cache_seqlens[b];
+void attend_range(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t kvh, int64_t begin,
+                  int64_t end, Workspace& ws, float* acc, float* m, float* l) {
+  const int64_t D = P.head_dim, G = P.q_heads / P.kv_heads, rows = R.queries * G;
+  const int64_t rows_padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const T* kc = static_cast<const T*>(P.k_cache);
   const T* vc = static_cast<const T*>(P.v_cache);
-  int64_t rows[kKeyTile];
+  int64_t offsets[kKeyTile];
   const float* keys[kKeyTile];
   const float* values[kKeyTile];
   for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, end - t0);
-    prefetch_keys(P, b, kvh, kc, vc, t0 + kPrefetchTiles * kKeyTile, std::min(end, t0 + (kPrefetchTiles + 1) * kKeyTile));
-    for (int64_t t = 0; t < n; ++t) rows[t] = attention_cache_row(P, b, t0 + t) + kvh * D;
-    tile_rows(kc, vc, rows, n, D, ws.tile.data(), keys, values);
+    prefetch_keys(P, R, b, kvh, kc, vc, t0 + kPrefetchTiles * kKeyTile,
+                  std::min(end, t0 + (kPrefetchTiles + 1) * kKeyTile));
+    for (int64_t t = 0; t < n; ++t) offsets[t] = attention_cache_row(P, R, b, t0 + t) + kvh * P.stride_head;
+    tile_rows(kc, vc, offsets, n, D, ws.tile.data(), keys, values);
     tile_scores(ws.qt.data(), rows_padded, keys, D, ws.scores.data());
     float* scores = ws.scores.data();
+    if (P.soft_cap > 0.0f) {
+      for (int64_t i = 0; i < n * rows_padded; ++i) scores[i] = attention_soft_cap(scores[i], P.soft_cap);
+    }
     for (int64_t t = n; t < kKeyTile; ++t) std::fill_n(&scores[t * rows_padded], rows_padded, -INFINITY);
-    if (t0 + n > length) {  // the tile reaches the new tokens: apply the mask
-      for (int64_t t = std::max<int64_t>(0, length - t0); t < n; ++t) {
-        for (int64_t r = 0; r < R; ++r) {
-          if (!attention_visible(P, b, r / G, t0 + t - length)) scores[t * rows_padded + r] = -INFINITY;
+    if (attention_tile_masked(P, R, t0, t0 + n)) {  // the tile reaches the new tokens or a row's window start
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!attention_visible(P, R, r / G, t0 + t)) scores[t * rows_padded + r] = -INFINITY;
         }
       }
     }
     tile_softmax(scores, rows_padded, m, l, ws.alpha.data());
-    tile_accumulate(scores, rows_padded, values, n, ws.alpha.data(), R, D, acc);
+    tile_accumulate(scores, rows_padded, values, n, ws.alpha.data(), rows, D, acc);
   }
 }
 
 template <typename T>
-void verify_attention_cpu_impl(const AttentionParams& P) {
-  const int64_t B = P.batch, Q = P.num_queries, Hq = P.q_heads, Hkv = P.kv_heads, D = P.head_dim;
-  const int64_t G = Hq / Hkv, R = Q * G, rows_padded = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
+void verify_attention_cpu_impl(const AttentionParams& P, const std::vector<AttentionRequest>& requests) {
+  const int64_t B = P.batch, Hq = P.q_heads, Hkv = P.kv_heads, D = P.head_dim, G = Hq / Hkv;
+  // Buffers are sized for the request with the most rows; each request uses its own rows only, so a request's
+  // bits do not depend on the others (nor on whether q is padded or flat).
+  int64_t max_queries = 0;
+  for (const AttentionRequest& R : requests) max_queries = std::max(max_queries, R.queries);
+  const int64_t max_rows = max_queries * G, max_rows_padded = (max_rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   // Work items (request, split, KV head), requests in order; first_split[b] is request b's first split.
   std::vector<int64_t> first_split(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) first_split[b + 1] = first_split[b] + attention_request_splits(P, b);
+  for (int64_t b = 0; b < B; ++b) {
+    first_split[b + 1] = first_split[b] + (requests[b].queries > 0 ? attention_request_splits(P, requests[b]) : 0);
+  }
   std::vector<int64_t> split_request(first_split[B]);
   for (int64_t b = 0; b < B; ++b) std::fill(&split_request[first_split[b]], &split_request[first_split[b + 1]], b);
   const int64_t items = first_split[B] * Hkv;
+  if (items == 0) return;
   // Each item's unnormalised output and its rows' running max and sum (padding rows included, never read),
   // initialised by the item's worker, where the item's rows are about to be used, not in one pass up front.
-  const std::unique_ptr<float[]> acc(new float[items * R * D]);
-  const std::unique_ptr<float[]> row_max(new float[items * rows_padded]), row_sum(new float[items * rows_padded]);
+  const std::unique_ptr<float[]> acc(new float[items * max_rows * D]);
+  const std::unique_ptr<float[]> row_max(new float[items * max_rows_padded]), row_sum(new float[items * max_rows_padded]);
   // Items are taken from a shared counter: their sizes differ (requests' lengths, last splits), and a static
   // split of the range would leave threads idle. Each item's bits do not depend on which thread runs it.
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Workspace ws;
-    ws.qt.assign(D * rows_padded, 0.0f);
+    ws.qt.assign(D * max_rows_padded, 0.0f);
     if (!std::is_same_v<T, float>) ws.tile.resize(2 * kKeyTile * D);
-    ws.scores.resize(kKeyTile * rows_padded);
-    ws.alpha.resize(rows_padded);
+    ws.scores.resize(kKeyTile * max_rows_padded);
+    ws.alpha.resize(max_rows_padded);
     for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
       const int64_t split = item / Hkv, kvh = item % Hkv, b = split_request[split];
+      const AttentionRequest& R = requests[b];
+      const int64_t rows = R.queries * G, rows_padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
       int64_t k0, k1;
-      attention_split_keys(P, b, split - first_split[b], &k0, &k1);
-      std::fill_n(&acc[item * R * D], R * D, 0.0f);
-      std::fill_n(&row_max[item * rows_padded], rows_padded, -INFINITY);
-      std::fill_n(&row_sum[item * rows_padded], rows_padded, 0.0f);
+      attention_split_keys(P, R, split - first_split[b], &k0, &k1);
+      std::fill_n(&acc[item * max_rows * D], rows * D, 0.0f);
+      std::fill_n(&row_max[item * max_rows_padded], rows_padded, -INFINITY);
+      std::fill_n(&row_sum[item * max_rows_padded], rows_padded, 0.0f);
       if (k0 >= k1) continue;
       const T* q = static_cast<const T*>(P.q);
-      for (int64_t r = 0; r < R; ++r) {
+      std::fill(ws.qt.begin(), ws.qt.begin() + D * rows_padded, 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r / G, h = kvh * G + r % G;
-        const T* qr = q + ((b * Q + i) * Hq + h) * D;
+        const T* qr = q + ((R.q_begin + i) * Hq + h) * D;
         for (int64_t e = 0; e < D; ++e) ws.qt[e * rows_padded + r] = static_cast<float>(qr[e]) * P.scale;
       }
-      attend_range<T>(P, b, kvh, k0, k1, ws, &acc[item * R * D], &row_max[item * rows_padded],
-                      &row_sum[item * rows_padded]);
+      attend_range<T>(P, R, b, kvh, k0, k1, ws, &acc[item * max_rows * D], &row_max[item * max_rows_padded],
+                      &row_sum[item * max_rows_padded]);
     }
   });
   // Merge the splits of each (request, KV head) in split order and write out (and lse).
@@ -319,74 +333,87 @@ void verify_attention_cpu_impl(const AttentionParams& P) {
     std::vector<float> o(D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, kvh = bh % Hkv;
-      for (int64_t r = 0; r < R; ++r) {
+      const AttentionRequest& R = requests[b];
+      for (int64_t r = 0; r < R.queries * G; ++r) {
         const int64_t i = r / G, h = kvh * G + r % G;
         float m = -INFINITY;
         for (int64_t s = first_split[b]; s < first_split[b + 1]; ++s) {
-          m = std::max(m, row_max[(s * Hkv + kvh) * rows_padded + r]);
+          m = std::max(m, row_max[(s * Hkv + kvh) * max_rows_padded + r]);
         }
         float l = 0.0f;
         std::fill(o.begin(), o.end(), 0.0f);
         if (m != -INFINITY) {
           for (int64_t s = first_split[b]; s < first_split[b + 1]; ++s) {
             const int64_t item = s * Hkv + kvh;
-            const float ms = row_max[item * rows_padded + r];
+            const float ms = row_max[item * max_rows_padded + r];
             if (ms == -INFINITY) continue;
             const float w = std::exp(ms - m);
-            l += row_sum[item * rows_padded + r] * w;
-            const float* a = &acc[(item * R + r) * D];
+            l += row_sum[item * max_rows_padded + r] * w;
+            const float* a = &acc[(item * max_rows + r) * D];
             for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
           }
         }
-        T* out = static_cast<T*>(P.out) + ((b * Q + i) * Hq + h) * D;
+        const int64_t row = (R.q_begin + i) * Hq + h;
+        T* out = static_cast<T*>(P.out) + row * D;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(o[d] * inv);
-        if (P.lse != nullptr) P.lse[(b * Q + i) * Hq + h] = l > 0.0f ? m + std::log(l) : -INFINITY;
+        if (P.lse != nullptr) P.lse[row] = l > 0.0f ? m + std::log(l) : -INFINITY;
       }
     }
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                                        const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k_new,
-                                                        const std::optional<at::Tensor>& v_new,
-                                                        const std::optional<at::Tensor>& block_table,
-                                                        const std::optional<at::Tensor>& tree_mask,
-                                                        std::optional<double> softmax_scale, bool return_lse,
-                                                        const std::optional<at::Tensor>& error_flags) {
-  at::Tensor out = at::empty_like(q);
-  at::Tensor lse = empty_lse(q, return_lse);
+void verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& k_new,
+                          const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
+                          const std::optional<at::Tensor>& tree_mask, std::optional<double> softmax_scale,
+                          const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                          const std::optional<at::Tensor>& error_flags, const std::optional<at::Tensor>& qo_indptr,
+                          const std::optional<at::Tensor>& kv_indptr, const std::optional<at::Tensor>& kv_indices,
+                          const std::optional<at::Tensor>& kv_last_page_len, c10::string_view kv_layout,
+                          int64_t window_left, double logits_soft_cap) {
   AttentionParams P = make_attention_params(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, tree_mask,
-                                            softmax_scale, error_flags, out, lse, return_lse);
+                                            softmax_scale, out, lse, error_flags, qo_indptr, kv_indptr, kv_indices,
+                                            kv_last_page_len, kv_layout, window_left, logits_soft_cap);
   P.split_keys = kSplitKeys;
-  // Every request's block must fit in its cache and pages (checked before anything is written).
+  // Every request is valid: its rows, its block within its cache, its pages within the paged cache (checked
+  // before anything is written).
+  std::vector<AttentionRequest> requests(P.batch);
   for (int64_t b = 0; b < P.batch; ++b) {
-    const int64_t length = P.cache_seqlens[b];
-    TORCH_CHECK_VALUE(length >= 0 && length + P.num_queries <= P.capacity, "verify_attention: request ", b,
-                      ": the block [cache_seqlens, cache_seqlens + Q) = [", length, ", ", length + P.num_queries,
-                      ") runs outside the cache of ", P.capacity, " positions");
-    if (P.block_table != nullptr) {
-      for (int64_t pos = 0; pos < length + P.num_queries; pos += P.page_size) {
-        TORCH_CHECK_VALUE(attention_cache_row(P, b, pos) >= 0, "verify_attention: request ", b,
-                          ": block_table points outside the paged cache at position ", pos);
+    const AttentionRequest R = attention_request(P, b);
+    int32_t bits = R.errors;
+    if (bits == 0 && (P.block_table != nullptr || P.kv_indices != nullptr)) {
+      // The pages of the keys it reads (a sliding window skips the ones before it).
+      for (int64_t pos = R.key_begin / P.page_size * P.page_size; pos < R.key_end && bits == 0; pos += P.page_size) {
+        if (attention_cache_row(P, R, b, pos) < 0) bits |= kAttentionBadPage;
       }
     }
+    if (bits != 0) {
+      if (P.error_flags != nullptr) *P.error_flags |= bits;
+      TORCH_CHECK_VALUE(false, attention_error_message(bits, b));
+    }
+    requests[b] = R;
   }
   const int64_t row = P.kv_heads * P.head_dim, elem = q.element_size();
   if (P.k_new != nullptr) {  // append the new tokens, then attend to them from the cache
     for (int64_t b = 0; b < P.batch; ++b) {
-      for (int64_t j = 0; j < P.num_queries; ++j) {
-        const int64_t dst = attention_cache_row(P, b, P.cache_seqlens[b] + j) * elem;
-        const int64_t src = (b * P.num_queries + j) * row * elem;
-        std::memcpy(static_cast<char*>(P.k_cache) + dst, static_cast<const char*>(P.k_new) + src, row * elem);
-        std::memcpy(static_cast<char*>(P.v_cache) + dst, static_cast<const char*>(P.v_new) + src, row * elem);
+      const AttentionRequest& R = requests[b];
+      for (int64_t j = 0; j < R.queries; ++j) {
+        const int64_t dst = attention_cache_row(P, R, b, R.length + j);
+        const char* src = static_cast<const char*>(P.k_new) + (R.q_begin + j) * row * elem;
+        const char* vsrc = static_cast<const char*>(P.v_new) + (R.q_begin + j) * row * elem;
+        for (int64_t h = 0; h < P.kv_heads; ++h) {
+          const int64_t at = (dst + h * P.stride_head) * elem;
+          std::memcpy(static_cast<char*>(P.k_cache) + at, src + h * P.head_dim * elem, P.head_dim * elem);
+          std::memcpy(static_cast<char*>(P.v_cache) + at, vsrc + h * P.head_dim * elem, P.head_dim * elem);
+        }
       }
     }
   }
-  if (P.batch == 0) return {out, lse};
-  dispatch_float_types<float, c10::Half, c10::BFloat16>(
-      q.scalar_type(), "verify_attention", [&](auto tag) { verify_attention_cpu_impl<typename decltype(tag)::type>(P); });
-  return {out, lse};
+  if (P.batch == 0) return;
+  dispatch_float_types<float, c10::Half, c10::BFloat16>(q.scalar_type(), "verify_attention", [&](auto tag) {
+    verify_attention_cpu_impl<typename decltype(tag)::type>(P, requests);
+  });
 }
 
 }  // namespace

@@ -8,9 +8,10 @@ namespace {
 void truncate_kv_cache_launch(const at::Tensor& cache_seqlens, const at::Tensor& num_kept,
                               const std::optional<at::Tensor>& kept_indices, at::TensorList k_caches, at::TensorList v_caches,
                               const std::optional<at::Tensor>& block_table, std::optional<int64_t> block_len, bool clear,
-                              const std::optional<at::Tensor>& error_flags) {
+                              const std::optional<at::Tensor>& error_flags, const std::optional<at::Tensor>& kv_indptr,
+                              const std::optional<at::Tensor>& kv_indices, c10::string_view kv_layout) {
   const TruncateParams P = make_truncate_params(cache_seqlens, num_kept, kept_indices, k_caches, v_caches, block_table,
-                                                block_len, clear, error_flags);
+                                                block_len, clear, error_flags, kv_indptr, kv_indices, kv_layout);
   TORCH_CHECK_VALUE(cache_seqlens.device().type() == kLauncherDevice, "truncate_kv_cache: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(cache_seqlens);

@@ -23,16 +23,14 @@ __global__ void __launch_bounds__(kTruncateThreads) truncate_kv_cache_kernel(con
       for (int32_t j = 0; j < n; ++j) {
         const int32_t src = P.kept_indices[b * P.block_len + j];
         if (src != j) {  // uniform across the block
-          const int64_t from = cache_row(P, b, base + src), to = cache_row(P, b, base + j);
-          for (int64_t w = threadIdx.x; w < P.row_words; w += kTruncateThreads) cache[to + w] = cache[from + w];
+          copy_cache_row(P, cache, cache_row(P, b, base + j), cache_row(P, b, base + src), threadIdx.x, kTruncateThreads);
         }
         sync_threads();
       }
     }
     if (P.clear) {
       for (int64_t j = n; j < P.block_len; ++j) {
-        const int64_t to = cache_row(P, b, base + j);
-        for (int64_t w = threadIdx.x; w < P.row_words; w += kTruncateThreads) cache[to + w] = 0u;
+        clear_cache_row(P, cache, cache_row(P, b, base + j), threadIdx.x, kTruncateThreads);
       }
     }
   }

@@ -21,6 +21,8 @@ def register(sub) -> None:
                                                  "e2e: fixed k and 'adaptive'; tree_sampling: tree nodes N)")
     bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")
     bench.add_argument("--flex", action="store_true", help="attention: also time FlexAttention (compiles per shape)")
+    bench.add_argument("--layouts", action="store_true", help="attention: engine layouts (HND, CSR pages, flat q) "
+                                                               "against the padded NHD call, B = 8, context 2048")
     bench.add_argument("--dtype", default=None, help="e2e: comma-separated dtypes (default float32,bfloat16)")
     bench.add_argument("--new-tokens", type=int, default=None, help="e2e: tokens generated per request (default 128)")
     bench.add_argument("--prompts", default=None, help="e2e: comma-separated prompt names (chat,code,summarise, and "

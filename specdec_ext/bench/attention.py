@@ -2,6 +2,8 @@
 enable_gqa), the reference, and with --flex FlexAttention (torch.compile'd, one compile per shape), Hq/Hkv = 32/8,
 D = 128, every request with the same context length. GB/s counts the KV-cache bytes that must be read (every
 cached K and V row once)."""
+import statistics
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,8 @@ HQ, HKV, D = 32, 8, 128
 
 def main(args) -> int:
     device = pick_device(args.device)
+    if getattr(args, "layouts", False):
+        return main_layouts(args, device)
     peak = copy_bandwidth_gbs(device)
     cpu = device.type == "cpu"
     batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8] if cpu else [1, 8, 32])
@@ -73,3 +77,70 @@ def flex_attention_fn(qt, kt, vt, context):
     block_mask = create_block_mask(verify_mask, None, None, qt.shape[2], kt.shape[2], device=qt.device)
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda: compiled(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
+
+
+def main_layouts(args, device) -> int:
+    """`specdec bench attention --layouts`: the engine layouts of verify_attention against the padded NHD call of the
+    same work, in one run (median of repeats after warm-up each): HND caches, paged caches (block table; FlashInfer's
+    interleaved HND pages through its CSR table), flat q with qo_indptr. B = 8 (--batch), context 2048 (--vocab),
+    Q_b uniform in 1..8 from a fixed seed for the ragged rows."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    batch = int(args.batch.split(",")[0]) if args.batch else 8
+    context = int(args.vocab.split(",")[0]) if args.vocab else 2048
+    n_q, page = 8, 16
+    g = torch.Generator().manual_seed(2048)
+    counts = torch.randint(1, n_q + 1, (batch,), generator=g).tolist()
+    q = torch.randn(batch, n_q, HQ, D, generator=g).to(device=device, dtype=dtype)
+    s = context + n_q
+    k_cache = torch.randn(batch, s, HKV, D, generator=g).to(device=device, dtype=dtype)
+    v_cache = torch.randn(batch, s, HKV, D, generator=g).to(device=device, dtype=dtype)
+    lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
+    k_hnd, v_hnd = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+    # Paged: each request's pages scattered over one pool; FlashInfer's [pages, 2, H, page, D] for the CSR rows.
+    per_seq = -(-s // page)
+    table = torch.randperm(batch * per_seq, generator=g).int().reshape(batch, per_seq).to(device)
+    k_pages = torch.empty(batch * per_seq, page, HKV, D, dtype=dtype, device=device)
+    v_pages = torch.empty_like(k_pages)
+    for b in range(batch):
+        rows = table[b].long()
+        k_pages[rows] = torch.nn.functional.pad(k_cache[b], (0, 0, 0, 0, 0, per_seq * page - s)).reshape(per_seq, page, HKV, D)
+        v_pages[rows] = torch.nn.functional.pad(v_cache[b], (0, 0, 0, 0, 0, per_seq * page - s)).reshape(per_seq, page, HKV, D)
+    kv_fi = torch.stack([k_pages.transpose(1, 2), v_pages.transpose(1, 2)], dim=1).contiguous()
+    kv_len = context + n_q
+    indptr = torch.arange(0, batch * per_seq + 1, per_seq, dtype=torch.int32, device=device)
+    last = torch.full((batch,), kv_len - (per_seq - 1) * page, dtype=torch.int32, device=device)
+    flat_full = q.reshape(batch * n_q, HQ, D)
+    full_indptr = torch.arange(0, batch * n_q + 1, n_q, dtype=torch.int32, device=device)
+    ragged = torch.cat([q[b, :c] for b, c in enumerate(counts)])
+    ragged_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).int().to(device)
+    f = specdec_ext.verify_attention
+    cases = [
+        ("contiguous NHD, padded Q = 8 (baseline)", lambda: f(q, k_cache, v_cache, lengths)),
+        ("contiguous HND, padded Q = 8", lambda: f(q, k_hnd, v_hnd, lengths, kv_layout="HND")),
+        ("flat q, qo_indptr with every Q_b = 8", lambda: f(flat_full, k_cache, v_cache, lengths, qo_indptr=full_indptr)),
+        (f"flat q, qo_indptr with Q_b in 1..8 (T = {sum(counts)})",
+         lambda: f(ragged, k_cache, v_cache, lengths, qo_indptr=ragged_indptr)),
+        ("paged NHD, block table, padded Q = 8", lambda: f(q, k_pages, v_pages, lengths, block_table=table)),
+        ("paged HND kv[:, 0] / kv[:, 1], CSR table, padded Q = 8",
+         lambda: f(q, kv_fi[:, 0], kv_fi[:, 1], None, kv_indptr=indptr, kv_indices=table.reshape(-1),
+                   kv_last_page_len=last, kv_layout="HND")),
+    ]
+    # Warm-up, then the cases timed round-robin (one call of each per round): a drift of the machine's speed during
+    # the run (other work, clocks) moves every case alike instead of the ratios. Median per case.
+    for _ in range(3):
+        for _, fn in cases:
+            fn()
+    times = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for i, (_, fn) in enumerate(cases):
+            times[i].append(median_us(fn, device, repeats=1, warmup=0))
+    rows = [{"layout": name, "us": statistics.median(t)} for (name, _), t in zip(cases, times)]
+    base = rows[0]["us"]
+    for row in rows:
+        row["vs_baseline"] = row["us"] / base
+        print(f"{row['layout']:58s} {row['us']:9.1f} us  {row['vs_baseline']:.3f}x", flush=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    report(f"verify_attention layouts on {name} ({dtype}, B = {batch}, context {context}, Hq/Hkv = {HQ}/{HKV}, "
+           f"D = {D}, ragged Q_b = {counts})", rows, ["layout", "us", "vs_baseline"])
+    save(args, {"title": f"verify_attention layouts, {name}", "device": name, "counts": counts}, rows, ["layout"])
+    return 0

@@ -14,7 +14,7 @@ from torch import nn
 from ..ops import LIMITS, skinny_linear
 from .config import LlamaConfig
 
-MAX_ATTENTION_QUERIES = 64  # verify_attention's limit on new tokens per call: longer blocks are chunked
+MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:

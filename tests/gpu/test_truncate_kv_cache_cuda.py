@@ -52,3 +52,28 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(lengths.cpu(), want[0]) and torch.equal(k.cpu(), want[1]) and torch.equal(v.cpu(), want[2])
+
+
+def test_cuda_matches_cpu_engine_layouts():
+    """HND pages interleaved K/V (FlashInfer's kv[:, 0] / kv[:, 1]) through a CSR table: CUDA == CPU."""
+    g = torch.Generator().manual_seed(1)
+    batch, layers, block_len, page, heads, dim = 5, 3, 16, 8, 4, 128
+    pages = [6, 3, 4, 6, 2]
+    num_pages = sum(pages) + 4
+    indices = torch.randperm(num_pages, generator=g)[: sum(pages)].int()
+    indptr = torch.tensor([0] + pages).cumsum(0).int()
+    kv = torch.randn(layers, num_pages, 2, heads, page, dim, generator=g).bfloat16()
+    lengths = torch.tensor([n * page - block_len for n in pages], dtype=torch.int32).clamp(min=0)
+    num_kept = torch.randint(0, block_len + 1, (batch,), generator=g, dtype=torch.int32)
+    kept = torch.full((batch, block_len), -1, dtype=torch.int32)
+    for b in range(batch):
+        n = int(num_kept[b])
+        kept[b, :n] = torch.randperm(block_len, generator=g)[:n].sort().values.int()
+    cpu = (lengths.clone(), kv.clone())
+    specdec_ext.truncate_kv_cache(cpu[0], num_kept, kept_indices=kept, k_caches=cpu[1][:, :, 0], v_caches=cpu[1][:, :, 1],
+                                  kv_indptr=indptr, kv_indices=indices, kv_layout="HND", clear=True)
+    gpu = (lengths.cuda(), kv.cuda())
+    specdec_ext.truncate_kv_cache(gpu[0], num_kept.cuda(), kept_indices=kept.cuda(), k_caches=gpu[1][:, :, 0],
+                                  v_caches=gpu[1][:, :, 1], kv_indptr=indptr.cuda(), kv_indices=indices.cuda(),
+                                  kv_layout="HND", clear=True)
+    assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])

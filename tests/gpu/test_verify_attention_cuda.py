@@ -103,7 +103,9 @@ def test_invalid_request_is_nan_and_strict_raises():
 def test_opcheck():
     g = torch.Generator().manual_seed(6)
     q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 3, 8, 2, 128, torch.bfloat16, [4, 90])
-    torch.library.opcheck(torch.ops.specdec.verify_attention.default, (q, kc, vc, sl, kn, vn, None, None, None, True, None))
+    torch.library.opcheck(torch.ops.specdec.verify_attention.default,
+                          (q, kc, vc, sl, kn, vn, None, None, None, torch.empty_like(q),
+                           q.new_empty(q.shape[:3], dtype=torch.float32), None))
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
@@ -123,3 +125,108 @@ def test_output_bits_do_not_depend_on_the_batch(page_size):
     for rows in ([0, 1], [0, 1, 2, 3, 4, 5], [0] * 64, [0, 2]):
         out, lse = run(rows)
         assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0]), rows
+
+
+# ----- engine layouts (DESIGN.md §3.4), the CPU tests' twins on the tensor-core kernel --------------------------
+def nhd_to_hnd(cache):
+    return cache.transpose(1, 2).contiguous()
+
+
+def csr_table(table, kv_lens, page_size):
+    pages = [-(-n // page_size) for n in kv_lens]
+    indptr = torch.tensor([0] + pages, dtype=torch.int32).cumsum(0).int()
+    indices = torch.cat([table[b, :n].cpu() for b, n in enumerate(pages)]).int()
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    return indptr.cuda(), indices.cuda(), last.cuda()
+
+
+def poisoned(f, q, *args, **kwargs):
+    out = torch.full_like(q, float("nan"))
+    got, lse = f(q, *args, out=out, return_lse=True, **kwargs)
+    assert got is out
+    return out, lse
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_layouts_agree_bit_for_bit(d):
+    """HND == NHD, FlashInfer's interleaved K/V pages == separate tensors, CSR table == block table (with as many
+    columns as kv_indices has entries: the same capacity bound, so the same KV splits)."""
+    g = torch.Generator().manual_seed(21 + d)
+    lengths, n_q, page = [0, 700, 5000, 33], 6, 16
+    q, kc, vc, sl, kn, vn, table = make_case(g, 4, n_q, 16, 4, d, torch.bfloat16, lengths, page)
+    f = specdec_ext.verify_attention
+    base = (kc.clone(), vc.clone())
+    out, lse = poisoned(f, q, *base, sl, kn, vn, block_table=table)
+    hnd = (nhd_to_hnd(kc), nhd_to_hnd(vc))
+    out_h, lse_h = poisoned(f, q, *hnd, sl, kn, vn, block_table=table, kv_layout="HND")
+    assert torch.equal(out, out_h) and torch.equal(lse, lse_h) and torch.equal(nhd_to_hnd(base[0]), hnd[0])
+    kv = torch.stack([kc, vc], dim=1)
+    out_v, lse_v = poisoned(f, q, kv[:, 0], kv[:, 1], sl, kn, vn, block_table=table)
+    assert torch.equal(out, out_v) and torch.equal(lse, lse_v) and torch.equal(kv[:, 0], base[0])
+    indptr, indices, last = csr_table(table, [n + n_q for n in lengths], page)
+    wide = torch.zeros(4, indices.numel(), dtype=torch.int32, device="cuda")
+    wide[:, : table.shape[1]] = table
+    out_w, lse_w = poisoned(f, q, kc.clone(), vc.clone(), sl, kn, vn, block_table=wide)
+    out_c, lse_c = poisoned(f, q, kc.clone(), vc.clone(), None, kn, vn, kv_indptr=indptr, kv_indices=indices,
+                            kv_last_page_len=last)
+    assert torch.equal(out_w, out_c) and torch.equal(lse_w, lse_c)
+    ref = reference.verify_attention(q, kc.clone(), vc.clone(), sl, kn, vn, block_table=table)
+    assert rel_error(out_c, ref) <= 2e-2
+
+
+def test_ragged_q_equals_per_request_calls():
+    g = torch.Generator().manual_seed(22)
+    counts, hq, hkv, d, page = [3, 0, 128, 1, 0, 64], 8, 2, 128, 16
+    lengths = [100, 7, 3000, 0, 50, 900]
+    starts = [sum(counts[:b]) for b in range(len(counts) + 1)]
+    total = starts[-1]
+    q = torch.randn(total, hq, d, generator=g).bfloat16().cuda()
+    kn, vn = (torch.randn(total, hkv, d, generator=g).bfloat16().cuda() for _ in range(2))
+    per_seq = -(-(max(lengths) + max(counts)) // page)
+    table = torch.randperm(6 * per_seq, generator=g).int().reshape(6, per_seq).cuda()
+    kc, vc = (torch.randn(6 * per_seq, page, hkv, d, generator=g).bfloat16().cuda() for _ in range(2))
+    sl = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    indptr = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    f = specdec_ext.verify_attention
+    out, lse = poisoned(f, q, kc.clone(), vc.clone(), sl, kn, vn, block_table=table, qo_indptr=indptr)
+    caches = (kc.clone(), vc.clone())
+    for b, n in enumerate(counts):
+        if n:
+            rows = slice(starts[b], starts[b + 1])
+            one, one_lse = poisoned(f, q[rows][None], *caches, sl[b:b + 1], kn[rows][None], vn[rows][None],
+                                    block_table=table[b:b + 1])
+            assert torch.equal(out[rows], one[0]) and torch.equal(lse[rows], one_lse[0]), b
+
+
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (100, 0.0), (-1, 30.0), (500, 10.0)])
+def test_window_and_soft_cap_against_reference(window, cap):
+    g = torch.Generator().manual_seed(23)
+    q, kc, vc, sl, kn, vn, table = make_case(g, 3, 7, 16, 4, 256, torch.bfloat16, [4000, 20, 900], 16)
+    q = q * 4
+    out = specdec_ext.verify_attention(q, kc.clone(), vc.clone(), sl, kn, vn, block_table=table, window_left=window,
+                                       logits_soft_cap=cap)
+    ref = reference.verify_attention(q, kc.clone(), vc.clone(), sl, kn, vn, block_table=table, window_left=window,
+                                     logits_soft_cap=cap)
+    assert rel_error(out, ref) <= 2e-2
+
+
+def test_out_capturable_with_flat_q_and_csr():
+    g = torch.Generator().manual_seed(24)
+    q, kc, vc, sl, kn, vn, table = make_case(g, 2, 5, 8, 2, 128, torch.bfloat16, [300, 40], 16)
+    indptr, indices, last = csr_table(table, [305, 45], 16)
+    qo = torch.tensor([0, 5, 10], dtype=torch.int32, device="cuda")
+    flat = q.reshape(10, 8, 128)
+    kw = dict(qo_indptr=qo, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last)
+    want = specdec_ext.verify_attention(flat, kc.clone(), vc.clone(), None, **kw)
+    out = torch.full_like(flat, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        specdec_ext.verify_attention(flat, kc, vc, None, out=out, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        specdec_ext.verify_attention(flat, kc, vc, None, out=out, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

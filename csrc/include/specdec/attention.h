@@ -1,6 +1,16 @@
-// verify_attention (DESIGN.md §3.2): parameters shared by the backends. Query i of request b sees cache
-// positions [0, cache_seqlens[b]) and the new token j (at position cache_seqlens[b] + j) where
-// mask[i][j]; the default mask is causal (j <= i).
+// verify_attention (DESIGN.md §3.2, §3.4): parameters shared by the backends. Query i of request b sits at
+// position length_b + i and sees cache positions [0, length_b) and the new token j (at position length_b + j)
+// where mask[i][j]; the default mask is causal (j <= i). With window_left >= 0 it also sees only keys at
+// positions >= length_b + i - window_left (FlashInfer's sliding window).
+//
+// Layouts (every backend addresses the cache through attention_cache_row):
+//   q / out: padded [B, Q, Hq, D] (request b owns rows b*Q .. b*Q + Q) or flat [T, Hq, D] with qo_indptr
+//            (request b owns rows qo_indptr[b] .. qo_indptr[b+1], possibly none); k_new / v_new likewise.
+//   cache:   contiguous [B, S, H, D] (NHD) / [B, H, S, D] (HND), or paged [pages, page_size, H, D] /
+//            [pages, H, page_size, D] with any page stride, through block_table [B, max_pages] or FlashInfer's
+//            CSR table (kv_indptr [B+1], kv_indices [nnz], kv_last_page_len [B]). In the CSR form the table
+//            lists the request's whole KV, new tokens included: length_b = kv_len_b - Q_b, where
+//            kv_len_b = (pages_b - 1) * page_size + kv_last_page_len[b] (0 without pages).
 #pragma once
 #include <stdint.h>
 
@@ -8,84 +18,176 @@
 
 namespace specdec {
 
-constexpr int kMaxVerifyQueries = 64;
+constexpr int kMaxVerifyQueries = 128;  // new tokens per request (Q_b)
 constexpr int kMaxHeadDim = 256;
 
 struct AttentionParams {
-  const void* q;              // [B, Q, Hq, D]
-  void* k_cache;              // contiguous [B, S_max, Hkv, D] or paged [num_pages, page_size, Hkv, D]
+  const void* q;              // [B, Q, Hq, D] or [T, Hq, D]
+  void* k_cache;              // see the layouts above
   void* v_cache;
-  const int32_t* cache_seqlens;
-  const void* k_new;          // [B, Q, Hkv, D] or nullptr (new tokens already in the cache)
+  const int32_t* cache_seqlens;  // [B], or nullptr in the CSR form
+  const void* k_new;          // [B, Q, Hkv, D] / [T, Hkv, D], or nullptr (new tokens already in the cache)
   const void* v_new;
   const int32_t* block_table; // [B, max_pages] or nullptr
-  const bool* tree_mask;      // [Q, Q] or [B, Q, Q] or nullptr (causal)
+  const int32_t* qo_indptr;   // [B+1] or nullptr (padded q)
+  const int32_t* kv_indptr;   // [B+1] or nullptr (no CSR table)
+  const int32_t* kv_indices;  // [num_indices]
+  const int32_t* kv_last_page_len;  // [B]
+  const bool* tree_mask;      // [Q, Q], [B, Q, Q], flat (qo_indptr: request b's [Q_b, Q_b] at sum_{c<b} Q_c^2), or nullptr
   bool mask_per_request;
-  void* out;                  // [B, Q, Hq, D], dtype of q
-  float* lse;                 // [B, Q, Hq], or nullptr when not asked for
-  int64_t batch, num_queries, q_heads, kv_heads, head_dim;
-  int64_t cache_stride_b, cache_stride_s;  // elements (contiguous layout)
-  int64_t page_size, num_pages, max_pages, capacity;
+  int64_t mask_numel;
+  void* out;                  // like q, dtype of q
+  float* lse;                 // [B, Q, Hq] / [T, Hq], or nullptr when not asked for
+  // num_queries: Q of the padded form; with qo_indptr, the most rows a request can own (min(T, kMaxVerifyQueries)),
+  // which sizes the grid. total_queries: the rows of q (B * Q, or T).
+  int64_t batch, num_queries, total_queries, q_heads, kv_heads, head_dim;
+  // Element strides of the cache: page (request b of a contiguous cache), slot (position in the page, or in
+  // the request), head. The last dimension is contiguous.
+  int64_t stride_page, stride_slot, stride_head;
+  int64_t page_size, num_pages, max_pages, num_indices, capacity;  // capacity: positions of a contiguous / block-table request
   int32_t page_shift;         // log2(page_size) when it is a power of two (the usual case), else -1
+  int32_t window_left;        // -1: no sliding window
   float scale;
+  float soft_cap;             // 0: off; else scores s -> soft_cap * tanh(s / soft_cap) (scaled scores)
   // Keys [split * split_keys, (split + 1) * split_keys) of a request are one work item (CPU) or block (CUDA);
   // a request with several splits gets normalised partial outputs and their lse, merged in split order.
   // The split count of a request depends on its own length only (attention_request_splits), so its output
   // bits do not depend on the other requests of the batch. num_splits: the grid's (CUDA), the most any
   // request can have.
   int64_t num_splits, split_keys, row_tiles;
-  float* partial_out;         // [num_splits, B, Q, Hq, D]
-  float* partial_lse;         // [num_splits, B, Q, Hq]
+  float* partial_out;         // [num_splits, total_queries, Hq, D]
+  float* partial_lse;         // [num_splits, total_queries, Hq]
   int32_t* error_flags;       // [1] or nullptr: AttentionError bits of invalid requests
 };
 
 enum AttentionError : int32_t {
-  kAttentionBadLength = 1,  // cache_seqlens[b] < 0 or the block runs past the cache
-  kAttentionBadPage = 2,    // block_table points outside the paged cache
+  kAttentionBadLength = 1,     // cache_seqlens[b] < 0 or the block runs past the cache (CSR: fewer keys than Q_b)
+  kAttentionBadPage = 2,       // block_table / kv_indices points outside the paged cache
+  kAttentionBadQoIndptr = 4,   // qo_indptr decreasing, negative, past T, or Q_b > kMaxVerifyQueries
+  kAttentionBadKvIndptr = 8,   // kv_indptr decreasing, negative or past kv_indices; kv_last_page_len out of range
+  kAttentionBadMask = 16,      // the flat tree_mask is shorter than sum Q_b^2
 };
 
-// Element offset of the row (b, position) in the cache, or -1 if its page is outside the cache.
-SPECDEC_HD int64_t attention_cache_row(const AttentionParams& P, int64_t b, int64_t pos) {
-  if (P.block_table == nullptr) return b * P.cache_stride_b + pos * P.cache_stride_s;
+constexpr int64_t kAttnSplitAlign = 64;  // split boundaries fall on whole key tiles of every backend
+
+// One request's view of the parameters, read once per block / work item. An invalid request has `errors` set
+// and no keys; with kAttentionBadQoIndptr it has no rows either (its rows are unknown, so nothing is written).
+struct AttentionRequest {
+  int64_t q_begin;      // first row of q / out / k_new
+  int64_t queries;      // Q_b
+  int64_t length;       // tokens in the cache before the block
+  int64_t key_begin;    // keys [key_begin, key_end) are attended: the sliding window's start, split-aligned
+  int64_t key_end;      // length + Q_b, or 0 when invalid
+  int64_t pages_begin;  // CSR: the request's first entry of kv_indices
+  int64_t mask_offset, mask_stride;
+  int32_t errors;
+};
+
+// Reads and checks request b's entries only (qo_indptr[b..b+1], kv_indptr[b..b+1], ...; the flat mask's
+// offset sums the Q_c^2 of the requests before it), so that every read of q, k_new, out and the cache is in bounds.
+SPECDEC_HD AttentionRequest attention_request(const AttentionParams& P, int64_t b) {
+  AttentionRequest R{};
+  if (P.qo_indptr != nullptr) {
+    const int64_t a = P.qo_indptr[b], e = P.qo_indptr[b + 1];
+    if (a >= 0 && a <= e && e <= P.total_queries && e - a <= kMaxVerifyQueries) {
+      R.q_begin = a;
+      R.queries = e - a;
+    } else {
+      R.errors |= kAttentionBadQoIndptr;
+    }
+  } else {
+    R.q_begin = b * P.num_queries;
+    R.queries = P.num_queries;
+  }
+  int64_t capacity = P.capacity;
+  if (P.kv_indptr != nullptr) {
+    const int64_t p0 = P.kv_indptr[b], p1 = P.kv_indptr[b + 1], last = P.kv_last_page_len[b];
+    const int64_t pages = p1 - p0;
+    if (p0 >= 0 && p0 <= p1 && p1 <= P.num_indices &&
+        (pages == 0 ? last == 0 : last >= 1 && last <= P.page_size)) {
+      R.pages_begin = p0;
+      capacity = pages * P.page_size;
+      R.length = (pages == 0 ? 0 : (pages - 1) * P.page_size + last) - R.queries;
+    } else {
+      R.errors |= kAttentionBadKvIndptr;
+    }
+  } else {
+    R.length = P.cache_seqlens[b];
+  }
+  if (!(R.errors & kAttentionBadKvIndptr) && (R.length < 0 || R.length > capacity - R.queries)) {
+    R.errors |= kAttentionBadLength;
+  }
+  R.mask_stride = P.num_queries;
+  if (P.tree_mask != nullptr && P.qo_indptr != nullptr) {
+    int64_t offset = 0;
+    for (int64_t c = 0; c < b; ++c) {
+      const int64_t n = int64_t{P.qo_indptr[c + 1]} - P.qo_indptr[c];
+      offset += n * n;
+    }
+    R.mask_offset = offset;
+    R.mask_stride = R.queries;
+    if (offset < 0 || offset > P.mask_numel - R.queries * R.queries) R.errors |= kAttentionBadMask;
+  } else if (P.mask_per_request) {
+    R.mask_offset = b * P.num_queries * P.num_queries;
+  }
+  if (R.errors == 0) {
+    R.key_end = R.length + R.queries;
+    // Keys before every row's window are skipped, from a split-aligned start so that tiles stay whole.
+    const int64_t first = P.window_left >= 0 ? R.length - P.window_left : 0;
+    R.key_begin = first > 0 ? first / kAttnSplitAlign * kAttnSplitAlign : 0;
+  }
+  return R;
+}
+
+// Element offset of head 0 of the row (b, pos) in the cache, or -1 if its page is outside the cache. pos must
+// be within the request's capacity (attention_request checked it).
+SPECDEC_HD int64_t attention_cache_row(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t pos) {
+  if (P.block_table == nullptr && P.kv_indices == nullptr) return b * P.stride_page + pos * P.stride_slot;
   // A shift and a mask rather than a 64-bit division: the kernels address every row through here.
   const int64_t index = P.page_shift >= 0 ? pos >> P.page_shift : pos / P.page_size;
   const int64_t slot = P.page_shift >= 0 ? pos & (P.page_size - 1) : pos % P.page_size;
-  const int64_t page = P.block_table[b * P.max_pages + index];
+  const int64_t page =
+      P.kv_indices != nullptr ? P.kv_indices[R.pages_begin + index] : P.block_table[b * P.max_pages + index];
   if (page < 0 || page >= P.num_pages) return -1;
-  return (page * P.page_size + slot) * P.kv_heads * P.head_dim;
-}
-
-// The keys request b attends to, cache_seqlens[b] + Q, or 0 if its block does not fit its cache.
-SPECDEC_HD int64_t attention_request_keys(const AttentionParams& P, int64_t b) {
-  const int64_t length = P.cache_seqlens[b];
-  return length >= 0 && length <= P.capacity - P.num_queries ? length + P.num_queries : 0;
+  return page * P.stride_page + slot * P.stride_slot;
 }
 
 // Request b's KV splits: one per split_keys keys, at least one (an invalid request's NaN output is written by
 // its first split).
-SPECDEC_HD int64_t attention_request_splits(const AttentionParams& P, int64_t b) {
-  const int64_t keys = attention_request_keys(P, b);
+SPECDEC_HD int64_t attention_request_splits(const AttentionParams& P, const AttentionRequest& R) {
+  const int64_t keys = R.key_end - R.key_begin;
   return keys > P.split_keys ? (keys + P.split_keys - 1) / P.split_keys : 1;
 }
-
-constexpr int64_t kAttnSplitAlign = 64;  // split boundaries fall on whole key tiles of every backend
 
 // Keys [*begin, *end) of split `split` of request b: the request's keys cut into attention_request_splits
 // near-equal runs (whole tiles of kAttnSplitAlign keys, at most split_keys, a multiple of it, each), so that
 // no split is a sliver; every split below the count is non-empty. A function of the request's length only.
-SPECDEC_HD void attention_split_keys(const AttentionParams& P, int64_t b, int64_t split, int64_t* begin, int64_t* end) {
-  const int64_t keys = attention_request_keys(P, b), splits = attention_request_splits(P, b);
+SPECDEC_HD void attention_split_keys(const AttentionParams& P, const AttentionRequest& R, int64_t split, int64_t* begin,
+                                     int64_t* end) {
+  const int64_t keys = R.key_end - R.key_begin, splits = attention_request_splits(P, R);
   const int64_t even = (keys + splits - 1) / splits;
   const int64_t per = (even + kAttnSplitAlign - 1) / kAttnSplitAlign * kAttnSplitAlign;
   const int64_t k0 = split * per;
-  *begin = k0 < keys ? k0 : keys;
-  *end = k0 + per < keys ? k0 + per : keys;
+  *begin = R.key_begin + (k0 < keys ? k0 : keys);
+  *end = R.key_begin + (k0 + per < keys ? k0 + per : keys);
 }
 
-SPECDEC_HD bool attention_visible(const AttentionParams& P, int64_t b, int64_t i, int64_t j) {
+// Whether query i of the request sees the key at position pos (pos < key_end): the mask for the new tokens,
+// the sliding window for every key.
+SPECDEC_HD bool attention_visible(const AttentionParams& P, const AttentionRequest& R, int64_t i, int64_t pos) {
+  if (P.window_left >= 0 && pos < R.length + i - P.window_left) return false;
+  if (pos < R.length) return true;
+  const int64_t j = pos - R.length;
   if (P.tree_mask == nullptr) return j <= i;
-  const int64_t Q = P.num_queries;
-  return P.tree_mask[(P.mask_per_request ? b * Q * Q : 0) + i * Q + j];
+  return P.tree_mask[R.mask_offset + i * R.mask_stride + j];
 }
+
+// Whether any query of the request can be masked at keys [p0, p1): the block's new tokens or the window.
+SPECDEC_HD bool attention_tile_masked(const AttentionParams& P, const AttentionRequest& R, int64_t p0, int64_t p1) {
+  return p1 > R.length || (P.window_left >= 0 && p0 < R.length + R.queries - 1 - P.window_left);
+}
+
+// The soft cap of a scaled score (Gemma 2, FlashInfer's logits_soft_cap): cap * tanh(s / cap).
+SPECDEC_HD float attention_soft_cap(float score, float cap) { return cap * tanhf(score / cap); }
 
 }  // namespace specdec
