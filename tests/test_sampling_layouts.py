@@ -201,10 +201,10 @@ def test_zero_uniforms_accept_every_draft_with_mass(gen, backend):
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
 @pytest.mark.parametrize("logits", [False, True])
 def test_accepted_independently(gen, backend, logits):
-    batch, k, vocab = 12, 5, 200
+    batch, k, vocab = 24, 5, 200
     padded, _ = ragged_batch(gen, batch, k, vocab, sharpness=1.0)
     kind = "logits" if logits else "probs"
-    control = torch.tensor([0.0, 1.0] * 6) if logits else torch.tensor([True, False] * 6)
+    control = torch.tensor([0.0, 1.0] * 12) if logits else torch.tensor([True, False] * 12)
     got = torch.full((batch,), -5, dtype=torch.int32)
     out = call(backend, logits, padded["ids"], padded[f"target_{kind}"], padded[f"draft_{kind}"], seed=padded["seed"],
                offset=padded["offset"], control=control, num_draft_tokens=padded["num_draft_tokens"],
