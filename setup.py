@@ -125,6 +125,7 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
-    entry_points={"console_scripts": ["specdec = specdec_ext.cli:main"]},
+    entry_points={"console_scripts": ["specdec = specdec_ext.cli:main"],
+                  "vllm.general_plugins": ["specdec_ext = specdec_ext.compat.vllm:register"]},
     zip_safe=False,
 )

@@ -1,0 +1,294 @@
+"""vLLM v1's rejection sampler on specdec_ext's chain speculative sampling kernel.
+
+Follows the contract of vLLM's V1 engine (GPU model runner v1, `vllm/v1/sample/rejection_sampler.py` as of vLLM
+0.11/0.12, the releases whose RejectionSampler takes the Sampler and samples the bonus token itself):
+
+- `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
+  bonus_token_ids, sampling_metadata)`: flat drafts [T], `num_draft_tokens` a host list, `cu_num_draft_tokens` [B]
+  int32 inclusive cumsum, `target_probs` [T, V] already processed, `draft_probs` [T, V] or None (n-gram / EAGLE point
+  proposals), `bonus_token_ids` [B, 1]. Returns [B, max_spec_len + 1] int32: the accepted drafts, the recovered or
+  bonus token, then -1 (vLLM's placeholder). (Later vLLM releases pass target logits here instead; this shim keeps the
+  probabilities form of DESIGN.md.)
+- `RejectionSampler(sampler)`, an nn.Module with vLLM's `forward(metadata, draft_probs, logits, sampling_metadata)`:
+  `logits` [T + B, V] holds each request's draft rows then its bonus row (`metadata.target_logits_indices`,
+  `metadata.bonus_logits_indices`); the bonus token comes from vLLM's Sampler, as in vLLM. Returns a SamplerOutput.
+- `register()`: the `vllm.general_plugins` entry point; swaps vLLM's RejectionSampler for this one.
+
+sampling_metadata is duck-typed (vLLM's SamplingMetadata or any object with its attributes): `all_greedy`,
+`all_random`, `temperature` [B] (None when all greedy; a greedy row has temperature 0, or -1 in older vLLM: both are
+below 1e-5), `generators` {request index: torch.Generator}, and for the module `top_k` / `top_p` [B] or None.
+Nothing here imports vLLM.
+
+Randomness follows vLLM's reproducibility contract: the acceptance uniforms and the recovered token's uniform are
+drawn on the device from torch's default generator, except for a seeded request with k > 0 drafts, whose k uniforms
+and then its one final uniform come from its own generator, in that order. A request without drafts draws nothing.
+So the same generator state gives the same output, whatever else is in the batch. Acceptance is u * q < p (an exact
+u = 0 never accepts a token the target gives probability 0); the recovered token is the inverse CDF of
+norm(max(p - q, 0)) at the final uniform.
+"""
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from . import backend
+from ..ops import LIMITS, MIN_TEMPERATURE
+from ..sampling import mask_top_k_top_p
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDER_TOKEN_ID = -1
+MAX_SPEC_LEN = LIMITS["max_draft_tokens"]
+# Where vLLM defines its RejectionSampler; register() also patches every loaded vllm module that imported the name.
+VLLM_MODULE = "vllm.v1.sample.rejection_sampler"
+
+_vllm_rejection_sampler = None  # vLLM's own class, kept by register() for the batches this shim hands back
+
+
+def _require(meta, name: str, what: str):
+    if not hasattr(meta, name):
+        raise ValueError(f"rejection_sample: sampling_metadata has no attribute {name!r} ({what})")
+    return getattr(meta, name)
+
+
+def _greedy_rows(sampling_metadata, batch: int, device):
+    """The greedy flag for the kernel: a bool for a uniform batch, else [B] bool from vLLM's temperature marker."""
+    all_greedy = bool(_require(sampling_metadata, "all_greedy", "bool"))
+    all_random = bool(_require(sampling_metadata, "all_random", "bool"))
+    if all_greedy:
+        return True
+    if all_random:
+        return False
+    temperature = _require(sampling_metadata, "temperature", "[B] float tensor")
+    if not isinstance(temperature, torch.Tensor) or temperature.numel() != batch:
+        raise ValueError(f"rejection_sample: sampling_metadata.temperature must be a [B] tensor with B = {batch} "
+                         "entries when the batch is not all greedy")
+    return (temperature.reshape(-1) < MIN_TEMPERATURE).to(device)
+
+
+def _uniforms(num_draft_tokens: list[int], generators: dict, device):
+    """vLLM's draws: [T] acceptance uniforms and [B] final uniforms from the default generator on `device`, a seeded
+    request's (k > 0) from its generator: k uniforms, then one. No host synchronisation."""
+    uniforms = torch.rand(sum(num_draft_tokens), dtype=torch.float32, device=device)
+    final = torch.rand(len(num_draft_tokens), dtype=torch.float32, device=device)
+    start = 0
+    for b, k in enumerate(num_draft_tokens):
+        g = generators.get(b)
+        if g is not None and k > 0:  # a request without drafts consumes nothing: vLLM's rule
+            uniforms[start:start + k].uniform_(generator=g)
+            final[b:b + 1].uniform_(generator=g)
+        start += k
+    return uniforms, final
+
+
+def _check_counts(num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_token_ids) -> list[int]:
+    op = "rejection_sample"
+    if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 1:
+        raise ValueError(f"{op}: draft_token_ids must be a [T] tensor (the drafts of every request, flat)")
+    if not isinstance(num_draft_tokens, Sequence) or isinstance(num_draft_tokens, (str, bytes)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in num_draft_tokens):
+        raise ValueError(f"{op}: num_draft_tokens must be a list of ints >= 0 (one per request), "
+                         f"got {num_draft_tokens!r}")
+    counts = list(num_draft_tokens)
+    if sum(counts) != draft_token_ids.numel():
+        raise ValueError(f"{op}: num_draft_tokens sums to {sum(counts)} but draft_token_ids has "
+                         f"{draft_token_ids.numel()} tokens")
+    if isinstance(max_spec_len, bool) or not isinstance(max_spec_len, int) or \
+            not max(counts, default=0) <= max_spec_len <= MAX_SPEC_LEN:
+        raise ValueError(f"{op}: max_spec_len must be an int in [max(num_draft_tokens) = {max(counts, default=0)}, "
+                         f"{MAX_SPEC_LEN}], got {max_spec_len!r}")
+    if not isinstance(cu_num_draft_tokens, torch.Tensor) or cu_num_draft_tokens.dim() != 1 or \
+            cu_num_draft_tokens.numel() != len(counts):
+        raise ValueError(f"{op}: cu_num_draft_tokens must be a [B] tensor with B = len(num_draft_tokens) = "
+                         f"{len(counts)}")
+    # On the CPU the two forms of the counts must agree; on a device this check would be a host read.
+    if cu_num_draft_tokens.device.type == "cpu" and cu_num_draft_tokens.tolist() != \
+            torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist():
+        raise ValueError(f"{op}: cu_num_draft_tokens is not the inclusive cumulative sum of num_draft_tokens")
+    return counts
+
+
+def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
+                     bonus_token_ids, sampling_metadata) -> torch.Tensor:
+    """vLLM v1's rejection_sample on our kernel: [B, max_spec_len + 1] int32, each row the accepted drafts, then
+    the recovered token (first rejection) or bonus_token_ids[b] (all accepted, or no drafts), then -1.
+    Greedy rows accept while the draft equals the target argmax, then emit the argmax."""
+    op = "rejection_sample"
+    counts = _check_counts(num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_token_ids)
+    batch, tokens = len(counts), draft_token_ids.numel()
+    if not isinstance(target_probs, torch.Tensor) or target_probs.dim() != 2 or target_probs.shape[0] != tokens:
+        raise ValueError(f"{op}: target_probs must be a [T, V] tensor with T = {tokens} rows, got "
+                         f"{tuple(getattr(target_probs, 'shape', ()))}")
+    if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor) or
+                                    draft_probs.shape != target_probs.shape):
+        raise ValueError(f"{op}: draft_probs must be None or a tensor of target_probs' shape "
+                         f"{tuple(target_probs.shape)}, got {tuple(getattr(draft_probs, 'shape', ()))}")
+    if not isinstance(bonus_token_ids, torch.Tensor) or bonus_token_ids.numel() != batch or \
+            bonus_token_ids.dim() not in (1, 2):
+        raise ValueError(f"{op}: bonus_token_ids must be a [B, 1] tensor with B = {batch}, got "
+                         f"{tuple(getattr(bonus_token_ids, 'shape', ()))}")
+    device = target_probs.device
+    greedy = _greedy_rows(sampling_metadata, batch, device)
+    uniforms = final_uniforms = None
+    if greedy is not True:  # vLLM draws nothing for an all-greedy batch
+        generators = _require(sampling_metadata, "generators", "dict: request index -> torch.Generator")
+        if not isinstance(generators, dict) or any(not isinstance(b, int) or not 0 <= b < batch for b in generators):
+            raise ValueError(f"{op}: sampling_metadata.generators must map request indices in [0, {batch}) to "
+                             f"torch.Generator objects, got keys {sorted(generators)!r}")
+        uniforms, final_uniforms = _uniforms(counts, generators, device)
+    # seed 0: the uniforms above replace every Philox draw, so the key is never read.
+    return backend().chain_speculative_sampling(
+        draft_token_ids, target_probs, draft_probs, greedy=greedy, seed=0, offset=0,
+        cu_num_draft_tokens=cu_num_draft_tokens, max_draft_tokens=max_spec_len, bonus_token_ids=bonus_token_ids,
+        uniforms=uniforms, final_uniforms=final_uniforms).output_token_ids
+
+
+def _needs_vllm(sampling_metadata) -> str | None:
+    """The first processing this shim leaves to vLLM's own sampler (logprobs, penalties, bad words, allowed-token
+    masks), or None. Attributes the metadata lacks count as off."""
+    if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
+        return "max_num_logprobs"
+    if not getattr(sampling_metadata, "no_penalties", True):
+        return "penalties"
+    if getattr(sampling_metadata, "bad_words_token_ids", None):
+        return "bad_words_token_ids"
+    if getattr(sampling_metadata, "allowed_token_ids_mask", None) is not None:
+        return "allowed_token_ids_mask"
+    return None
+
+
+@dataclasses.dataclass
+class SamplerOutput:
+    """vLLM's SamplerOutput fields, used when vllm.v1.outputs is not loaded."""
+    sampled_token_ids: torch.Tensor
+    logprobs_tensors: object = None
+
+
+def _sampler_output(token_ids: torch.Tensor):
+    outputs = sys.modules.get("vllm.v1.outputs")
+    cls = getattr(outputs, "SamplerOutput", SamplerOutput)
+    return cls(sampled_token_ids=token_ids, logprobs_tensors=None)
+
+
+def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata) -> torch.Tensor:
+    """vLLM's processing of the draft positions' target rows: logits [T, V] -> probabilities [T, V] float32 of
+    softmax(top-k/top-p masked logits / temperature) per request; greedy rows keep their argmax."""
+    logits = logits.float()
+    if sampling_metadata.all_greedy:
+        return logits.softmax(-1)
+    tokens, vocab = logits.shape
+    repeats = torch.tensor(num_draft_tokens, device=logits.device)  # a host-to-device copy, no sync
+
+    def per_token(x, fill):
+        x = torch.full((len(num_draft_tokens),), fill, device=logits.device) if x is None else x.to(logits.device)
+        return x.repeat_interleave(repeats, output_size=tokens)
+
+    temperature = per_token(sampling_metadata.temperature, 1.0).float()
+    greedy = temperature < MIN_TEMPERATURE
+    temperature = torch.where(greedy, 0.0, temperature)  # vLLM's -1 marker counts as 0 for the masks
+    top_k, top_p = getattr(sampling_metadata, "top_k", None), getattr(sampling_metadata, "top_p", None)
+    if top_k is not None or top_p is not None:
+        # On a device, topk over the whole row avoids reading the largest k back to the host.
+        logits = mask_top_k_top_p(logits, temperature, per_token(top_k, 0).long(), per_token(top_p, 1.0).float(),
+                                  max_top_k=0 if top_k is None else vocab if logits.is_cuda else None,
+                                  any_top_p=top_p is not None)
+    return (logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)).softmax(-1)
+
+
+class RejectionSampler(nn.Module):
+    """Drop-in for vLLM's v1 RejectionSampler (the GPU model runner builds it as RejectionSampler(self.sampler)).
+
+    forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput: the bonus tokens come from the
+    Sampler on the bonus rows (vLLM's rule: its processors, penalties and seeded generators apply there); the draft
+    positions' target rows get temperature, top-k and top-p per request (greedy rows untouched), then
+    rejection_sample. Batches that need logprobs, penalties, bad words or allowed-token masks at the draft positions
+    are handed to vLLM's own RejectionSampler when register() found it, and raise NotImplementedError otherwise."""
+
+    def __init__(self, sampler):
+        super().__init__()
+        self.sampler = sampler
+        self._vllm = None
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        if metadata.max_spec_len > MAX_SPEC_LEN:
+            raise ValueError(f"RejectionSampler: metadata.max_spec_len {metadata.max_spec_len} exceeds {MAX_SPEC_LEN}")
+        unsupported = _needs_vllm(sampling_metadata)
+        if unsupported is not None:
+            if _vllm_rejection_sampler is None:
+                raise NotImplementedError(f"RejectionSampler: sampling_metadata asks for {unsupported}, which this "
+                                          "shim leaves to vLLM's RejectionSampler (call register() inside vLLM)")
+            if self._vllm is None:
+                self._vllm = _vllm_rejection_sampler(self.sampler)
+            return self._vllm(metadata, draft_probs, logits, sampling_metadata)
+        bonus = self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata,
+                             predict_bonus_token=True).sampled_token_ids
+        target_probs = process_target_logits(logits[metadata.target_logits_indices], metadata.num_draft_tokens,
+                                             sampling_metadata)
+        token_ids = rejection_sample(metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
+                                     metadata.cu_num_draft_tokens, draft_probs, target_probs, bonus,
+                                     sampling_metadata)
+        return _sampler_output(token_ids)
+
+    @staticmethod
+    def parse_output(output_token_ids: torch.Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
+                     return_cu_num_tokens: bool = False):
+        """vLLM's: the rows of output_token_ids as lists without placeholders (and ids >= vocab_size); the rows in
+        discard_req_indices empty. Returns (lists, cumulative token counts [B + 1] or None), the counts taken
+        before discarding."""
+        rows = output_token_ids.cpu()
+        valid = (rows != PLACEHOLDER_TOKEN_ID) & (rows < vocab_size)
+        cu = [0] + valid.sum(1).cumsum(0).tolist() if return_cu_num_tokens else None
+        if len(discard_req_indices):
+            valid[list(discard_req_indices)] = False
+        return [row[mask].tolist() for row, mask in zip(rows, valid)], cu
+
+
+def _vllm_importable() -> bool:
+    if "vllm" in sys.modules:  # None there means an import of vllm is blocked
+        return sys.modules["vllm"] is not None
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def register() -> list[str]:
+    """vLLM plugin entry point (group vllm.general_plugins): replaces vLLM's v1 RejectionSampler by this module's in
+    vllm.v1.sample.rejection_sampler and in every loaded vllm module that imported the name (the GPU model runner).
+    Idempotent. Returns the attribute paths it changed; without vLLM it logs that and changes nothing."""
+    if not _vllm_importable():
+        logger.info("specdec_ext: vllm is not importable; the vLLM rejection sampler was not replaced")
+        return []
+    try:
+        module = importlib.import_module(VLLM_MODULE)
+    except ImportError as e:
+        logger.warning("specdec_ext: %s could not be imported (%s); the vLLM rejection sampler was not replaced",
+                       VLLM_MODULE, e)
+        return []
+    global _vllm_rejection_sampler
+    current = getattr(module, "RejectionSampler", None)
+    if current is None:
+        logger.warning("specdec_ext: %s has no RejectionSampler; nothing replaced", VLLM_MODULE)
+        return []
+    if current is not RejectionSampler:
+        _vllm_rejection_sampler = current
+    original = _vllm_rejection_sampler
+    patched = []
+    # Only references to vLLM's v1 class are swapped: another class of that name (model runner v2's) has another
+    # contract and stays.
+    for name, mod in list(sys.modules.items()):
+        if (name == "vllm" or name.startswith("vllm.")) and mod is not None and \
+                getattr(mod, "RejectionSampler", None) is original:
+            setattr(mod, "RejectionSampler", RejectionSampler)
+            patched.append(f"{name}.RejectionSampler")
+    if patched:
+        logger.info("specdec_ext: vLLM's RejectionSampler replaced by specdec_ext.compat.vllm.RejectionSampler at %s",
+                    ", ".join(sorted(patched)))
+    else:
+        logger.debug("specdec_ext: vLLM's RejectionSampler already replaced")
+    return sorted(patched)

@@ -1,0 +1,494 @@
+"""The FlashInfer shim (specdec_ext.compat.flashinfer) against FlashInfer's contract, on the CPU kernels and under the
+emulator (the CUDA kernels' source): chain_speculative_sampling's documented example, FlashInfer's own test
+statement, accumulation into the caller's counts, the law of the counts and of the emitted tokens, the RNG arguments;
+the paged prefill wrapper against a float64 softmax over the gathered pages, with FlashInfer's masks, and its
+refusals."""
+import contextlib
+import math
+
+import pytest
+import torch
+
+from specdec_ext import compat, ops
+from specdec_ext.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, sampling
+from tests.test_chain_sampling import chi_square_pvalue
+from tests.test_verify_attention import TOLERANCE, random_tree_mask, rel_error
+
+BACKENDS = ["cpu", "sim"]
+MAX_QO = ops.LIMITS["max_verify_queries"]
+
+
+def on(backend):
+    """The shim's backend for a block: the CPU kernels, or the CUDA kernels' source under the emulator."""
+    return compat.emulated() if backend == "sim" else contextlib.nullcontext()
+
+
+# ----- chain_speculative_sampling -----------------------------------------------------------------------------------
+def documented_example(device="cpu"):
+    """FlashInfer's docstring example: draft 2 passes (p = 0.6 >= q = 0.3), draft 1 fails (p = 0), and the residual
+    max(0, p - q) of position 1 has all its mass on token 0: [[2, 0, -1]] with one draft accepted and one emitted,
+    whatever the random draws."""
+    draft = torch.tensor([[[0.1, 0.2, 0.3, 0.4], [0.2, 0.3, 0.4, 0.1]]], device=device)
+    ids = torch.tensor([[2, 1]], dtype=torch.int32, device=device)
+    target = torch.tensor([[[0.0, 0.1, 0.6, 0.3], [1.0, 0.0, 0.0, 0.0], [0.7, 0.1, 0.1, 0.1]]], device=device)
+    return draft, ids, target
+
+
+DOCUMENTED_OUTPUT = [[2, 0, -1]]
+
+
+def flashinfer_case(gen, batch, k, vocab, onehot, device="cpu"):
+    """FlashInfer's test inputs: normalised uniform draft rows, uniform draft ids; targets normalised uniform, or
+    one-hot at the drafts followed by a uniform bonus id. Returns (draft, ids, target, target_ids or None)."""
+    draft = torch.rand(batch, k, vocab, generator=gen)
+    draft /= draft.sum(-1, keepdim=True)
+    ids = torch.randint(0, vocab, (batch, k), generator=gen, dtype=torch.int32)
+    target_ids = None
+    if onehot:
+        target_ids = torch.cat([ids, torch.randint(0, vocab, (batch, 1), generator=gen, dtype=torch.int32)], 1)
+        target = torch.zeros(batch, k + 1, vocab).scatter_(2, target_ids.long().unsqueeze(-1), 1.0)
+    else:
+        target = torch.rand(batch, k + 1, vocab, generator=gen)
+        target /= target.sum(-1, keepdim=True)
+    to = lambda t: None if t is None else t.to(device)
+    return to(draft), to(ids), to(target), to(target_ids)
+
+
+def check_flashinfer_statement(out, accepted, emitted, ids, vocab, target_ids):
+    """FlashInfer's test of chain_speculative_sampling, plus what its docstring promises about the counts."""
+    batch, k = ids.shape
+    assert out.dtype == torch.int32 and tuple(out.shape) == (batch, k + 1)
+    if target_ids is not None:  # every draft has target mass 1: all pass, and the bonus is the target's one-hot id
+        assert torch.equal(out, target_ids)
+        assert torch.equal(emitted.long(), torch.full((batch,), k)) and torch.equal(accepted.long(), emitted.long())
+    valid = out >= 0
+    assert torch.all(out[valid] < vocab) and torch.all(out[~valid] == -1)
+    mismatch = out[:, :-1] != ids
+    for row in range(batch):
+        where = mismatch[row].nonzero().flatten()
+        if len(where):
+            assert torch.all(where[1:] == where[:-1] + 1)  # the mismatches are contiguous
+            assert torch.all(out[row, where[0] + 1:] == -1)  # and -1 from the one after the first
+    assert torch.equal(emitted.long() + 1, valid.sum(1))
+    assert torch.all(emitted <= accepted) and torch.all(accepted <= k)
+    keep = torch.arange(k).unsqueeze(0) < emitted.long().unsqueeze(1)
+    assert torch.equal(torch.where(keep, out[:, :k], -1), torch.where(keep, ids, -1))  # the emitted drafts verbatim
+
+
+@pytest.mark.parametrize("backend,seeds", [("cpu", 300), ("sim", 12)])
+def test_documented_example_at_every_seed(backend, seeds):
+    draft, ids, target = documented_example()
+    with on(backend):
+        for seed in range(seeds):
+            out, accepted, emitted = sampling.chain_speculative_sampling(draft, ids, target, seed=seed * 7919,
+                                                                         offset=seed)
+            assert out.tolist() == DOCUMENTED_OUTPUT and accepted.tolist() == [1] and emitted.tolist() == [1], seed
+            assert out.dtype == accepted.dtype == emitted.dtype == torch.int32
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(seeds // 4):  # keys drawn from a generator, and from torch's default one
+            assert sampling.chain_speculative_sampling(draft, ids, target, generator=gen)[0].tolist() == DOCUMENTED_OUTPUT
+            assert sampling.chain_speculative_sampling(draft, ids, target)[0].tolist() == DOCUMENTED_OUTPUT
+
+
+CPU_CASES = [(b, v, k, o) for b in (1, 99) for v in (111, 32000) for k in (1, 3, 5, 7) for o in (False, True)]
+SIM_CASES = [(1, 111, 1, True), (7, 111, 5, False), (3, 32000, 2, False), (2, 32000, 7, True)]
+
+
+@pytest.mark.parametrize("backend,batch,vocab,k,onehot", [("cpu", *c) for c in CPU_CASES] +
+                         [("sim", *c) for c in SIM_CASES])
+def test_flashinfer_test_statement(backend, batch, vocab, k, onehot, gen):
+    draft, ids, target, target_ids = flashinfer_case(gen, batch, k, vocab, onehot)
+    # Counts start from arbitrary values: what the call returns is base + its counts, in the same tensors.
+    base_acc = torch.randint(0, 1000, (batch,), generator=gen, dtype=torch.int32)
+    base_emit = torch.randint(0, 1000, (batch,), generator=gen, dtype=torch.int32)
+    acc_buf, emit_buf = base_acc.clone(), base_emit.clone()
+    with on(backend):
+        out, acc, emit = sampling.chain_speculative_sampling(draft, ids, target, acc_buf, emit_buf, seed=11, offset=3)
+    assert acc is acc_buf and emit is emit_buf
+    check_flashinfer_statement(out, acc - base_acc, emit - base_emit, ids, vocab, target_ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64], ids=str)
+def test_counts_are_added_in_place(backend, count_dtype, gen):
+    batch, k, vocab = 24, 4, 50
+    draft, ids, target, _ = flashinfer_case(gen, batch, k, vocab, onehot=False)
+    target[:, :k] = 0.5 * target[:, :k] + 0.5 * draft  # closer to the draft: counts spread over 0..k
+    with on(backend):
+        out1, acc1, emit1 = sampling.chain_speculative_sampling(draft, ids, target, seed=4, offset=9)
+        again = sampling.chain_speculative_sampling(draft, ids, target, seed=4, offset=9)
+        out2, acc2, emit2 = sampling.chain_speculative_sampling(draft, ids, target, seed=4, offset=10)
+        acc_buf = torch.full((batch,), 7, dtype=count_dtype)
+        emit_buf = torch.full((batch,), 3, dtype=count_dtype)
+        for offset in (9, 10):
+            out, acc, emit = sampling.chain_speculative_sampling(draft, ids, target, acc_buf, emit_buf, seed=4,
+                                                                 offset=offset)
+            assert acc is acc_buf and emit is emit_buf
+    assert all(torch.equal(x, y) for x, y in zip(again, (out1, acc1, emit1)))  # one key and counter, one draw
+    assert not torch.equal(acc1, acc2) or not torch.equal(out1, out2)  # a new offset, new draws
+    assert torch.equal(acc_buf, 7 + acc1.to(count_dtype) + acc2.to(count_dtype))
+    assert torch.equal(emit_buf, 3 + emit1.to(count_dtype) + emit2.to(count_dtype))
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_target_equal_to_draft_accepts_every_draft(backend, gen):
+    batch, k, vocab = 16, 5, 40
+    draft, ids, _, _ = flashinfer_case(gen, batch, k, vocab, onehot=False)
+    support = torch.randperm(vocab, generator=gen)[:3]  # the bonus row has 3 tokens of mass
+    bonus = torch.zeros(batch, 1, vocab)
+    bonus[..., support] = torch.tensor([0.2, 0.3, 0.5])
+    with on(backend):
+        out, acc, emit = sampling.chain_speculative_sampling(draft, ids, torch.cat([draft, bonus], 1), seed=1, offset=0)
+    assert torch.equal(acc, torch.full((batch,), k, dtype=torch.int32)) and torch.equal(emit, acc)
+    assert torch.equal(out[:, :k], ids) and torch.isin(out[:, k], support).all()
+
+
+def test_count_laws_and_emitted_tokens_follow_the_target():
+    """One round over K = 3 positions with fixed p_i, q_i (V = 5), drafts drawn from q_i, N = 200,000 rows, fixed seed.
+    Counts: accepted must have mean sum_i a_i (a_i = sum_x min(p_i, q_i), the chance that draft i passes on its
+    own), emitted mean a_0 + a_0 a_1 + a_0 a_1 a_2; each mean's standard error is below 0.004, so a shift of 0.03 (a
+    swap of the two counts here moves them by 0.5; FlashInfer's second judgement of the rejected draft by ~0.3) fails
+    at z > 7. Tokens: position i, reached when the drafts before it were emitted, must follow p_i (Pearson
+    chi-square, 4 dof): with p ~ 0.2 a move of 1% of probability between two tokens gives a noncentrality of
+    N_i * 2 * 0.01^2 / 0.2 >= 0.001 * 60,000 = 60 at the last position (critical value 23.5 at 1e-4): power ~1."""
+    gen = torch.Generator().manual_seed(2024)
+    n, k, vocab = 200_000, 3, 5
+    p, q = torch.rand(k + 1, vocab, generator=gen) + 0.1, torch.rand(k, vocab, generator=gen) + 0.1
+    p, q = p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+    ids = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=gen) for i in range(k)], 1).int()
+    out, acc, emit = sampling.chain_speculative_sampling(q.expand(n, k, vocab), ids, p.expand(n, k + 1, vocab),
+                                                         seed=torch.arange(n), offset=torch.zeros(n, dtype=torch.int64))
+    a = torch.minimum(p[:k], q).sum(-1).double()
+    assert abs(acc.double().mean() - a.sum()) < 0.03
+    assert abs(emit.double().mean() - (a[0] + a[0] * a[1] + a[0] * a[1] * a[2])) < 0.03
+    assert int((emit == k).sum()) >= 60_000  # the sample size the stated power needs at the last position
+    pvalues = []
+    for i in range(k + 1):
+        reached = emit.long() >= i
+        counts = torch.bincount(out[reached, i].long(), minlength=vocab).double()
+        pvalues.append(chi_square_pvalue(counts.unsqueeze(0), p[i].double().unsqueeze(0))[0])
+    assert min(pvalues) > 1e-4, pvalues
+
+
+def test_emulated_kernel_gives_the_cpu_counts(gen):
+    """Through the shim, the two backends read the same seed and offset: equal acceptance decisions and counts (RNG
+    contract); the resampled token may differ only where rounding puts a draw on a CDF boundary."""
+    draft, ids, target, _ = flashinfer_case(gen, 12, 4, 300, onehot=False)
+    target[:, :4] = 0.3 * target[:, :4] + 0.7 * draft
+    seed, offset = torch.randint(0, 2**62, (12,), generator=gen), torch.arange(12)
+    cpu = sampling.chain_speculative_sampling(draft, ids, target, seed=seed, offset=offset)
+    with compat.emulated():
+        sim = sampling.chain_speculative_sampling(draft, ids, target, seed=seed, offset=offset)
+    assert torch.equal(cpu[1], sim[1]) and torch.equal(cpu[2], sim[2])
+    assert (cpu[0] != sim[0]).sum() <= 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_offset_and_generator(backend, gen):
+    batch, k, vocab = 6, 3, 64
+    draft, ids, target, _ = flashinfer_case(gen, batch, k, vocab, onehot=False)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=gen)
+    offsets = torch.randint(0, 2**40, (batch,), generator=gen)
+    call = lambda *a, **kw: sampling.chain_speculative_sampling(*a, **kw)
+    with on(backend):
+        whole = call(draft, ids, target, seed=seeds, offset=offsets)
+        for b in range(batch):  # row b depends on its own inputs, seed[b] and offset[b] only
+            row = call(draft[b:b + 1], ids[b:b + 1], target[b:b + 1], seed=int(seeds[b]), offset=int(offsets[b]))
+            assert all(torch.equal(x[b:b + 1], y) for x, y in zip(whole, row)), b
+        as_uint64 = call(draft, ids, target, seed=seeds.view(torch.uint64), offset=offsets.view(torch.uint64))
+        assert all(torch.equal(x, y) for x, y in zip(whole, as_uint64))
+        one = call(draft, ids, target, seed=seeds[:1], offset=offsets[:1])  # length 1: every request's
+        assert all(torch.equal(x, y) for x, y in zip(one, call(draft, ids, target, seed=int(seeds[0]),
+                                                               offset=int(offsets[0]))))
+        g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        first, same = call(draft, ids, target, generator=g1), call(draft, ids, target, generator=g2)
+        assert all(torch.equal(x, y) for x, y in zip(first, same))
+        draws = {tuple(call(draft, ids, target, generator=g1)[0].flatten().tolist()) for _ in range(4)}
+        assert len(draws | {tuple(first[0].flatten().tolist())}) > 1  # the generator advances on every call
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"seed": 3}, "seed and offset go together"),
+    ({"offset": 3}, "seed and offset go together"),
+    ({"seed": 3, "offset": torch.zeros(2, dtype=torch.int64)}, "both be tensors or both be ints"),
+    ({"seed": torch.zeros(2, dtype=torch.int32), "offset": torch.zeros(2, dtype=torch.int64)}, "seed must be a 1-D int64"),
+    ({"seed": torch.zeros(2, dtype=torch.int64), "offset": torch.zeros(3, dtype=torch.int64)}, "offset must be a 1-D"),
+    ({"seed": torch.zeros(2, 1, dtype=torch.int64), "offset": torch.zeros(2, dtype=torch.int64)}, "seed must be"),
+    ({"maybe_output_accepted_token_num": torch.zeros(3, dtype=torch.int32)}, "maybe_output_accepted_token_num"),
+    ({"maybe_output_emitted_draft_token_num": torch.zeros(2)}, "maybe_output_emitted_draft_token_num"),
+])
+def test_bad_rng_and_count_arguments_are_named(kwargs, match, gen):
+    draft, ids, target, _ = flashinfer_case(gen, 2, 2, 10, onehot=False)
+    with pytest.raises(ValueError, match=match):
+        sampling.chain_speculative_sampling(draft, ids, target, **kwargs)
+
+
+def test_bad_shapes_are_named(gen):
+    draft, ids, target, _ = flashinfer_case(gen, 2, 3, 10, onehot=False)
+    cases = [((draft[0], ids, target), "draft_probs"), ((draft, ids[:, :2], target), "draft_token_ids"),
+             ((draft, ids, target[:, :3]), "target_probs"), ((draft, ids, target[..., :9]), "target_probs"),
+             ((None, ids, target), "draft_probs"), ((draft, ids[0], target), "draft_token_ids")]
+    for args, name in cases:
+        with pytest.raises(ValueError, match=name):
+            sampling.chain_speculative_sampling(*args)
+
+
+# ----- BatchPrefillWithPagedKVCacheWrapper --------------------------------------------------------------------------
+def paged_batch(gen, qo_lens, prefix_lens, page_size, hq, hkv, d, dtype, layout, spare_pages=3):
+    """A batch in FlashInfer's paged layout: one cache tensor [pages, 2, ...], each request's pages scattered at
+    random, its KV (prefix + the qo_len new tokens) filling the last page partly or fully, and the CSR table."""
+    kv_lens = [p + n for p, n in zip(prefix_lens, qo_lens)]
+    pages = [-(-s // page_size) for s in kv_lens]
+    num_pages = sum(pages) + spare_pages
+    shape = (num_pages, 2, page_size, hkv, d) if layout == "NHD" else (num_pages, 2, hkv, page_size, d)
+    cache = torch.randn(shape, generator=gen).to(dtype)
+    indices = torch.randperm(num_pages, generator=gen)[:sum(pages)].int()
+    kv_indptr = torch.tensor([0] + pages).cumsum(0).int()
+    last = torch.tensor([s - (p - 1) * page_size if p else 0 for s, p in zip(kv_lens, pages)], dtype=torch.int32)
+    qo_indptr = torch.tensor([0] + list(qo_lens)).cumsum(0).int()
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype)
+    return q, cache, qo_indptr, kv_indptr, indices, last, kv_lens
+
+
+def flashinfer_masks(gen, kind, qo_lens, kv_lens):
+    """Per request the [qo_len, kv_len] bool mask FlashInfer's kernel applies (True: visible): causal aligned to the
+    end of the KV, full, or a token tree over the new tokens with the prefix visible."""
+    masks = []
+    for n, s in zip(qo_lens, kv_lens):
+        if kind == "causal":
+            masks.append(torch.arange(s).unsqueeze(0) <= (s - n + torch.arange(n)).unsqueeze(1))
+        elif kind == "full":
+            masks.append(torch.ones(n, s, dtype=torch.bool))
+        else:
+            masks.append(torch.cat([torch.ones(n, s - n, dtype=torch.bool), random_tree_mask(gen, n)], 1))
+    return masks
+
+
+def pack_segments(masks):
+    """FlashInfer's packed custom mask, written out here: each request's flattened bits from a byte boundary, bit j
+    of a byte = element j."""
+    out = []
+    for m in masks:
+        bits = m.reshape(-1).to(torch.int64)
+        bits = torch.cat([bits, bits.new_zeros(-bits.numel() % 8)]).view(-1, 8)
+        out.append((bits << torch.arange(8)).sum(1).to(torch.uint8))
+    return torch.cat(out + [torch.zeros(0, dtype=torch.uint8)])
+
+
+def reference_attention(q, cache, layout, qo_indptr, kv_indptr, indices, masks, page_size, scale=None, window_left=-1,
+                        soft_cap=0.0):
+    """float64 attention of each request's queries against the KV gathered from its pages with FlashInfer's masks
+    (masks[b]: [qo_len, kv_len]); returns out [T, Hq, D] and the log-sum-exp in base 2 [T, Hq]."""
+    t, hq, d = q.shape
+    scale = d**-0.5 if scale is None else scale
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float64)
+    for b, mask in enumerate(masks):
+        r0, (n, s) = int(qo_indptr[b]), mask.shape
+        if n == 0:
+            continue
+        pos = torch.arange(s)
+        page = indices[int(kv_indptr[b]) + pos // page_size].long()
+        kv = cache[page, :, pos % page_size] if layout == "NHD" else cache[page, :, :, pos % page_size]
+        k, v = (kv[:, j].double().repeat_interleave(hq // kv.shape[-2], 1) for j in (0, 1))  # [S, Hq, D]
+        scores = torch.einsum("qhd,shd->hqs", q[r0:r0 + n].double(), k) * scale
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        visible = mask.clone()
+        if window_left >= 0:
+            visible &= pos.unsqueeze(0) >= (s - n + torch.arange(n)).unsqueeze(1) - window_left
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[r0:r0 + n] = torch.einsum("hqs,shd->qhd", torch.softmax(scores, -1), v)
+        lse[r0:r0 + n] = (torch.logsumexp(scores, -1) / math.log(2)).transpose(0, 1)
+    return out, lse
+
+
+def plan_and_run(wrapper, batch, page_size, hq, hkv, mask_kind, masks, **plan_kwargs):
+    """plan() with FlashInfer's mask arguments for mask_kind, then run() into NaN-poisoned out / lse buffers."""
+    q, cache, qo_indptr, kv_indptr, indices, last = batch
+    mask_args = {"causal": {"causal": True}, "full": {},
+                 "custom": {"custom_mask": torch.cat([m.reshape(-1) for m in masks])},
+                 "packed": {"packed_custom_mask": pack_segments(masks)}}[mask_kind]
+    wrapper.plan(qo_indptr, kv_indptr, indices, last, hq, hkv, q.shape[-1], page_size, **mask_args, **plan_kwargs)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    got, got_lse = wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
+    assert got is out and got_lse is lse
+    return out, lse
+
+
+PAGE, HQ, HKV, D = 8, 4, 2, 64
+
+
+# Every combination on the CPU kernel; under the emulator the tuple form with two of the masks.
+WRAPPER_CASES = [(backend, layout, form, mask) for backend in BACKENDS for layout in ("NHD", "HND")
+                 for form in ("single", "tuple") for mask in ("causal", "full", "custom", "packed")
+                 if backend == "cpu" or form == "single" or mask in ("causal", "custom")]
+
+
+@pytest.mark.parametrize("backend,layout,cache_form,mask_kind", WRAPPER_CASES)
+def test_wrapper_matches_reference(backend, layout, cache_form, mask_kind, gen):
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    # Ragged rows, a request with no rows, prefixes that leave the last page partly full and one exactly full.
+    qo_lens, prefix_lens = [3, 0, 7, 1], [int(x) for x in torch.randint(0, 40, (3,), generator=gen)] + [PAGE * 3 - 1]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                          dtype, layout)
+    masks = flashinfer_masks(gen, mask_kind, qo_lens, kv_lens)
+    kv = (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if cache_form == "tuple" else cache
+    with on(backend):
+        wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), layout)
+        out, lse = plan_and_run(wrapper, (q, kv, qo_indptr, kv_indptr, indices, last), PAGE, HQ, HKV, mask_kind, masks)
+    ref, ref_lse = reference_attention(q, cache, layout, qo_indptr, kv_indptr, indices, masks, PAGE)
+    assert rel_error(out, ref) <= TOLERANCE[dtype]
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-3 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_soft_cap_and_scales(backend, gen):
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    qo_lens, prefix_lens = [4, 6], [30, 3]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                          dtype, "NHD")
+    masks = flashinfer_masks(gen, "custom", qo_lens, kv_lens)
+    sm_scale, q_scale, k_scale, v_scale = 0.2, 0.5, 1.5, 2.0
+    with on(backend):
+        wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        wrapper.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE, custom_mask=torch.cat([m.reshape(-1) for m
+                     in masks]), sm_scale=sm_scale, window_left=5, logits_soft_cap=3.0)
+        out = wrapper.run(q, cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, window_left=5)
+    ref, _ = reference_attention(q, cache, "NHD", qo_indptr, kv_indptr, indices, masks, PAGE,
+                                 scale=sm_scale * q_scale * k_scale, window_left=5, soft_cap=3.0)
+    assert rel_error(out, v_scale * ref) <= TOLERANCE[dtype]
+
+
+def test_out_defaults_to_zeros_and_rows_past_the_batch_stay(gen):
+    qo_lens, prefix_lens = [2, 3], [5, 9]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                          torch.float32, "HND")
+    q = torch.cat([q, torch.randn(2, HQ, D, generator=gen)])  # two rows no request owns
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "HND")
+    wrapper.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE, causal=True)
+    out = wrapper.run(q, cache)
+    assert torch.equal(out[5:], torch.zeros(2, HQ, D)) and out[:5].isfinite().all()
+    ref, _ = reference_attention(q, cache, "HND", qo_indptr, kv_indptr, indices,
+                                 flashinfer_masks(gen, "causal", qo_lens, kv_lens), PAGE)
+    assert rel_error(out[:5], ref[:5]) <= TOLERANCE[torch.float32]
+    out2, lse2 = wrapper.run_return_lse(q, cache)
+    assert torch.equal(out2, out) and lse2.dtype == torch.float32 and tuple(lse2.shape) == (7, HQ)
+
+
+def test_largest_verify_block(gen):
+    qo_lens, prefix_lens = [MAX_QO, 2], [13, 0]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                          torch.float32, "NHD")
+    masks = flashinfer_masks(gen, "custom", qo_lens, kv_lens)
+    out, lse = plan_and_run(BatchPrefillWithPagedKVCacheWrapper(torch.empty(1)),
+                            (q, cache, qo_indptr, kv_indptr, indices, last), PAGE, HQ, HKV, "packed", masks)
+    ref, ref_lse = reference_attention(q, cache, "NHD", qo_indptr, kv_indptr, indices, masks, PAGE)
+    assert rel_error(out, ref) <= TOLERANCE[torch.float32] and torch.allclose(lse.double(), ref_lse, atol=1e-3)
+
+
+def test_cuda_graph_mode_copies_the_plan_into_the_buffers(gen):
+    """use_cuda_graph=True: plan() writes the table into the caller's buffers and run() reads those very tensors,
+    so that a captured run replays with the next plan; two plans of different shapes into the same buffers."""
+    bufs = [torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32), torch.zeros(64, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32)]
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD", use_cuda_graph=True, qo_indptr_buf=bufs[0],
+                                                  paged_kv_indptr_buf=bufs[1], paged_kv_indices_buf=bufs[2],
+                                                  paged_kv_last_page_len_buf=bufs[3])
+    assert wrapper.is_cuda_graph_enabled
+    pointers = [b.data_ptr() for b in bufs]
+    for qo_lens, prefix_lens, kind in (([3, 5, 2], [10, 0, 17], "custom"), ([1, 6, 4], [30, 2, 8], "full")):
+        q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV,
+                                                                              D, torch.float32, "NHD")
+        masks = flashinfer_masks(gen, kind, qo_lens, kv_lens)
+        out, _ = plan_and_run(wrapper, (q, cache, qo_indptr, kv_indptr, indices, last), PAGE, HQ, HKV, kind, masks)
+        assert torch.equal(bufs[0], qo_indptr) and torch.equal(bufs[2][:indices.numel()], indices)
+        ref, _ = reference_attention(q, cache, "NHD", qo_indptr, kv_indptr, indices, masks, PAGE)
+        assert rel_error(out, ref) <= TOLERANCE[torch.float32]
+    assert [b.data_ptr() for b in bufs] == pointers
+    with pytest.raises(ValueError, match="qo_indptr_buf"):
+        BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), use_cuda_graph=True)
+
+
+def refusal_cases(gen):
+    qo_lens, prefix_lens = [3, 2], [6, 4]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                          torch.float32, "NHD")
+    table = (qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE)
+    masks = flashinfer_masks(gen, "custom", qo_lens, kv_lens)
+    hides_prefix = [m.clone() for m in masks]
+    hides_prefix[1][1, 2] = False
+    flat = lambda ms: torch.cat([m.reshape(-1) for m in ms])
+    too_many = torch.tensor([0, MAX_QO + 1], dtype=torch.int32)
+    plan_cases = [
+        (dict(custom_mask=flat(hides_prefix)), "custom_mask hides KV position 2 of request 1's prefix from its query 1"),
+        (dict(packed_custom_mask=pack_segments(hides_prefix)), "custom_mask hides"),
+        (dict(custom_mask=flat(masks)[:-1]), "custom_mask has"),
+        (dict(custom_mask=flat(masks).float()), "custom_mask must be a flat bool"),
+        (dict(packed_custom_mask=pack_segments(masks)[:-1]), "packed_custom_mask has"),
+        (dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode"),
+        (dict(head_dim_vo=32), "head_dim_vo"),
+        (dict(prefix_len_ptr=torch.zeros(2, dtype=torch.int32)), "prefix_len_ptr"),
+        (dict(window_left=-2), "window_left"),
+        (dict(seq_lens=torch.tensor([9, 7])), "seq_lens"),
+    ]
+    table_cases = [
+        ((too_many, torch.tensor([0, 100], dtype=torch.int32), torch.arange(100, dtype=torch.int32),
+          torch.tensor([1], dtype=torch.int32), HQ, HKV, D, 1), "qo_indptr gives request 0"),
+        ((qo_indptr, kv_indptr, indices, torch.tensor([1, 1], dtype=torch.int32), HQ, HKV, D, PAGE), "query rows but a KV"),
+        ((qo_indptr, kv_indptr, indices, torch.tensor([9, 1], dtype=torch.int32), HQ, HKV, D, PAGE),
+         r"paged_kv_last_page_len\[0\] = 9"),
+        ((qo_indptr, kv_indptr[:-1], indices, last, HQ, HKV, D, PAGE), "batch_size"),
+        ((qo_indptr.float(), kv_indptr, indices, last, HQ, HKV, D, PAGE), "qo_indptr must be a 1-D int32"),
+        ((qo_indptr, kv_indptr, indices[:2], last, HQ, HKV, D, PAGE), "paged_kv_indices"),
+        ((qo_indptr, kv_indptr, indices, last, 3, HKV, D, PAGE), "num_qo_heads 3 must be a multiple"),
+        ((qo_indptr, kv_indptr, indices, last, HQ, HKV, D, 0), "page_size"),
+    ]
+    return q, cache, table, plan_cases, table_cases
+
+
+def test_refusals_name_the_argument(gen):
+    q, cache, table, plan_cases, table_cases = refusal_cases(gen)
+    for kwargs, match in plan_cases:
+        with pytest.raises(ValueError, match=match):
+            BatchPrefillWithPagedKVCacheWrapper(torch.empty(1)).plan(*table, **kwargs)
+    for args, match in table_cases:
+        with pytest.raises(ValueError, match=match):
+            BatchPrefillWithPagedKVCacheWrapper(torch.empty(1)).plan(*args)
+    for kwargs, match in ((dict(kv_layout="NDH"), "kv_layout"), (dict(backend="xla"), "backend"),
+                          (dict(jit_args=[1]), "jit_args")):
+        with pytest.raises(ValueError, match=match):
+            BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), **kwargs)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1))
+    with pytest.raises(RuntimeError, match="plan"):
+        wrapper.run(q, cache)
+    wrapper.plan(*table, causal=True, window_left=4)
+    small_pages = torch.zeros(cache.shape[0], 2, PAGE // 2, HKV, D)
+    for args, kwargs, match in (((q, cache, 1.0), {}, "extra positional"), ((q, cache), {"sinks": torch.zeros(HQ)}, "sinks"),
+                                ((q, cache), {"window_left": 3}, "window_left 3 differs"),
+                                ((q, cache[:, 0]), {}, "paged_kv_cache must be"),
+                                ((q, small_pages), {}, "page_size 8"),
+                                ((q[:, :2], cache), {}, "q must be"),
+                                ((q, cache), {"k_scale": torch.ones(1)}, "k_scale must be a Python number"),
+                                ((q, cache), {"return_lse": True, "lse": torch.zeros(3)}, "lse must be")):
+        with pytest.raises(ValueError, match=match):
+            wrapper.run(*args, **kwargs)
+
+
+def test_a_tree_mask_sees_exactly_its_ancestors(gen):
+    """A direct check of the mask conversion: with V = I-like values, query i's output is the mean of the values
+    it sees, so a wrongly placed column (a prefix/new-token split off by one) changes it."""
+    qo_lens, prefix_lens = [4], [5]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, 1, 1, D,
+                                                                          torch.float32, "NHD")
+    q.zero_()  # equal scores: the output is the mean of the visible values
+    masks = flashinfer_masks(gen, "custom", qo_lens, kv_lens)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1))
+    wrapper.plan(qo_indptr, kv_indptr, indices, last, 1, 1, D, PAGE, custom_mask=masks[0].reshape(-1))
+    out = wrapper.run(q, cache)
+    pos = torch.arange(kv_lens[0])
+    values = cache[indices[pos // PAGE].long(), 1, pos % PAGE, 0]  # [S, D]
+    want = torch.stack([values[masks[0][i]].mean(0) for i in range(4)])
+    assert torch.allclose(out[:, 0], want, atol=1e-5)

@@ -1,0 +1,378 @@
+"""The SGLang shim (specdec_ext.compat.sglang), on the CPU kernel and on the CUDA kernel's source under the emulator:
+SGLang's own kernel test gives its documented outputs, greedy follows SGLang's walk, the emitted tokens have the
+target's law, SGLang's buffer conventions (flat positions, -1 padding, untouched predicts), ragged and cut trees,
+and bad input refused with the argument named."""
+import contextlib
+
+import pytest
+import torch
+from scipy import stats
+
+from specdec_ext import compat
+from specdec_ext.bench.compat_sglang import eagle_like_tree, sglang_target_only_torch
+from specdec_ext.compat import sglang
+
+BACKENDS = ["cpu", "sim"]
+POISON = -77
+
+
+def backend(name):
+    return compat.emulated() if name == "sim" else contextlib.nullcontext()
+
+
+def buffers(batch, steps, size):
+    """Poisoned output buffers: what the shim must write (or leave) is then visible."""
+    return (torch.full((size,), POISON, dtype=torch.int32), torch.full((batch, steps), POISON, dtype=torch.int32),
+            torch.full((batch,), POISON, dtype=torch.int32))
+
+
+def sglang_kernel_case():
+    """The two requests of six nodes of sgl-kernel's tests/speculative/test_speculative_sampling.py, re-typed as
+    data: request 0 is root -> {1 -> 2, 3 -> 4 -> 5}, request 1 is root -> {4 -> 5, 1 -> 2 -> 3} (its siblings
+    listed out of index order); the target (temperature 0.01) all but certainly follows 0 -> 3 -> 4 -> 5 and
+    0 -> 4 -> 5, and elsewhere emits token 18."""
+    tree = dict(candidates=torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]),
+                retrive_index=torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+                retrive_next_token=torch.tensor([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]),
+                retrive_next_sibling=torch.tensor([[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]))
+    logits = torch.full((2, 6, 20), 1.0)
+    for b, n, v in ((0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)):
+        logits[b, n, v] = 10.0
+    logits[logits.amax(-1) < 10.0] = torch.where(torch.arange(20) == 18, 10.0, 1.0)
+    return tree, torch.softmax(logits / 0.01, -1)
+
+
+SGLANG_EXPECTED = dict(predicts=[3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],
+                       accept_index=[[0, 3, 4, 5], [6, 10, 11, -1]], accept_token_num=[3, 2])
+
+
+def sample(tree, target, coins, final, steps, size, draft=None, **kw):
+    predicts, accept_index, accept_token_num = buffers(target.shape[0], steps, size)
+    sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num, uniform_samples=coins,
+                                                 uniform_samples_for_final_sampling=final, target_probs=target,
+                                                 draft_probs=draft, **tree, **kw)
+    return predicts, accept_index, accept_token_num
+
+
+def greedy(tree, target_predict, steps, size):
+    predicts, accept_index, accept_token_num = buffers(target_predict.shape[0], steps, size)
+    sglang.verify_tree_greedy(predicts, accept_index, accept_token_num, target_predict=target_predict, **tree)
+    return predicts, accept_index, accept_token_num
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("draft", ["none", "sglang_scratch"])
+def test_sglang_kernel_case(gen, name, draft):
+    tree, target = sglang_kernel_case()
+    scratch = torch.zeros_like(target) if draft == "sglang_scratch" else None  # what SGLang's caller passes
+    with backend(name):
+        predicts, accept_index, accept_token_num = sample(tree, target, torch.rand(2, 6, generator=gen),
+                                                          torch.rand(2, generator=gen), 4, 12, scratch)
+    # SGLang's test pre-fills predicts with -1; ours is poisoned, so the entries SGLang leaves are still poisoned.
+    assert predicts.tolist() == [POISON if v == -1 else v for v in SGLANG_EXPECTED["predicts"]]
+    assert accept_index.tolist() == SGLANG_EXPECTED["accept_index"]
+    assert accept_token_num.tolist() == SGLANG_EXPECTED["accept_token_num"]
+    if scratch is not None:
+        assert not scratch.any()  # never written (SGLang's kernel scribbles on it)
+
+
+def test_sglang_kernel_case_greedy():
+    tree, target = sglang_kernel_case()
+    predicts, accept_index, accept_token_num = greedy(tree, target.argmax(-1), 4, 12)
+    assert predicts.tolist() == [POISON if v == -1 else v for v in SGLANG_EXPECTED["predicts"]]
+    assert accept_index.tolist() == SGLANG_EXPECTED["accept_index"]
+    assert accept_token_num.tolist() == SGLANG_EXPECTED["accept_token_num"]
+
+
+def greedy_walk(tree, target_predict, steps):
+    """SGLang's greedy walk, node by node in Python (the oracle): returns the path's nodes and the emitted tokens."""
+    out = []
+    for b in range(target_predict.shape[0]):
+        nt, ns = tree["retrive_next_token"][b].tolist(), tree["retrive_next_sibling"][b].tolist()
+        ri, cand, flat = tree["retrive_index"][b].tolist(), tree["candidates"][b].tolist(), target_predict.reshape(-1)
+        node, path, tokens = 0, [0], []
+        while len(path) < steps:
+            child = nt[node]
+            while child != -1 and cand[child] != int(flat[ri[node]]):
+                child = ns[child]
+            if child == -1:
+                break
+            tokens.append(cand[child])
+            node = child
+            path.append(node)
+        out.append((path, tokens + [int(flat[ri[node]])]))
+    return out
+
+
+def random_lcrs(gen, batch, n, vocab, shuffle):
+    """Random trees in SGLang's form, ragged (padding nodes at the end), siblings in random list order; with
+    shuffle, node numbers permuted (children may come before parents; the padding lands anywhere)."""
+    nt = torch.full((batch, n), -1, dtype=torch.long)
+    ns = torch.full((batch, n), -1, dtype=torch.long)
+    cand = torch.zeros(batch, n, dtype=torch.long)
+    for b in range(batch):
+        size = int(torch.randint(1, n + 1, (1,), generator=gen))
+        order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
+        order.remove(0)
+        order = [0] + order  # node numbers of the tree's 0th, 1st, ... node
+        parents = [None] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
+        # distinct tokens when the vocabulary allows (the op's trees need distinct siblings; greedy takes repeats)
+        cand[b] = torch.randperm(vocab, generator=gen)[:n] if vocab >= n else torch.randint(0, vocab, (n,), generator=gen)
+        for i in range(1, size):  # push front or back of the parent's list at random
+            p, me = order[parents[i]], order[i]
+            if nt[b, p] == -1 or bool(torch.rand(1, generator=gen) < 0.5):
+                ns[b, me], nt[b, p] = nt[b, p], me
+            else:
+                last = int(nt[b, p])
+                while ns[b, last] != -1:
+                    last = int(ns[b, last])
+                ns[b, last] = me
+    ri = torch.arange(batch).unsqueeze(-1) * n + torch.arange(n)
+    return dict(candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_greedy_follows_sglang_walk(gen, shuffle):
+    batch, n, vocab, steps = 64, 9, 2, 5  # two tokens: matches are common, deep paths get cut at steps - 1
+    tree = random_lcrs(gen, batch, n, vocab, shuffle)
+    target_predict = torch.randint(0, vocab, (batch, n), generator=gen)
+    predicts, accept_index, accept_token_num = greedy(tree, target_predict, steps, batch * n)
+    want_predicts = torch.full((batch * n,), POISON, dtype=torch.int32)
+    for b, (path, tokens) in enumerate(greedy_walk(tree, target_predict, steps)):
+        flat = [b * n + c for c in path]
+        assert accept_index[b].tolist() == flat + [-1] * (steps - len(path))
+        assert int(accept_token_num[b]) == len(path) - 1
+        want_predicts[flat] = torch.tensor(tokens, dtype=torch.int32)
+    assert torch.equal(predicts, want_predicts)
+    assert (accept_token_num >= 3).any() and (accept_token_num == 0).any()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_same_decisions_as_sglang_on_the_same_coins(gen, name):
+    """Trees laid out as SGLang's builder lays them out: the shim makes SGLang's decisions on SGLang's coins, and
+    draws the same last token (compared with a PyTorch formulation of SGLang's kernel)."""
+    batch, n, vocab = (48, 7, 50) if name == "cpu" else (12, 7, 50)
+    _, ri, nt, ns = eagle_like_tree(batch, n, 2, "cpu")
+    parent = torch.where(torch.arange(n) == 0, 0, (torch.arange(n) - 1) // 2)
+    cand = torch.stack([torch.randperm(vocab, generator=gen)[:n] for _ in range(batch)])
+    logits = torch.randn(batch, n, vocab, generator=gen)
+    logits[torch.arange(batch).unsqueeze(-1), parent[1:], cand[:, 1:]] += 3.0  # paths of a few levels
+    target = torch.softmax(logits, -1)
+    coins, final = torch.rand(batch, n, generator=gen), torch.rand(batch, generator=gen)
+    tree = dict(candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns)
+    with backend(name):
+        got = sample(tree, target, coins, final, 4, batch * n)
+    want_predicts, want_index, want_num = sglang_target_only_torch(cand, ri, nt, ns, coins, final, target, 4)
+    assert torch.equal(got[1], want_index) and torch.equal(got[2], want_num)
+    assert torch.equal(got[0], torch.where(want_predicts == -1, POISON, want_predicts))
+    assert (want_num > 0).any() and (want_num < 3).any()
+
+
+def first_two_law_batch(gen, trials, sampled):
+    """A fixed target over V = 6 tokens: p1 at the root, p2[t] after token t; the tree: root -> nodes 1, 2, 3 (tokens
+    distinct), node 1 -> nodes 4, 5. Point proposals: fixed tokens; sampled: each node's children drawn without
+    replacement from its draft row, in sibling order (q1 at the root, q2[t] after token t)."""
+    vocab = 6
+    p1 = torch.softmax(torch.randn(vocab, generator=gen), 0)
+    p2 = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 0.8, -1)
+    q1 = torch.softmax(torch.randn(vocab, generator=gen), 0)
+    q2 = torch.softmax(torch.randn(vocab, vocab, generator=gen), -1)
+    if sampled:  # Gumbel top-k: distinct draws, in the order of drawing without replacement
+        first = (q1.log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(3, -1).indices
+        second = (q2[first[:, 0]].log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(2, -1).indices
+    else:
+        first, second = torch.tensor([[2, 0, 5]]).expand(trials, 3), torch.tensor([[1, 4]]).expand(trials, 2)
+    cand = torch.cat([torch.zeros(trials, 1, dtype=torch.long), first, second], 1)
+    rows = torch.stack([p1.expand(trials, vocab)] + [p2[cand[:, c]] for c in (1, 2, 3)] +
+                       [torch.full((trials, vocab), 1.0 / vocab)] * 2, 1)
+    draft = torch.stack([q1.expand(trials, vocab), q2[cand[:, 1]]] + [torch.full((trials, vocab), 1.0 / vocab)] * 4, 1)
+    tree = dict(candidates=cand, retrive_index=torch.arange(trials * 6).reshape(trials, 6),
+                retrive_next_token=torch.tensor([[1, 4, -1, -1, -1, -1]]).expand(trials, 6),
+                retrive_next_sibling=torch.tensor([[-1, 2, 3, -1, 5, -1]]).expand(trials, 6))
+    return tree, rows, draft if sampled else None, p1, p2
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["point", "sampled"])
+def test_first_two_tokens_have_the_target_law(sampled):
+    """(first, second) emitted token over 36 cells against p1(t1) p2[t1](t2); when a round emits one token, the second
+    is drawn from the target (the next round, plain sampling). Power: n = 200,000 rounds; moving 1% of mass between
+    two cells of probability <= 0.2 is a noncentrality >= 200,000 * 2 * 0.01^2 / 0.2 = 200 on 35 degrees of
+    freedom: caught with probability > 0.999 at alpha = 1e-4. (The emulator's run of the same rounds is compared
+    with the CPU kernel's below.)"""
+    trials = 200_000
+    gen = torch.Generator().manual_seed(11 + sampled)
+    tree, rows, draft, p1, p2 = first_two_law_batch(gen, trials, sampled)
+    coins, final = torch.rand(trials, 6, generator=gen), torch.rand(trials, generator=gen)
+    predicts, accept_index, accept_token_num = sample(tree, rows, coins, final, 3, trials * 6, draft)
+    t1 = predicts[accept_index[:, 0].long()].long()
+    next_round = torch.multinomial(p2[t1], 1, generator=gen).squeeze(-1)
+    t2 = torch.where(accept_token_num > 0, predicts[accept_index[:, 1].clamp_min(0).long()].long(), next_round)
+    counts = torch.bincount(t1 * 6 + t2, minlength=36).double()
+    law = (p1.unsqueeze(-1) * p2).reshape(-1).double()
+    chi2 = float(((counts - law * trials) ** 2 / (law * trials)).sum())
+    assert stats.chi2.sf(chi2, 35) > 1e-4, f"chi2 = {chi2:.1f} on 35 dof"
+    assert (accept_token_num == 2).float().mean() > 0.01 and (accept_token_num == 0).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["point", "sampled"])
+def test_emulator_equals_cpu_on_the_law_rounds(sampled):
+    """The CUDA kernel's source under the emulator emits, on the caller's coins, the CPU kernel's tokens."""
+    gen = torch.Generator().manual_seed(11 + sampled)
+    tree, rows, draft, _, _ = first_two_law_batch(gen, 400, sampled)
+    coins, final = torch.rand(400, 6, generator=gen), torch.rand(400, generator=gen)
+    want = sample(tree, rows, coins, final, 3, 400 * 6, draft)
+    with backend("sim"):
+        got = sample(tree, rows, coins, final, 3, 400 * 6, draft)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert (want[2] == 2).any() and (want[2] == 0).any()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_ragged_trees_and_depth_cut(gen, name):
+    """Three requests of different depths, padding at the end and (request 2) in the middle, and a cut: S = 3 allows
+    two drafts. The target certainly follows each chain; what the shim accepts is what SGLang's walk would, except
+    that a tree numbered with padding inside verifies only the nodes before the padding (a smaller tree)."""
+    n, vocab = 6, 10
+    nt = torch.tensor([[1, 2, 3, -1, -1, -1],  # a chain of 3 drafts, cut to 2 by S; nodes 4, 5 padding
+                       [1, -1, -1, -1, -1, -1],  # a single draft
+                       [2, -1, 3, -1, -1, -1]])  # node 1 is padding inside: the tree is root -> 2 -> 3
+    ns = torch.full((3, n), -1)
+    cand = torch.tensor([[0, 4, 5, 6, 9, 9], [0, 7, 9, 9, 9, 9], [0, 9, 2, 3, 9, 9]])
+    ri = torch.arange(3 * n).reshape(3, n) + 100  # flat positions need not start at 0 (predicts is longer)
+    target = torch.full((3, n, vocab), 1e-9)
+    for b, node_tokens in enumerate(([(0, 4), (1, 5), (2, 6), (3, 1)], [(0, 7), (1, 8)], [(0, 2), (2, 3), (3, 1)])):
+        for node, token in node_tokens:
+            target[b, node, token] = 1.0
+    target[2, 1, 1] = 1.0  # padding rows: anything
+    target = target / target.sum(-1, keepdim=True)
+    tree = dict(candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns)
+    with backend(name):
+        predicts, accept_index, accept_token_num = sample(tree, target, torch.rand(3, n, generator=gen),
+                                                          torch.rand(3, generator=gen), 3, 100 + 3 * n)
+    assert accept_index.tolist() == [[100, 101, 102], [106, 107, -1], [112, -1, -1]]
+    assert accept_token_num.tolist() == [2, 1, 0]
+    want = torch.full((100 + 3 * n,), POISON, dtype=torch.int32)
+    # request 0: 4, 5 accepted, then node 2's row (its child, node 3, is past the cut): 6; request 1: 7, then 8;
+    # request 2: only its root is verified (node 1, padding, comes first), which emits 2
+    want[[100, 101, 102, 106, 107, 112]] = torch.tensor([4, 5, 6, 7, 8, 2], dtype=torch.int32)
+    assert torch.equal(predicts, want)
+    # greedy follows SGLang's links whatever the numbering: request 2 goes root -> 2 -> 3 (cut after 2 drafts);
+    # SGLang reads target_predict at the flat positions too, so they stay within its B * N entries here
+    tree["retrive_index"] = tree["retrive_index"] - 100
+    predicts, accept_index, accept_token_num = greedy(tree, target.argmax(-1), 3, 3 * n)
+    assert accept_index.tolist() == [[0, 1, 2], [6, 7, -1], [12, 14, 15]]
+    assert accept_token_num.tolist() == [2, 1, 2]
+    want = torch.full((3 * n,), POISON, dtype=torch.int32)
+    want[[0, 1, 2, 6, 7, 12, 14, 15]] = torch.tensor([4, 5, 6, 7, 8, 2, 3, 1], dtype=torch.int32)
+    assert torch.equal(predicts, want)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_mixed_scratch_and_draft_rows(gen, name):
+    """A batch where some requests' draft_probs rows are zero (SGLang's scratch: point proposals) and others hold
+    the draft distributions: each request gets what it gets alone."""
+    batch, n, vocab = 6, 6, 12
+    tree = random_lcrs(gen, batch, n, vocab, shuffle=False)
+    target = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 2, -1)
+    draft = torch.softmax(torch.randn(batch, n, vocab, generator=gen) * 2, -1)
+    draft[::2] = 0.0
+    coins, final = torch.rand(batch, n, generator=gen), torch.rand(batch, generator=gen)
+    with backend(name):
+        together = sample(tree, target, coins, final, n, batch * n, draft)
+        for b in range(batch):
+            one = {k: v[b:b + 1] for k, v in tree.items()}
+            one["retrive_index"] = one["retrive_index"] - b * n
+            alone = sample(one, target[b:b + 1], coins[b:b + 1], final[b:b + 1], n, n,
+                           None if b % 2 == 0 else draft[b:b + 1])
+            assert torch.equal(together[1][b], torch.where(alone[1][0] >= 0, alone[1][0] + b * n, -1))
+            assert torch.equal(together[0][b * n:(b + 1) * n], alone[0]) and together[2][b] == alone[2][0]
+
+
+def test_both_keyword_spellings(gen):
+    tree, target = sglang_kernel_case()
+    coins, final = torch.rand(2, 6, generator=gen), torch.rand(2, generator=gen)
+    old = sample(tree, target, coins, final, 4, 12)
+    new_tree = {k.replace("retrive", "retrieve"): v for k, v in tree.items()}
+    new = sample(new_tree, target, coins, final, 4, 12)
+    for a, b in zip(old, new):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(greedy(new_tree, target.argmax(-1), 4, 12), old))
+    with pytest.raises(TypeError, match="both retrive_index and retrieve_index"):
+        sample(dict(tree, retrieve_index=tree["retrive_index"]), target, coins, final, 4, 12)
+
+
+@pytest.mark.parametrize("name, value", [("threshold_single", 0.5), ("threshold_acc", 0.0), ("threshold_acc", 1.5)])
+def test_lossy_thresholds_refused(gen, name, value):
+    tree, target = sglang_kernel_case()
+    with pytest.raises(ValueError, match=f"{name} = {value}.*lossless"):
+        sample(tree, target, torch.rand(2, 6, generator=gen), torch.rand(2, generator=gen), 4, 12, **{name: value})
+
+
+MALFORMED = {  # (retrive_next_token row, retrive_next_sibling row, message)
+    "link_out_of_range": ([1, 7, -1, -1], [-1, -1, -1, -1], "retrive_next_token holds a link outside"),
+    "sibling_below_-1": ([1, -1, -1, -1], [-1, -2, -1, -1], "retrive_next_sibling holds a link outside"),
+    "linked_twice": ([1, 2, -1, -1], [-1, 2, -1, -1], "linked to twice"),
+    "back_to_root": ([1, 0, -1, -1], [-1, -1, -1, -1], "back to the root"),
+    "sibling_cycle": ([1, -1, -1, -1], [-1, 2, 1, -1], "linked to twice|cycle"),
+    "unreachable_cycle": ([1, -1, 3, 2], [-1, -1, -1, -1], "cycle"),
+    "self_loop": ([1, -1, -1, 3], [-1, -1, -1, -1], "cycle"),
+}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_trees_refused(gen, name, case):
+    nt, ns, message = MALFORMED[case]
+    tree = dict(candidates=torch.tensor([[0, 1, 2, 3]]), retrive_index=torch.arange(4).unsqueeze(0),
+                retrive_next_token=torch.tensor([nt]), retrive_next_sibling=torch.tensor([ns]))
+    target = torch.full((1, 4, 8), 1 / 8)
+    with backend(name), pytest.raises(ValueError, match=f"malformed tree in request 0: .*({message})"):
+        sample(tree, target, torch.rand(1, 4, generator=gen), torch.rand(1, generator=gen), 4, 4)
+    with pytest.raises(ValueError, match=f"malformed tree in request 0: .*({message})"):
+        greedy(tree, torch.zeros(1, 4, dtype=torch.long), 4, 4)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_without_host_reads(gen, name, monkeypatch):
+    """The CUDA path reads nothing back (outside strict mode): run here with host checks off. A malformed request
+    keeps its root only while the others verify as usual; a batch with draft rows runs both kinds of request."""
+    monkeypatch.setattr(sglang, "_host_checks", lambda device: False)
+    tree, target = sglang_kernel_case()
+    tree["retrive_next_sibling"] = tree["retrive_next_sibling"].clone()
+    tree["retrive_next_sibling"][0, 3] = 1  # node 1 linked twice: request 0 is malformed
+    draft = torch.zeros_like(target)
+    draft[1] = torch.softmax(torch.randn(6, 20, generator=gen), -1)
+    with backend(name):
+        predicts, accept_index, accept_token_num = sample(tree, target, torch.rand(2, 6, generator=gen),
+                                                          torch.rand(2, generator=gen), 4, 12, draft)
+    assert accept_index[0].tolist() == [0, -1, -1, -1] and int(accept_token_num[0]) == 0
+    assert int(predicts[0]) == 3 and (predicts[1:6] == POISON).all()  # the root's row: token 3
+    assert accept_index[1, 0] == 6 and 0 <= int(accept_token_num[1]) <= 2
+    predicts, accept_index, accept_token_num = greedy(tree, target.argmax(-1), 4, 12)
+    assert accept_index.tolist() == [[0, -1, -1, -1], [6, 10, 11, -1]] and accept_token_num.tolist() == [0, 2]
+
+
+def test_bad_arguments_named(gen):
+    tree, target = sglang_kernel_case()
+    coins, final = torch.rand(2, 6, generator=gen), torch.rand(2, generator=gen)
+    cases = [
+        (dict(tree, candidates=tree["candidates"].clone().index_fill_(1, torch.tensor([3]), 20)), {}, "candidates"),
+        (dict(tree, retrive_index=tree["retrive_index"] + 6), {}, "retrive_index"),
+        (dict(tree, candidates=torch.tensor([[0, 1, 2, 1, 4, 5], [7, 8, 9, 10, 11, 12]])), {}, "same token 1"),
+        (dict(tree, retrive_next_token=tree["retrive_next_token"].float()), {}, "retrive_next_token must be int64"),
+        (tree, dict(uniform_samples=torch.ones(2, 6)), r"in \[0, 1\)"),
+        (tree, dict(uniform_samples=coins.double()), "uniform_samples must be a float32"),
+        (tree, dict(target_probs=target[:, :5]), "target_probs must be"),
+        (tree, dict(draft_probs=target[..., :7]), "draft_probs must be"),
+    ]
+    for t, override, message in cases:
+        args = dict(uniform_samples=coins, uniform_samples_for_final_sampling=final, target_probs=target)
+        args.update(override)
+        predicts, accept_index, accept_token_num = buffers(2, 4, 12)
+        with pytest.raises(ValueError, match=message):
+            sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num, **t, **args)
+    with pytest.raises(ValueError, match="predicts must be a 1-D int32"):
+        sglang.verify_tree_greedy(torch.zeros(12, dtype=torch.int64), *buffers(2, 4, 12)[1:], **tree,
+                                  target_predict=target.argmax(-1))
+    with pytest.raises(ValueError, match="target_predict must be"):
+        greedy(tree, target.argmax(-1)[:, :5], 4, 12)
