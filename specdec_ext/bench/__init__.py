@@ -2,7 +2,8 @@
 decoding benchmark, shipped with the package so that an installed wheel runs them."""
 import importlib
 
-BENCHMARKS = ("attention", "e2e", "flat_sampling", "philox", "sampling", "tree_sampling")
+BENCHMARKS = ("attention", "compat_flashinfer", "compat_sglang", "compat_transformers", "compat_vllm", "e2e",
+              "flat_sampling", "philox", "sampling", "tree_sampling")
 
 
 def run(args) -> int:
