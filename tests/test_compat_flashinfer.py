@@ -198,7 +198,7 @@ def test_seed_offset_and_generator(backend, gen):
             assert all(torch.equal(x[b:b + 1], y) for x, y in zip(whole, row)), b
         as_uint64 = call(draft, ids, target, seed=seeds.view(torch.uint64), offset=offsets.view(torch.uint64))
         assert all(torch.equal(x, y) for x, y in zip(whole, as_uint64))
-        one = call(draft, ids, target, seed=seeds[:1], offset=offsets[:1])  # length 1: every request's
+        one = call(draft, ids, target, seed=seeds[:1], offset=offsets[:1])  # length 1: shared by every request
         assert all(torch.equal(x, y) for x, y in zip(one, call(draft, ids, target, seed=int(seeds[0]),
                                                                offset=int(offsets[0]))))
         g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
@@ -208,8 +208,28 @@ def test_seed_offset_and_generator(backend, gen):
         assert len(draws | {tuple(first[0].flatten().tolist())}) > 1  # the generator advances on every call
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shared_seed_draws_independently_per_row(backend):
+    """One seed for the batch (an int, or a tensor of 1 entry) must not give every row the same uniforms, as FlashInfer's
+    rows each get their own subsequence: 64 identical rows whose one draft is always rejected (p = 0 at it) resample
+    from a uniform target over 1000 tokens; equal keys would give one token 64 times, independent ones collide
+    rarely (expected pairs 64 * 63 / 2 / 1000 ~ 2)."""
+    batch, vocab = 64, 1000
+    draft = torch.zeros(batch, 1, vocab)
+    draft[..., 0] = 1.0
+    ids = torch.zeros(batch, 1, dtype=torch.int32)
+    target = torch.full((batch, 2, vocab), 1.0 / (vocab - 1))
+    target[:, :, 0] = 0.0
+    with on(backend):
+        for seed, offset in ((5, 2), (torch.tensor([5]), torch.tensor([2]))):
+            out, acc, emit = sampling.chain_speculative_sampling(draft, ids, target, seed=seed, offset=offset)
+            assert torch.equal(emit, torch.zeros(batch, dtype=torch.int32))
+            assert len(set(out[:, 0].tolist())) >= batch - 10, out[:, 0].tolist()
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"seed": 3}, "seed and offset go together"),
+    ({"seed": 2**64, "offset": 0}, "seed must be an int that fits in 64 bits"),
     ({"offset": 3}, "seed and offset go together"),
     ({"seed": 3, "offset": torch.zeros(2, dtype=torch.int64)}, "both be tensors or both be ints"),
     ({"seed": torch.zeros(2, dtype=torch.int32), "offset": torch.zeros(2, dtype=torch.int64)}, "seed must be a 1-D int64"),

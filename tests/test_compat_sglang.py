@@ -364,6 +364,7 @@ def test_bad_arguments_named(gen):
         (tree, dict(uniform_samples=coins.double()), "uniform_samples must be a float32"),
         (tree, dict(target_probs=target[:, :5]), "target_probs must be"),
         (tree, dict(draft_probs=target[..., :7]), "draft_probs must be"),
+        (tree, dict(draft_probs=torch.zeros_like(target, device="meta")), "draft_probs must be"),
     ]
     for t, override, message in cases:
         args = dict(uniform_samples=coins, uniform_samples_for_final_sampling=final, target_probs=target)

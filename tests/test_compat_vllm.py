@@ -350,6 +350,26 @@ def test_rejection_sampler_forward_processes_the_target(backend, n, device="cpu"
         assert chi_square_pvalue(counts[law > 0].unsqueeze(0), law[law > 0].unsqueeze(0)) > 1e-4, f"config {c}"
 
 
+def test_processing_finds_each_rows_request_from_either_form_of_the_counts():
+    """Ragged counts with requests without drafts: the rows' owners from cu_num_draft_tokens (the device path) and from
+    the host list must give the same probabilities, each row processed with its own request's settings."""
+    counts = [2, 0, 3, 0, 1]
+    temperature, top_k, top_p = [0.5, 1.0, 2.0, 0.7, 0.0], [3, 8, 8, 2, 8], [1.0, 1.0, 0.6, 1.0, 1.0]
+    meta = sampling_metadata(temperature, top_k=torch.tensor(top_k, dtype=torch.int32), top_p=torch.tensor(top_p))
+    logits = LOGITS.expand(sum(counts), -1).clone()
+    cu = torch.tensor(counts).cumsum(0).int()
+    host = shim.process_target_logits(logits, counts, meta)
+    device = shim.process_target_logits(logits, counts, meta, cu)
+    assert torch.equal(host, device)
+    owners = [b for b, k in enumerate(counts) for _ in range(k)]
+    for row, b in enumerate(owners):
+        if temperature[b] == 0.0:
+            assert int(host[row].argmax()) == int(LOGITS.argmax())
+        else:
+            assert torch.allclose(host[row].double(), processed_law(LOGITS, temperature[b], top_k[b], top_p[b]),
+                                  atol=1e-6), row
+
+
 def test_forward_without_top_k_top_p_and_all_greedy():
     meta, logits, _ = forward_batch(6)
     sampler = BonusSampler()

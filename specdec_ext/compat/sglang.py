@@ -207,8 +207,10 @@ def tree_speculative_sampling_target_only(predicts, accept_index, accept_token_n
                            ("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, (batch,))):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != shape or t.device != device:
             raise ValueError(f"{op}: {name} must be a float32 tensor of shape {list(shape)} on {device}")
-    if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor) or draft_probs.shape != target_probs.shape):
-        raise ValueError(f"{op}: draft_probs must be None or a tensor shaped like target_probs {tuple(target_probs.shape)}")
+    if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor) or draft_probs.shape != target_probs.shape
+                                    or draft_probs.device != device):
+        raise ValueError(f"{op}: draft_probs must be None or a tensor shaped like target_probs {tuple(target_probs.shape)}"
+                         f" on {device}")
     host = _host_checks(device)
     parent, _, _, in_tree = _read_tree(op, retrive_next_token, retrive_next_sibling, s - 1, host)
     idx = torch.arange(n, device=device).expand(batch, n)

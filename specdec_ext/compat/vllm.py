@@ -1,7 +1,8 @@
 """vLLM v1's rejection sampler on specdec_ext's chain speculative sampling kernel.
 
-Follows the contract of vLLM's V1 engine (GPU model runner v1, `vllm/v1/sample/rejection_sampler.py` as of vLLM
-0.11/0.12, the releases whose RejectionSampler takes the Sampler and samples the bonus token itself):
+Follows the contract of vLLM's V1 engine (GPU model runner v1, `vllm/v1/sample/rejection_sampler.py` in the form
+whose RejectionSampler takes the Sampler and samples the bonus token itself, vLLM 0.11/0.12 by our reading; the
+earlier form, whose forward took bonus_token_ids, is not followed):
 
 - `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
   bonus_token_ids, sampling_metadata)`: flat drafts [T], `num_draft_tokens` a host list, `cu_num_draft_tokens` [B]
@@ -22,7 +23,9 @@ Nothing here imports vLLM.
 Randomness follows vLLM's reproducibility contract: the acceptance uniforms and the recovered token's uniform are
 drawn on the device from torch's default generator, except for a seeded request with k > 0 drafts, whose k uniforms
 and then its one final uniform come from its own generator, in that order. A request without drafts draws nothing.
-So the same generator state gives the same output, whatever else is in the batch. Acceptance is u * q < p (an exact
+So the same generator state gives the same output, whatever else is in the batch (vLLM's reproducibility
+contract); the generator is left in another state than vLLM leaves it (vLLM also draws V exponentials per request
+for the recovered token), and the tokens are not vLLM's. Acceptance is u * q < p (an exact
 u = 0 never accepts a token the target gives probability 0); the recovered token is the inverse CDF of
 norm(max(p - q, 0)) at the final uniform.
 """
@@ -175,18 +178,28 @@ def _sampler_output(token_ids: torch.Tensor):
     return cls(sampled_token_ids=token_ids, logprobs_tensors=None)
 
 
-def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata) -> torch.Tensor:
+def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata,
+                          cu_num_draft_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """vLLM's processing of the draft positions' target rows: logits [T, V] -> probabilities [T, V] float32 of
-    softmax(top-k/top-p masked logits / temperature) per request; greedy rows keep their argmax."""
+    softmax(top-k/top-p masked logits / temperature) per request; greedy rows keep their argmax. With
+    cu_num_draft_tokens on the logits' device the rows' owners come from it (no host-to-device copy: a copy from
+    pageable host memory synchronises the stream)."""
     logits = logits.float()
     if sampling_metadata.all_greedy:
         return logits.softmax(-1)
     tokens, vocab = logits.shape
-    repeats = torch.tensor(num_draft_tokens, device=logits.device)  # a host-to-device copy, no sync
+    if isinstance(cu_num_draft_tokens, torch.Tensor) and cu_num_draft_tokens.device == logits.device:
+        # Row t belongs to the request whose inclusive cumsum first exceeds t.
+        positions = torch.arange(tokens, dtype=torch.int64, device=logits.device)
+        owner = torch.searchsorted(cu_num_draft_tokens.reshape(-1).to(torch.int64), positions, right=True)
+    else:
+        owner = torch.repeat_interleave(torch.arange(len(num_draft_tokens)),
+                                        torch.tensor(num_draft_tokens, dtype=torch.int64)).to(logits.device)
 
     def per_token(x, fill):
-        x = torch.full((len(num_draft_tokens),), fill, device=logits.device) if x is None else x.to(logits.device)
-        return x.repeat_interleave(repeats, output_size=tokens)
+        if x is None:
+            return torch.full((tokens,), fill, device=logits.device)
+        return x.to(logits.device).reshape(-1)[owner]
 
     temperature = per_token(sampling_metadata.temperature, 1.0).float()
     greedy = temperature < MIN_TEMPERATURE
@@ -228,7 +241,7 @@ class RejectionSampler(nn.Module):
         bonus = self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata,
                              predict_bonus_token=True).sampled_token_ids
         target_probs = process_target_logits(logits[metadata.target_logits_indices], metadata.num_draft_tokens,
-                                             sampling_metadata)
+                                             sampling_metadata, metadata.cu_num_draft_tokens)
         token_ids = rejection_sample(metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
                                      metadata.cu_num_draft_tokens, draft_probs, target_probs, bonus,
                                      sampling_metadata)

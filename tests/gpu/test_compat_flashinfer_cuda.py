@@ -62,7 +62,7 @@ def test_sampling_is_capturable_in_a_cuda_graph(gen):
         offset.fill_(step)
         graph.replay()
         ref, want_acc, want_emit = sampling.chain_speculative_sampling(draft, ids, target, want_acc, want_emit,
-                                                                       seed=seed, offset=step)
+                                                                       seed=seed, offset=offset.clone())
         assert torch.equal(out, ref)
     assert torch.equal(acc, want_acc) and torch.equal(emit, want_emit)  # the captured adds accumulate per replay
 

@@ -52,6 +52,20 @@ def test_no_host_sync_in_a_sampled_call():
     assert out.shape == (3, 4)
 
 
+def test_no_host_sync_in_forward():
+    """RejectionSampler.forward (logits processing with top-k / top-p, the bonus sampler, rejection_sample) with
+    synchronising calls forbidden."""
+    meta, logits, sm = cpu.forward_batch(12, CUDA)
+    module = shim.RejectionSampler(cpu.BonusSampler())
+    module(meta, None, logits, sm)  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = module(meta, None, logits, sm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.sampled_token_ids.shape == (12, 4)
+
+
 def test_agrees_with_vllms_rejection_sampler():
     vllm_rs = pytest.importorskip("vllm.v1.sample.rejection_sampler")
     for drafts, argmaxes, bonus, expected in cpu.GREEDY_CASES.values():

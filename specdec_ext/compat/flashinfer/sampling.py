@@ -11,13 +11,16 @@ FlashInfer 0.7.0rc3 (flashinfer/sampling.py).
   ([B] int32 or int64 on the inputs' device), and start from zeros otherwise, as FlashInfer's.
 - seed and offset, both given (both ints, or both int64/uint64 tensors of 1 or B entries): the Philox key and
   counter base of specdec_ext's RNG contract; the output depends only on the inputs, seed[b] and offset[b], and a
-  new offset gives fresh draws. Without them each request's key is drawn from `generator` (torch's default generator
+  new offset gives fresh draws. A seed shared by the batch (an int, or 1 entry) keys row b with seed ^ (b << 32), so
+  that the rows draw independently, as FlashInfer's rows do (one seed, one Philox subsequence per row). Without them each request's key is drawn from `generator` (torch's default generator
   of the inputs' device when None), which therefore advances on every call, as FlashInfer's does.
 - deterministic is accepted: this kernel is always deterministic.
 No host synchronisation: with seed and offset tensors the call can be captured in a CUDA graph.
 
 Deliberate differences from FlashInfer:
 - The random streams differ (FlashInfer's is curand's), so one seed gives the same law, not the same tokens.
+- seed / offset tensors of B entries key row b with seed[b] and offset[b] (FlashInfer's kernel reads entry 0 of each
+  and separates the rows by subsequence).
 - Only one of seed / offset raises ValueError (FlashInfer ignores a lone one and draws both from the generator).
 - int64 count buffers receive the counts (FlashInfer adds into int32 copies of them, which the caller never sees).
 - FlashInfer's kernel judges the first rejected draft a second time, with a fresh uniform, when it counts accepted
@@ -27,6 +30,7 @@ Deliberate differences from FlashInfer:
 """
 import torch
 
+from ... import ops
 from .. import backend
 
 _OP = "chain_speculative_sampling"
@@ -57,8 +61,17 @@ def _count_buffer(buf, name: str, batch: int, device) -> torch.Tensor:
     return buf
 
 
+def _row_keys(seed: torch.Tensor, batch: int, device) -> torch.Tensor:
+    """One shared key -> B distinct keys, seed ^ (b << 32) for row b (row 0 keeps the key): FlashInfer gives each row
+    its own Philox subsequence of one seed; the same key for every row would draw the same uniforms in every row.
+    Device ops only: no host read, capturable."""
+    rows = torch.arange(batch, dtype=torch.int64, device=device) << 32
+    return torch.bitwise_xor(seed.expand(batch), rows)
+
+
 def _seed_and_offset(seed, offset, batch: int, device):
-    """(seed, offset) for the op: both None (drawn from the generator), both ints, or both 1-D int64 tensors."""
+    """(seed, offset) for the op: both None (drawn from the generator), both ints, or both 1-D int64 tensors. A seed
+    shared by the batch (an int, or a tensor of 1 entry) becomes one key per row (_row_keys)."""
     if seed is None and offset is None:
         return None, None
     if seed is None or offset is None:
@@ -67,14 +80,23 @@ def _seed_and_offset(seed, offset, batch: int, device):
     if isinstance(seed, torch.Tensor) != isinstance(offset, torch.Tensor):
         raise ValueError(f"{_OP}: seed and offset must both be tensors or both be ints")
     if not isinstance(seed, torch.Tensor):
-        return seed, offset  # the op checks that ints fit in 64 bits
+        for name, v in (("seed", seed), ("offset", offset)):
+            if isinstance(v, bool) or not isinstance(v, int) or not -(2**63) <= v < 2**64:
+                raise ValueError(f"{_OP}: {name} must be an int that fits in 64 bits, got {v!r}")
+        if batch <= 1 or ops._capturing():
+            return seed, offset  # under capture the op refuses Python ints (they would be frozen into the graph)
+        seed = torch.full((1,), seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64, device=device)
+        return _row_keys(seed, batch, device), offset
     for name, t in (("seed", seed), ("offset", offset)):
         if t.dtype not in (torch.int64, torch.uint64) or t.dim() != 1 or t.numel() not in (1, batch):
             raise ValueError(f"{_OP}: {name} must be a 1-D int64 or uint64 tensor of 1 or B = {batch} entries, got "
                              f"{t.dtype} {tuple(t.shape)}")
         if t.device != device:
             raise ValueError(f"{_OP}: {name} is on {t.device} but draft_probs is on {device}")
-    return seed.view(torch.int64), offset.view(torch.int64)  # uint64: the same 64 bits
+    seed, offset = seed.view(torch.int64), offset.view(torch.int64)  # uint64: the same 64 bits
+    if seed.numel() == 1 and batch > 1:
+        seed = _row_keys(seed, batch, device)
+    return seed, offset
 
 
 def chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, maybe_output_accepted_token_num=None,
