@@ -36,3 +36,8 @@ tail -9 "$OUT/bench_attention_layouts.txt"
 python3 -m specdec_ext.cli bench flat_sampling --device cuda --repeats 30 --json "$OUT/flat_sampling.json" \
   > "$OUT/bench_flat_sampling.txt" 2>&1
 tail -6 "$OUT/bench_flat_sampling.txt"
+for shim in flashinfer vllm sglang transformers; do
+  python3 -m specdec_ext.cli bench "compat_$shim" --device cuda --repeats 30 --json "$OUT/compat_$shim.json" \
+    > "$OUT/bench_compat_$shim.txt" 2>&1
+  tail -12 "$OUT/bench_compat_$shim.txt"
+done
