@@ -105,8 +105,13 @@ class NgramDrafter:
         seq = np.asarray(tokens, dtype=np.int64)
         found, starts = [], set()
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # every n-gram that has a successor
-            for start in np.flatnonzero((windows == seq[-n:]).all(axis=1))[::-1] + n:
+            # hits[i]: the n-gram at i (every one that has a successor) is the suffix; built one offset at a time,
+            # n vector compares, where a window view's fixed cost dwarfs a short history's whole lookup.
+            m = len(seq) - n
+            hits = seq[:m] == seq[-n]
+            for j in range(1, n):
+                hits &= seq[j:j + m] == seq[j - n]
+            for start in np.flatnonzero(hits)[::-1] + n:
                 if len(found) == count:
                     return found
                 if start not in starts:
@@ -117,10 +122,9 @@ class NgramDrafter:
     def propose(self, r: RoundInputs) -> Proposal:
         drafts = [self.lookup(h, k) if h is not None else [] for h, k in zip(r.histories, r.num_tokens)]
         width = max(len(d) for d in drafts)
-        ids = torch.zeros(r.batch, max(width, 1), dtype=torch.int64)
-        for b, d in enumerate(drafts):
-            ids[b, :len(d)] = torch.tensor(d, dtype=torch.int64)
-        return Proposal(ids[:, :width].to(self.device), [len(d) for d in drafts])
+        # One tensor from padded host lists (0, a valid id, past each row's count), not a copy per row.
+        ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.int64).reshape(r.batch, width)
+        return Proposal(ids.to(self.device), [len(d) for d in drafts])
 
     def propose_tree(self, r: RoundInputs, budget: int, branching: int) -> DraftTree:
         """The trie of up to `branching` continuations (see continuations), each node scored by how many of them
@@ -128,12 +132,10 @@ class NgramDrafter:
         tries = [trie(self.continuations(h, k, branching)) if h is not None else ([], [], [])
                  for h, k in zip(r.histories, r.num_tokens)]
         width = max(len(t[0]) for t in tries)
-        parents = torch.zeros(r.batch, width, dtype=torch.int64)
-        tokens = torch.zeros(r.batch, width, dtype=torch.int64)
-        scores = torch.full((r.batch, width), float("-inf"))
-        for b, (p, t, c) in enumerate(tries):
-            parents[b, :len(p)], tokens[b, :len(t)], scores[b, :len(c)] = torch.tensor(p), torch.tensor(t), \
-                torch.tensor(c, dtype=torch.float32)
+        pad = lambda values, fill: [v + [fill] * (width - len(v)) for v in values]  # one tensor each, not one per row
+        parents = torch.tensor(pad([p for p, _, _ in tries], 0), dtype=torch.int64).reshape(r.batch, width)
+        tokens = torch.tensor(pad([t for _, t, _ in tries], 0), dtype=torch.int64).reshape(r.batch, width)
+        scores = torch.tensor(pad([c for _, _, c in tries], float("-inf")), dtype=torch.float32).reshape(r.batch, width)
         return best_tree(parents.to(self.device), tokens.to(self.device), scores.to(self.device),
                          last_tokens(r.histories, self.device), budget)
 
@@ -189,10 +191,8 @@ class ModelDrafter:
         width = max(len(p) if p is not None else 1 for p in pending)
         self.cache.reserve([width + kmax] * r.batch, requests=list(rows))
         base = self.cache.cache_seqlens.clone()
-        ids = torch.zeros(r.batch, width, dtype=torch.int64)
-        for b, p in enumerate(pending):
-            if p is not None:
-                ids[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
+        # One tensor from padded host lists, not a copy per row.
+        ids = torch.tensor([(p or []) + [0] * (width - len(p or [])) for p in pending], dtype=torch.int64)
         last = torch.tensor([[len(p) - 1 if p is not None else 0] for p in pending], device=device)
         # Rows padded past their pending tokens write past their length: nothing reads those slots.
         logits = self.model(ids.to(device), self.cache, logits_indices=last, cache_rows=slice(0, r.batch))[:, 0]
@@ -287,18 +287,30 @@ class EagleDrafter:
 
     @torch.no_grad()
     def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
-        """Feeds each prefix's pairs whose two halves it holds (one forward per slot); the last feature waits for
-        the token after the prefix. So a round's ragged forward is at most k + 1 wide and its padded rows stay
-        inside the cache (a prompt's width there could run a row near its end past it)."""
-        for b, p, h in zip(slots, prefixes, hidden_states):
+        """Feeds each prefix's pairs whose two halves it holds; the last feature waits for the token after the
+        prefix. So a round's ragged forward is at most k + 1 wide and its padded rows stay inside the cache (a
+        prompt's width there could run a row near its end past it). One forward per run of consecutive slots
+        whose prefixes have one length, as the target's prefill: no row is padded, and admitting a batch costs
+        a forward per distinct length, not one per request."""
+        device = self.target.device
+        for b, h in zip(slots, hidden_states):
             self.lengths[b], self.pending[b] = 0, [h[-1:]] if len(h) else []
-            n = len(h) - 1
+        i = 0
+        while i < len(slots):
+            j, n = i, len(hidden_states[i]) - 1  # the pairs of slot i's prefix
+            while j + 1 < len(slots) and slots[j + 1] == slots[j] + 1 and len(hidden_states[j + 1]) - 1 == n:
+                j += 1
             if n > 0:
-                self.cache.reserve([n], requests=[b])
-                self.head(torch.tensor([p[1:]], device=self.target.device), h[:-1].unsqueeze(0), self.cache,
-                          cache_rows=slice(b, b + 1), logits_indices=torch.tensor([[n - 1]], device=self.target.device))
-                self.cache.advance(per_slot({b: n}, self.cache))
-                self.lengths[b] = n
+                rows = slots[i:j + 1]
+                self.cache.reserve([n] * len(rows), requests=rows)
+                tokens = torch.tensor([p[1:] for p in prefixes[i:j + 1]], dtype=torch.int64, device=device)
+                features = torch.stack([h[:-1] for h in hidden_states[i:j + 1]])
+                self.head(tokens, features, self.cache, cache_rows=slice(rows[0], rows[-1] + 1),
+                          logits_indices=torch.tensor([n - 1], device=device))
+                self.cache.advance(per_slot(dict.fromkeys(rows, n), self.cache))
+                for b in rows:
+                    self.lengths[b] = n
+            i = j + 1
 
     def release(self, slot: int) -> None:
         self.cache.release(slot)
@@ -309,20 +321,26 @@ class EagleDrafter:
         row after them. Returns (rows' counts of tokens asked, 0 for a row without a feature yet; the logits of
         the token after the last emitted one [B, Vd]; the head's feature of the last emitted token [B, 1, H])."""
         device = self.target.device
-        feats = [torch.cat(self.pending[b]) if r.histories[b] is not None and self.pending[b] else None
-                 for b in range(r.batch)]
-        counts = [len(f) if f is not None else 0 for f in feats]
+        live = [r.histories[b] is not None and bool(self.pending[b]) for b in range(r.batch)]
+        counts = [sum(len(f) for f in self.pending[b]) if live[b] else 0 for b in range(r.batch)]
         # A request whose prompt is one token has no feature yet: it drafts from the next round on.
         asked = [k if n else 0 for k, n in zip(r.num_tokens, counts)]
         width = max(max(counts), 1)
         self.cache.reserve([width + block] * r.batch, requests=list(range(r.batch)))
-        tokens = torch.zeros(r.batch, width, dtype=torch.int64)
-        features = torch.zeros(r.batch, width, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
-        for b, (f, n) in enumerate(zip(feats, counts)):
+        # Assembled with a constant number of tensor ops, whatever the batch (a round runs at every batch size).
+        padded = [[0] * width for _ in range(r.batch)]
+        for b, n in enumerate(counts):
             if n:
                 start = self.lengths[b] + 1  # pair j joins feature j with token j + 1
-                tokens[b, :n] = torch.tensor(r.histories[b][start:start + n])
-                features[b, :n] = f
+                padded[b][:n] = r.histories[b][start:start + n]
+        tokens = torch.tensor(padded, dtype=torch.int64)
+        features = torch.zeros(r.batch, width, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
+        if any(counts):
+            queued = torch.cat([f for b in range(r.batch) if live[b] for f in self.pending[b]])  # rows in slot order
+            count = torch.tensor(counts, device=device)
+            row = torch.repeat_interleave(torch.arange(r.batch, device=device), count)
+            column = torch.arange(len(queued), device=device) - torch.repeat_interleave(count.cumsum(0) - count, count)
+            features[row, column] = queued
         last = torch.tensor([[max(n - 1, 0)] for n in counts], device=device)
         logits, hidden = self.head(tokens.to(device), features, self.cache, cache_rows=slice(0, r.batch),
                                    logits_indices=last)

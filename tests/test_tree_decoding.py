@@ -109,10 +109,10 @@ def test_greedy_tree_decoding_equals_plain_decoding(target, name, paged, monkeyp
 @pytest.mark.parametrize("case", list(LAW_CASES))
 @pytest.mark.parametrize("name", [pytest.param("eagle", marks=pytest.mark.slow), "ngram"])
 def test_law_of_the_first_tokens_is_the_targets_with_trees(law_target, name, case):  # noqa: F811
-    """As test_speculative_decoding's law test (70,000 seeds, chi-square over the 512 sequences of 3 tokens, power
-    >= 0.9 against a 1% bias, checked by assert_law), with tree rounds of up to 8 nodes, depth 2 and 3 children
-    per node: point proposals tested in turn at each node, the rejected ones removed from the target's
-    distribution. The n-gram trie branches on LAW_PROMPT (~20 s a case); EAGLE's head (slow: ~100 s a case) sees
+    """As test_speculative_decoding's law test (70,000 or 50,000 seeds by case, chi-square over the 512 sequences of
+    3 tokens, power >= 0.9 against a 1% bias, checked by assert_law), with tree rounds of up to 8 nodes, depth 2 and
+    3 children per node: point proposals tested in turn at each node, the rejected ones removed from the target's
+    distribution. The n-gram trie branches on LAW_PROMPT; EAGLE's head (slow: its draft steps are head forwards) sees
     5 of the 8 tokens, the others coming through the residual. Mutation run once: handing the tree op the target's
     unmasked logits fails the top-k/top-p case (a masked token is emitted)."""
     hf, target = law_target
