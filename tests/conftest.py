@@ -14,7 +14,8 @@ import specdec_ext
 # depends on a table an earlier run measured. Child processes (the CLI tests) inherit it.
 os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
 
-RUN_SEED = int(os.environ.get("SPECDEC_TEST_SEED", random.SystemRandom().randrange(2**31)))
+# setdefault: worker processes (pytest -n) inherit the controller's seed, so one header line replays the whole run.
+RUN_SEED = int(os.environ.setdefault("SPECDEC_TEST_SEED", str(random.SystemRandom().randrange(2**31))))
 
 
 def pytest_report_header(config):
