@@ -230,11 +230,11 @@ def test_lossy_ensemble_verification_is_refused():
 
 # ------------------------------------------------------------------------------------------------ reproducibility
 
-def test_torch_manual_seed_reproduces_generate():
-    """The kernel's key comes from torch's default generator, like transformers' own sampling: the same seed gives
-    the same tokens, different seeds different ones."""
-    target, assistant, _ = law_models()
-    prompt = torch.tensor([LAW_PROMPT])
+def test_torch_manual_seed_reproduces_generate(device="cpu"):
+    """The kernel's key comes from torch's default generator on the logits' device (torch.manual_seed seeds every
+    device), like transformers' own sampling: the same seed gives the same tokens, different seeds different ones."""
+    target, assistant, _ = law_models(device)
+    prompt = torch.tensor([LAW_PROMPT], device=device)
 
     def run(seed):
         torch.manual_seed(seed)
