@@ -31,6 +31,7 @@ norm(max(p - q, 0)) at the final uniform.
 """
 import dataclasses
 import importlib
+import itertools
 import importlib.util
 import logging
 import sys
@@ -79,13 +80,13 @@ def _uniforms(num_draft_tokens: list[int], generators: dict, device):
     request's (k > 0) from its generator: k uniforms, then one. No host synchronisation."""
     uniforms = torch.rand(sum(num_draft_tokens), dtype=torch.float32, device=device)
     final = torch.rand(len(num_draft_tokens), dtype=torch.float32, device=device)
-    start = 0
-    for b, k in enumerate(num_draft_tokens):
-        g = generators.get(b)
-        if g is not None and k > 0:  # a request without drafts consumes nothing: vLLM's rule
-            uniforms[start:start + k].uniform_(generator=g)
-            final[b:b + 1].uniform_(generator=g)
-        start += k
+    if generators:  # host work only for seeded requests, not a loop over the batch
+        starts = [0, *itertools.accumulate(num_draft_tokens)]
+        for b in sorted(generators):
+            k = num_draft_tokens[b]
+            if k > 0:  # a request without drafts consumes nothing: vLLM's rule
+                uniforms[starts[b]:starts[b] + k].uniform_(generator=generators[b])
+                final[b:b + 1].uniform_(generator=generators[b])
     return uniforms, final
 
 
