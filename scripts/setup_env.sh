@@ -4,7 +4,8 @@
 #
 #   TORCH_CUDA_ARCH_LIST  architectures to compile (default: dev_cuda_archs of build_settings.json; release
 #                         wheels use its cuda_archs)
-#   SPECDEC_SIM_ASAN=1    build the emulator extension with AddressSanitizer (what the tests do)
+#   SPECDEC_SIM_ASAN      1 (default): the emulator extension with AddressSanitizer, as the tests run it; the demo
+#                         runs that build too (in a child process), so demo and tests share one build; 0: without
 #   PYTHON                interpreter that creates the venv (default python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDA_HOME=/usr/local/cuda
 fi
 # One architecture keeps rebuilds short: dev_cuda_archs of build_settings.json.
+export SPECDEC_SIM_ASAN="${SPECDEC_SIM_ASAN:-1}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$(.venv/bin/python -c 'import json; print(json.load(open("build_settings.json"))["dev_cuda_archs"])')}"
 
 if [ ! -x .venv/bin/specdec ]; then
@@ -35,4 +37,4 @@ if [ ! -x .venv/bin/specdec ]; then
 fi
 start=$(date +%s)
 .venv/bin/python setup.py -q build_ext --inplace > build/setup_build.log 2>&1 || { cat build/setup_build.log; exit 1; }
-echo "extensions built in $(( $(date +%s) - start )) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, SPECDEC_SIM_ASAN=${SPECDEC_SIM_ASAN:-0})"
+echo "extensions built in $(( $(date +%s) - start )) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, SPECDEC_SIM_ASAN=$SPECDEC_SIM_ASAN)"

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p build
-export SPECDEC_SIM_ASAN=1
+export SPECDEC_SIM_ASAN=1  # the emulator under AddressSanitizer (setup_env.sh's default, shared with the demo)
 bash scripts/setup_env.sh
 
 start=$(date +%s)

@@ -4,8 +4,8 @@ Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` hol
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__
-from .decoding import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
-from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from .engine import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
 from .kv_cache import PagedKVCache, StaticKVCache
 from .trees import DraftTree, TreeSettings
 from .ops import (
@@ -33,6 +33,7 @@ def build_info() -> dict:
 __all__ = [
     "__version__",
     "AcceptanceMonitor",
+    "Drafter",
     "EagleDrafter",
     "MedusaDrafter",
     "GenerationOutput",

@@ -66,6 +66,18 @@ def cmd_info(args) -> int:
     return 0
 
 
+def tree_settings(spec: str):
+    """--tree's value as TreeSettings (argparse reports a bad one as a usage error)."""
+    import argparse
+
+    from .trees import TreeSettings
+
+    try:
+        return TreeSettings.of(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None) -> int:
     try:
         try:

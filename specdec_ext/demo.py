@@ -12,7 +12,7 @@ import torch
 
 import specdec_ext
 from specdec_ext import reference
-from specdec_ext.generate import tree_settings
+from specdec_ext.cli import tree_settings
 
 
 def sampling_demo(device: torch.device) -> bool:
@@ -61,7 +61,7 @@ NEW_TOKENS = 96
 
 
 def load_shipped_model(device: torch.device):
-    from specdec_ext.generate import load
+    from specdec_ext.factory import load
     from specdec_ext.models import default_model_path
 
     path = default_model_path()
@@ -78,7 +78,7 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded
     stats, timed after a warm run. tree: tree rounds of these settings (TreeSettings) instead of chains. loaded:
     (path, model, tokenizer) already loaded. Returns the task's row: ok (the check), and the numbers printed."""
     from specdec_ext import SpeculativeDecoder
-    from specdec_ext.generate import make_drafter, prompt_ids
+    from specdec_ext.factory import make_drafter, prompt_ids
     from specdec_ext.streaming import TextStream
 
     path, model, tokenizer = loaded or load_shipped_model(device)
@@ -181,7 +181,9 @@ def register(sub) -> None:
 
 
 def main(device: str | None = None, drafter: str | None = None, tree=None) -> int:
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from specdec_ext.factory import choose_device
+
+    device = choose_device(device)
     print(f"specdec_ext {specdec_ext.__version__} on {device}")
     seeds = torch.tensor([2024, 7, 2**62 + 1, -5], device=device)
     steps = torch.tensor([0, 1, 2, 3], device=device)

@@ -1,86 +1,9 @@
 """`specdec generate`: text in, text out, streamed, through speculative decoding of any supported model."""
 import sys
 import time
-from pathlib import Path
 
-
-def load(path, device):
-    """A model and its tokenizer from an HF directory or a .gguf file, with a progress bar."""
-    from tqdm import tqdm
-
-    from .models import LlamaForCausalLM, load_tokenizer
-
-    with tqdm(total=2, desc=f"loading {path}", unit="part", file=sys.stderr, leave=False) as bar:
-        model = LlamaForCausalLM.from_pretrained(path, device=device)
-        bar.update()
-        tokenizer = load_tokenizer(path)
-        bar.update()
-    return model, tokenizer
-
-
-DRAFTER_SYNTAX = "ngram, model:PATH, eagle[:PATH] or medusa[:PATH]"
-
-
-def heads_only_for_the_default_model(kind: str) -> ValueError:
-    return ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, made by "
-                      f"`specdec train-draft --kind {kind}`")
-
-
-def check_drafter(spec: str, model_path=None) -> None:
-    """Raises ValueError when --drafter's value is not one make_drafter accepts (its syntax, the PATH it names, and
-    whether heads ship for model_path: None is the default model, as --model's default), before anything is loaded."""
-    from .models import default_model_path
-
-    kind, colon, path = spec.partition(":")
-    if spec == "ngram":
-        return
-    if kind not in ("model", "eagle", "medusa") or (kind == "model" and not path) or (colon and not path):
-        raise ValueError(f"--drafter must be {DRAFTER_SYNTAX}, got {spec!r}")
-    if path and not Path(path).exists():
-        raise ValueError(f"--drafter {spec}: no such file or directory")
-    if kind != "model" and not path and model_path is not None and \
-            Path(model_path).resolve() != default_model_path().resolve():
-        raise heads_only_for_the_default_model(kind)
-
-
-def make_drafter(spec: str, target, model_path=None):
-    """'ngram', 'model:PATH' (a draft model), 'eagle[:PATH]' or 'medusa[:PATH]' (trained heads for the target; without
-    a PATH, the heads shipped for the default model, when model_path is that model)."""
-    from .drafting import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
-    from .models import LlamaForCausalLM, default_head_path
-    from .models.draft_heads import EagleHead, MedusaHeads
-
-    kind, _, path = spec.partition(":")
-    if kind in ("eagle", "medusa") and not path and model_path is None:  # no model path: which model is unknown
-        raise heads_only_for_the_default_model(kind)
-    check_drafter(spec, model_path)
-    if spec == "ngram":
-        return NgramDrafter()
-    if kind == "model":
-        return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype))
-    path = path or default_head_path(kind)
-    if kind == "eagle":
-        return EagleDrafter(target, EagleHead.load(path, target))
-    return MedusaDrafter(target, MedusaHeads.load(path, target))
-
-
-def tree_settings(spec: str):
-    """--tree's value as TreeSettings (argparse reports a bad one as a usage error)."""
-    import argparse
-
-    from .trees import TreeSettings
-
-    try:
-        return TreeSettings.of(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def prompt_ids(tokenizer, text: str, chat: bool) -> list:
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer(text)["input_ids"]
+from .cli import tree_settings
+from .factory import check_drafter
 
 
 def validate(args) -> None:
@@ -103,14 +26,13 @@ def stats_line(s, drafter: str, shape: str, seconds: float, finish_reason=None) 
 
 
 def main(args) -> int:
-    import torch
-
     from .cli import UsageError
-    from .decoding import SpeculativeDecoder
+    from .engine import SpeculativeDecoder
+    from .factory import choose_device, load, make_drafter, prompt_ids
     from .models import default_model_path
     from .streaming import TextStream
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = choose_device(args.device)
     path = args.model or default_model_path()
     model, tokenizer = load(path, device)
     drafter = args.drafter or ("ngram" if args.model else "eagle")

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .decoding import SpeculativeDecoder
+from .engine import SpeculativeDecoder
+from .factory import prompt_ids
 from .models.draft_heads import EagleHead, MedusaHeads
 from .models.llama import linear, rms_norm
 
@@ -33,11 +34,6 @@ def load_prompts(split: str = "train") -> list[dict]:
     text = resources.files("specdec_ext").joinpath("data/prompts.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [r for r in rows if split == "all" or r["split"] == split]
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @dataclass
@@ -263,11 +259,11 @@ def evaluate(target, drafter, prompt_ids: list, *, k: int = 4, max_new_tokens: i
 def main(args) -> int:
     import torch
 
-    from .drafting import EagleDrafter, MedusaDrafter
-    from .generate import load
+    from .drafters import EagleDrafter, MedusaDrafter
+    from .factory import choose_device, load
     from .models import default_model_path
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = choose_device(args.device)
     target, tokenizer = load(args.model or default_model_path(), device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -277,7 +273,7 @@ def main(args) -> int:
         data = DistillationData(**torch.load(cache, weights_only=False))
     else:
         prompts = load_prompts("train")[: args.limit or None]
-        data = distillation_data(target, [chat_ids(tokenizer, p["prompt"]) for p in prompts], args.max_new_tokens,
+        data = distillation_data(target, [prompt_ids(tokenizer, p["prompt"]) for p in prompts], args.max_new_tokens,
                                  eos_token_id=tokenizer.eos_token_id, sampled_answers=args.sampled_answers)
         torch.save(vars(data), cache)
     print(f"data: {len(data.tokens)} sequences, {data.num_tokens} tokens ({time.perf_counter() - t0:.0f} s)")
@@ -288,7 +284,7 @@ def main(args) -> int:
           save_dtype=getattr(torch, args.save_dtype))
     path = out / f"{args.kind}.safetensors"
     print(f"trained {args.kind} in {time.perf_counter() - t0:.0f} s: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
-    heldout = [chat_ids(tokenizer, p["prompt"]) for p in load_prompts("heldout")][: args.eval_prompts]
+    heldout = [prompt_ids(tokenizer, p["prompt"]) for p in load_prompts("heldout")][: args.eval_prompts]
     # Evaluated as loaded from the file (its weights in save_dtype), as users get it.
     drafter = EagleDrafter(target, EagleHead.load(path, target)) if args.kind == "eagle" else \
         MedusaDrafter(target, MedusaHeads.load(path, target))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host import upload
 from .ops import LIMITS
 
 MAX_TREE_NODES = LIMITS["max_tree_nodes"]  # the tree sampling op's (and verify_attention's) limit on a block
@@ -46,9 +47,6 @@ class TreeSettings:
         if self.depth > self.num_nodes - 1:
             raise ValueError(f"tree: depth {self.depth} needs at least {self.depth + 1} num_nodes, got "
                              f"{self.num_nodes}")
-        if (self.depth - 1) * self.branching > MAX_TREE_NODES:  # an EAGLE head's draft block: every expanded node
-            raise ValueError(f"tree: (depth - 1) x branching must be at most {MAX_TREE_NODES}, got "
-                             f"({self.depth} - 1) x {self.branching}")
 
     @classmethod
     def of(cls, spec) -> "TreeSettings":
@@ -188,4 +186,4 @@ def trie(continuations: list) -> tuple[list, list, list]:
 
 def last_tokens(histories: list, device) -> torch.Tensor:
     """[B] int64: each row's last token (0 for idle rows), the roots of its tree."""
-    return torch.tensor([h[-1] if h is not None else 0 for h in histories], dtype=torch.long, device=device)
+    return upload([h[-1] if h is not None else 0 for h in histories], torch.long, device)

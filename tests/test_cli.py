@@ -169,7 +169,7 @@ if not torch.cuda.is_available():
 
 @pytest.mark.parametrize("argv,message", BAD_ARGUMENTS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_bad_arguments_are_usage_errors_before_loading(argv, message, monkeypatch, capsys):
-    import specdec_ext.generate
+    import specdec_ext.factory
     import specdec_ext.training
 
     def no_loading(*a, **k):
@@ -178,7 +178,7 @@ def test_bad_arguments_are_usage_errors_before_loading(argv, message, monkeypatc
     import specdec_ext.bench
     import specdec_ext.demo
 
-    monkeypatch.setattr(specdec_ext.generate, "load", no_loading)
+    monkeypatch.setattr(specdec_ext.factory, "load", no_loading)
     monkeypatch.setattr(specdec_ext.training, "main", no_loading)
     monkeypatch.setattr(specdec_ext.bench, "run", no_loading)
     monkeypatch.setattr(specdec_ext.demo, "main", no_loading)
@@ -250,11 +250,11 @@ class FakeDecoder:
 
 
 def test_generate_passes_batch_size_and_adaptive_and_reports_calibration(monkeypatch, capsys):
-    import specdec_ext.decoding
-    import specdec_ext.generate
+    import specdec_ext.engine
+    import specdec_ext.factory
 
-    monkeypatch.setattr(specdec_ext.generate, "load", lambda path, device: (fake_model(), FakeTokenizer()))
-    monkeypatch.setattr(specdec_ext.decoding, "SpeculativeDecoder", FakeDecoder)
+    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device: (fake_model(), FakeTokenizer()))
+    monkeypatch.setattr(specdec_ext.engine, "SpeculativeDecoder", FakeDecoder)
     assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "-k", "3"]) == 0
     made = FakeDecoder.made
     assert made["max_batch_size"] == 1 and made["adaptive"] is True and made["k"] == 3, made
@@ -271,8 +271,8 @@ def test_generate_passes_batch_size_and_adaptive_and_reports_calibration(monkeyp
 
 def test_generate_streams_whole_characters(monkeypatch):
     # A Japanese sentence with an emoji, accepted 1 to 3 tokens a round: each printed piece is whole characters.
-    import specdec_ext.decoding
-    import specdec_ext.generate
+    import specdec_ext.engine
+    import specdec_ext.factory
     from specdec_ext.models import default_model_path, load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
@@ -283,8 +283,8 @@ def test_generate_streams_whole_characters(monkeypatch):
         done = len(sum(chunks, []))
         chunks.append(ids[done:done + 1 + len(chunks) % 3])
     printed = []
-    monkeypatch.setattr(specdec_ext.generate, "load", lambda path, device: (fake_model(), tokenizer))
-    monkeypatch.setattr(specdec_ext.decoding, "SpeculativeDecoder", FakeDecoder)
+    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device: (fake_model(), tokenizer))
+    monkeypatch.setattr(specdec_ext.engine, "SpeculativeDecoder", FakeDecoder)
     monkeypatch.setattr(FakeDecoder, "chunks", tuple(chunks))
     monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append((a, k.get("file"))))
     assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu"]) == 0
@@ -296,23 +296,23 @@ def test_generate_streams_whole_characters(monkeypatch):
 @pytest.mark.parametrize("error", [ValueError("prompt 0 holds token ids outside [0, 10)\nsecond line"),
                                    RuntimeError("CUDA out of memory")])
 def test_library_errors_are_one_line(error, monkeypatch, capsys):
-    import specdec_ext.generate
+    import specdec_ext.factory
 
     def fail(path, device):
         raise error
 
-    monkeypatch.setattr(specdec_ext.generate, "load", fail)
+    monkeypatch.setattr(specdec_ext.factory, "load", fail)
     assert cli.main(["generate", "--prompt", "x", "--device", "cpu"]) == 1
     first, *rest = str(error).splitlines()
     assert capsys.readouterr().err == f"specdec: error: {first}{' ...' if rest else ''}\n"
 
 
 def test_prompt_longer_than_the_context_is_a_usage_error(monkeypatch, capsys):
-    import specdec_ext.generate
+    import specdec_ext.factory
 
     model = fake_model()
     model.config.max_position_embeddings = 3
-    monkeypatch.setattr(specdec_ext.generate, "load", lambda path, device: (model, FakeTokenizer()))
+    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device: (model, FakeTokenizer()))
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu"])
     assert e.value.code == 2

@@ -13,7 +13,7 @@ from test_draft_heads import make_drafter, random_vocab
 from test_plain_decoding import VOCAB, tiny_hf
 
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
-from specdec_ext.decoding import generate_autoregressive
+from specdec_ext.engine import generate_autoregressive
 from specdec_ext.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

@@ -12,9 +12,10 @@ from test_draft_heads import make_drafter, random_vocab
 from test_plain_decoding import VOCAB, random_prompts, tiny_hf
 
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
-from specdec_ext import costs as costs_module
-from specdec_ext import decoding
-from specdec_ext.decoding import generate_autoregressive
+from specdec_ext.engine import policy
+from specdec_ext.engine import decoder
+from specdec_ext.engine.requests import check_eos
+from specdec_ext.engine import generate_autoregressive
 from specdec_ext.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -124,7 +125,7 @@ def test_caches_are_sized_from_the_call(target):
 
 
 def test_an_allocation_that_cannot_succeed_names_what_to_lower(target, monkeypatch):
-    monkeypatch.setattr(decoding, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(decoder, "available_memory", lambda device: 1000)
     dec = SpeculativeDecoder(target, NgramDrafter(), 4, max_batch_size=4)
     with pytest.raises(ValueError, match=r"KV cache needs .* GiB \(max_batch_size=4 \(this call: 2 slots\) x max_seq_len "
                                          r"17, 2 layers\).*lower max_new_tokens, max_seq_len or max_batch_size"):
@@ -155,8 +156,8 @@ def test_a_page_budget_queues_requests_instead_of_failing(target):
 def test_cost_model_measures_only_the_rows_a_call_uses_and_is_kept_in_a_file(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     measured = []
-    real = costs_module.forward_seconds
-    monkeypatch.setattr(costs_module, "forward_seconds", lambda model, rows: measured.append(rows) or real(model, rows))
+    real = policy.forward_step  # what the target's table and a draft model's probe time
+    monkeypatch.setattr(policy, "forward_step", lambda model, rows: measured.append(rows) or real(model, rows))
     prompt = random_prompts(1, [9])
     dec = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=8)
     t0 = time.perf_counter()
@@ -191,7 +192,7 @@ def test_prompts_a_user_would_pass_are_accepted(target):
         assert dec.generate(form, 5).sequences == expected
     assert dec.generate(prompts, np.int64(5), top_k=2**70, temperature=np.float32(0), seed=np.int64(3)).sequences == \
         expected
-    assert decoding.check_eos(np.int64(3), VOCAB) == decoding.check_eos([torch.tensor(3)], VOCAB) == {3}
+    assert check_eos(np.int64(3), VOCAB) == check_eos([torch.tensor(3)], VOCAB) == {3}
 
 
 BAD = {

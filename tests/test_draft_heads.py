@@ -8,8 +8,8 @@ from test_plain_decoding import random_prompts, tiny_hf
 from test_speculative_decoding import LAW_CASES, LAW_VOCAB, assert_law, sample_first_tokens
 
 from specdec_ext import SpeculativeDecoder
-from specdec_ext.decoding import generate_autoregressive
-from specdec_ext.drafting import EagleDrafter, MedusaDrafter
+from specdec_ext.engine import generate_autoregressive
+from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 

@@ -369,10 +369,9 @@ def test_missing_weight_is_named(tmp_path):
 # ------------------------------------------------------------------------------------------------ shipped model
 
 def chat_ids(tokenizer, text):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding (4.x returned the list)
-        ids = ids["input_ids"]
-    ids = list(ids)
+    from specdec_ext.factory import prompt_ids
+
+    ids = prompt_ids(tokenizer, text)
     assert ids and all(isinstance(t, int) for t in ids)
     return ids
 
@@ -405,7 +404,7 @@ def test_shipped_model_logits_match_transformers(shipped):
 
 
 def test_shipped_model_greedy_tokens_match_transformers(shipped):
-    from specdec_ext.decoding import generate_autoregressive
+    from specdec_ext.engine import generate_autoregressive
 
     ours, theirs, tokenizer, prompts = shipped
     eos = tokenizer.eos_token_id
@@ -426,7 +425,7 @@ def test_shipped_model_speculative_greedy_equals_plain(shipped):
     """The shipped model, greedy, n-gram speculation (adaptive k up to 6): token for token plain decoding's
     output; both prompts through one slot (the second admitted when the first finishes at EOS), paged."""
     from specdec_ext import NgramDrafter, SpeculativeDecoder
-    from specdec_ext.decoding import generate_autoregressive
+    from specdec_ext.engine import generate_autoregressive
 
     ours, _, tokenizer, prompts = shipped
     eos = tokenizer.eos_token_id

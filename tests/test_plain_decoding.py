@@ -10,7 +10,7 @@ import transformers
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec_ext.decoding import generate_autoregressive
+from specdec_ext.engine import generate_autoregressive
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.sampling import mask_top_k_top_p
 

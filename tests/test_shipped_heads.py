@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from specdec_ext import SpeculativeDecoder
-from specdec_ext.drafting import EagleDrafter, MedusaDrafter
-from specdec_ext.generate import make_drafter
+from specdec_ext.drafters import EagleDrafter, MedusaDrafter
+from specdec_ext.factory import make_drafter, prompt_ids
 from specdec_ext.models import LlamaForCausalLM, default_head_path, default_model_path, load_tokenizer
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
-from specdec_ext.training import chat_ids, load_prompts
+from specdec_ext.training import load_prompts
 
 # Mean acceptance length, greedy, k = 4, the first HELDOUT held-out prompts, NEW_TOKENS tokens each, measured on the
 # shipped files when they were trained (bench/RESULTS.md): EAGLE 1.69, Medusa 1.37. The floors
@@ -23,7 +23,7 @@ def shipped():
     path = default_model_path()
     target = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = load_tokenizer(path)
-    prompts = [chat_ids(tokenizer, r["prompt"]) for r in load_prompts("heldout")][:HELDOUT]
+    prompts = [prompt_ids(tokenizer, r["prompt"]) for r in load_prompts("heldout")][:HELDOUT]
     plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(
         prompts, NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)
     return target, tokenizer, prompts, plain

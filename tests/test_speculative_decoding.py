@@ -14,7 +14,7 @@ from test_plain_decoding import VOCAB, exact_distribution, random_prompts, tiny_
 import specdec_ext
 from specdec_ext import AcceptanceMonitor, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext import ops as ops_module
-from specdec_ext.decoding import CostModel, generate_autoregressive
+from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -219,7 +219,7 @@ def test_caches_hold_a_fresh_prefill_after_every_round(pair, paged):
         n = int(dec.cache.cache_seqlens[r])
         assert n == len(tokens[r]) - 1
         m = int(drafter.cache.cache_seqlens[r])
-        assert m == drafter.lengths[r] and len(tokens[r]) - 2 <= m <= len(tokens[r]) - 1
+        assert m == drafter.state.lengths[r] and len(tokens[r]) - 2 <= m <= len(tokens[r]) - 1
         assert_cache_holds(target, dec.cache, r, tokens[r][:n])
         assert_cache_holds(draft, drafter.cache, r, tokens[r][:m])
         checked.append((r, len(new)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_plain_decoding import random_prompts, tiny_hf
 
-from specdec_ext.drafting import EagleDrafter, MedusaDrafter
+from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 from specdec_ext.training import distillation_data, draft_vocabulary, evaluate, load_prompts, train

@@ -12,8 +12,8 @@ from test_speculative_decoding import LAW_CASES, assert_cache_holds, assert_law,
 
 import specdec_ext
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
-from specdec_ext import decoding as decoding_module
-from specdec_ext.decoding import CostModel, generate_autoregressive
+from specdec_ext.engine import rounds
+from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.trees import TreeSettings, best_tree, trie
 
@@ -39,14 +39,14 @@ def tree_drafter(name, target, seed=1):
 def record_paths(monkeypatch) -> list:
     """Wraps the decoder's tree sampling op: returns the list that each round's accepted_nodes are appended to."""
     paths = []
-    op = decoding_module.tree_speculative_sampling_from_logits
+    op = rounds.tree_speculative_sampling_from_logits
 
     def recording(*args, **kwargs):
         out = op(*args, **kwargs)
         paths.extend(nodes[:a + 1] for nodes, a in zip(out.accepted_nodes.tolist(), out.num_accepted.tolist()))
         return out
 
-    monkeypatch.setattr(decoding_module, "tree_speculative_sampling_from_logits", recording)
+    monkeypatch.setattr(rounds, "tree_speculative_sampling_from_logits", recording)
     return paths
 
 
@@ -149,7 +149,7 @@ def test_caches_hold_a_fresh_prefill_after_every_tree_round(target, paged, monke
         # The head: m pairs fed, the features of tokens m .. n - 1 queued.
         m = int(drafter.cache.cache_seqlens[r])
         queued = torch.cat(drafter.pending[r]) if drafter.pending[r] else torch.empty(0, target.config.hidden_size)
-        assert m == drafter.lengths[r] and m + len(queued) == n
+        assert m == drafter.state.lengths[r] and m + len(queued) == n
         if n:
             _, features = target.prefill(target.new_kv_cache(1, n + 1), [0], [tokens[r][:n]], output_hidden_states=True)
             torch.testing.assert_close(queued, features[0][m:], rtol=1e-4, atol=1e-4)
@@ -232,7 +232,7 @@ def test_eagle_trees_are_the_heads_best_paths(target, monkeypatch):
                 path = [c]
                 while parents[path[-1]] > 0:
                     path.append(parents[path[-1]])
-                cache = head.decoder.new_kv_cache(1, drafter.capacity)
+                cache = head.decoder.new_kv_cache(1, drafter.cache.max_seq_len)
                 cache.k.copy_(start["k"][:, b:b + 1])
                 cache.v.copy_(start["v"][:, b:b + 1])
                 cache.cache_seqlens.copy_(start["lengths"][b:b + 1])
@@ -283,9 +283,9 @@ def test_adaptive_tree_size_follows_the_verify_cost(target):
 
 # --------------------------------------------------------------------------------------------------- bad input
 
+# An EAGLE head's limit on (depth - 1) x branching is the EAGLE drafter's: tests/test_rounds.py.
 @pytest.mark.parametrize("tree", [0, 1, 65, True, 2.5, "abc", "nodes=8,depth=9", "nodes=8,width=2",
-                                  {"num_nodes": 8, "width": 2}, {"depth": 0},
-                                  dict(num_nodes=64, depth=12, branching=8)])
+                                  {"num_nodes": 8, "width": 2}, {"depth": 0}])
 def test_bad_tree_settings_raise(target, tree):
     with pytest.raises(ValueError, match="tree"):
         SpeculativeDecoder(target, NgramDrafter(), tree=tree)

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 import specdec_ext
 from specdec_ext import reference
 
-from .common import copy_bandwidth_gbs, median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import copy_bandwidth_gbs, median_us, report, save
 
 HQ, HKV, D = 32, 8, 128
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     if getattr(args, "layouts", False):
         return main_layouts(args, device)
     peak = copy_bandwidth_gbs(device)

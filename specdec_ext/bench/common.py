@@ -7,10 +7,6 @@ import time
 import torch
 
 
-def pick_device(name: str | None) -> torch.device:
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
 def median_us(fn, device: torch.device, repeats: int = 50, warmup: int = 5) -> float:
     """Median wall time of fn() in microseconds: CUDA events on a GPU, perf_counter on the CPU."""
     for _ in range(warmup):

@@ -5,7 +5,8 @@ probabilities in, output ids with -1 padding, accepted and emitted counts added 
 import torch
 
 from ..compat.flashinfer import sampling
-from .common import median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import median_us, report, save
 
 
 def torch_chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, accepted, emitted, generator=None):
@@ -42,7 +43,7 @@ def make_case(batch, k, vocab, device, gen):
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     big = device.type == "cuda"
     batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8, 64] if big else [1, 64])
     ks = [int(x) for x in args.k.split(",")] if args.k else ([1, 4, 8] if big else [1, 8])

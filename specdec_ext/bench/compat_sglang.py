@@ -10,7 +10,8 @@ levels deep. Both sides get the same coins; ours makes the same decisions (tests
 import torch
 
 from ..compat import sglang
-from .common import median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import median_us, report, save
 
 
 def sglang_target_only_torch(candidates, retrive_index, next_token, next_sibling, coins, final_coins, target_probs,
@@ -107,7 +108,7 @@ def measure(case, batch, n, vocab, device, repeats):
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
     sizes = [int(x) for x in args.k.split(",")] if args.k else [4, 8]  # --k: tree nodes N
     vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 128256]

@@ -5,7 +5,8 @@ Both include the host read of the accepted count that transformers' loop needs.
 """
 import torch
 
-from .common import median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import median_us, report, save
 
 
 def make_round(k, vocab, device, gen):
@@ -23,7 +24,7 @@ def main(args) -> int:
 
     from ..compat.transformers import speculative_sampling
 
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     if args.batch and args.batch != "1":
         raise SystemExit("compat_transformers: transformers' assisted decoding runs batch 1 only (--batch 1)")
     ks = [int(x) for x in args.k.split(",")] if args.k else [1, 4, 8]

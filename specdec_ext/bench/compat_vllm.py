@@ -7,7 +7,8 @@ import types
 import torch
 
 from ..compat import vllm as shim
-from .common import median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import median_us, report, save
 
 
 def torch_rejection_sample(draft_token_ids, counts, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
@@ -60,7 +61,7 @@ def make_case(batch, k, vocab, device, gen):
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     cuda = device.type == "cuda"
     # The CPU default grid stays under two minutes on a small machine; B = 64 there: --batch 64.
     batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8, 64] if cuda else [1, 8, 32])

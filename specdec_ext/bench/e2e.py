@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from specdec_ext.decoding import SpeculativeDecoder, generate_autoregressive
-from specdec_ext.generate import make_drafter
+from specdec_ext.engine import SpeculativeDecoder, generate_autoregressive
+from specdec_ext.factory import make_drafter, prompt_ids
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
 from specdec_ext.trees import TreeSettings
 
@@ -115,9 +115,7 @@ def forward_costs(model, repeats: int) -> list[dict]:
 
 
 def chat_prompts(tokenizer) -> list:
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-           for p in PROMPTS.values()]
-    return [c["input_ids"] if hasattr(c, "keys") else list(c) for c in ids]
+    return [prompt_ids(tokenizer, p) for p in PROMPTS.values()]
 
 
 def batch_of(chat, i, batch):
@@ -126,10 +124,10 @@ def batch_of(chat, i, batch):
 
 
 def heldout_prompts(tokenizer) -> list:
-    from specdec_ext.training import chat_ids, load_prompts
+    from specdec_ext.training import load_prompts
 
     rows = [r for r in load_prompts("heldout") if r["category"] in HELDOUT_CATEGORIES][:HELDOUT_COUNT]
-    return [chat_ids(tokenizer, r["prompt"]) for r in rows]
+    return [prompt_ids(tokenizer, r["prompt"]) for r in rows]
 
 
 def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats, bandwidth):
@@ -208,7 +206,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                         if batch == 1 else float("nan")
                 for drafter_name, drafter in drafters.items():
                     for k, k_max, adaptive, tree in configs:
-                        if tree is not None and not hasattr(drafter, "propose_tree"):
+                        if tree is not None and not drafter.supports_trees:
                             continue
                         dec = SpeculativeDecoder(target, drafter, k_max, adaptive=adaptive, max_batch_size=batch,
                                                  tree=tree)

@@ -7,7 +7,8 @@ import torch
 
 import specdec_ext
 
-from .common import median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import median_us, report, save
 
 
 def make_batch(batch, max_k, vocab, dtype, device, gen):
@@ -43,7 +44,7 @@ def pad(flat, index, rows, width):
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else [64]
     max_k = int(args.k) if args.k else 8
     vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [128256]

@@ -5,11 +5,12 @@ import torch
 import specdec_ext
 from specdec_ext import reference
 
-from .common import copy_bandwidth_gbs, median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import copy_bandwidth_gbs, median_us, report, save
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
     rows = []
     for batch in (1, 8, 64):

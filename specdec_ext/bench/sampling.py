@@ -13,7 +13,8 @@ import torch
 import specdec_ext
 from specdec_ext import reference
 
-from .common import copy_bandwidth_gbs, median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import copy_bandwidth_gbs, median_us, report, save
 
 
 def make_case(batch, k, vocab, dtype, device, gen):
@@ -73,7 +74,7 @@ def bytes_read(out, k, vocab, elem, logits):
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
     ks = [int(x) for x in args.k.split(",")] if args.k else [1, 4, 8]

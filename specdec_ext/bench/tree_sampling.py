@@ -13,7 +13,8 @@ import torch
 import specdec_ext
 from specdec_ext import reference
 
-from .common import copy_bandwidth_gbs, median_us, pick_device, report, save
+from ..factory import choose_device
+from .common import copy_bandwidth_gbs, median_us, report, save
 from .sampling import graph_replay_us
 
 
@@ -116,7 +117,7 @@ def measure(case, batch, n, branching, vocab, sampled, dtype, device, repeats, p
 
 
 def main(args) -> int:
-    device = pick_device(args.device)
+    device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
     batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
     sizes = [int(x) for x in args.k.split(",")] if args.k else [8, 32, 64]  # --k: node counts N

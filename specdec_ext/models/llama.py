@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import LIMITS, skinny_linear
+from .. import ops as native_ops
+from ..host import upload
+from ..ops import LIMITS, is_strict, skinny_linear
 from .config import LlamaConfig
 
 MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
@@ -89,9 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = empty(c.hidden_size)
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else empty(c.vocab_size, c.hidden_size)
         self.register_buffer("inv_freq", rope_inverse_frequencies(c).to(device), persistent=False)
-        if ops is None:
-            import specdec_ext as ops
-        self.ops = ops  # where verify_attention comes from: specdec_ext, specdec_ext.sim or specdec_ext.reference
+        self.ops = ops or native_ops  # verify_attention from specdec_ext.ops, specdec_ext.sim or specdec_ext.reference
 
     @property
     def dtype(self) -> torch.dtype:
@@ -209,9 +209,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"LlamaForCausalLM: a tree holds at most {MAX_ATTENTION_QUERIES} tokens")
         if input_ids is None:
             return
-        capturing = input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < \
-                self.config.vocab_size:  # a host read; inside a CUDA graph the ids come from the sampler
+        # A host read: on CUDA only in strict mode (a decoding round reads the device once, for its results), never
+        # inside a CUDA graph (whose ids come from the sampler).
+        check = not input_ids.is_cuda or (is_strict() and not torch.cuda.is_current_stream_capturing())
+        if check and input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < \
+                self.config.vocab_size:
             raise ValueError(f"LlamaForCausalLM: input_ids holds token ids outside [0, {self.config.vocab_size})")
 
     def forward(self, input_ids, kv_cache, *, tree_mask=None, logits_indices=None, output_hidden_states=False,
@@ -223,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
         Returns logits [B, Q or n, V] float32, and the last layer's hidden states [B, Q, H] with
         output_hidden_states (before the final norm, as EAGLE-style heads take them). inputs_embeds [B, Q, H]
         instead of input_ids: the first layer's input (a draft head's own input projection). kv_cache None: each
-        row is a whole sequence from position 0, attended causally by torch (differentiable, for training)."""
+        row is a whole sequence from position 0, attended causally by torch (differentiable, for training).
+        Token ids outside the vocabulary raise ValueError: checked on the CPU always, on CUDA in strict mode
+        (set_strict(True); the check is a host read)."""
         c = self.config
         self.check_input(input_ids, inputs_embeds, kv_cache, cache_rows, tree_mask)
         x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
@@ -266,13 +270,11 @@ class LlamaForCausalLM(nn.Module):
                 j += 1
             if n:
                 kv_cache.reserve([n] * (j - i + 1), requests=rows[i:j + 1])
-                ids = torch.tensor(token_lists[i:j + 1], dtype=torch.long, device=device)
-                _, hidden = self(ids, kv_cache, logits_indices=torch.tensor([n - 1], device=device),
+                ids = upload(token_lists[i:j + 1], torch.long, device)
+                _, hidden = self(ids, kv_cache, logits_indices=upload([n - 1], torch.long, device),
                                  cache_rows=slice(rows[i], rows[j] + 1), output_hidden_states=True)
                 hidden_states[i:j + 1] = hidden.unbind(0)
-                grow = torch.zeros(kv_cache.batch_size, dtype=torch.int32)
-                grow[rows[i]:rows[j] + 1] = n
-                kv_cache.advance(grow.to(device))
+                kv_cache.advance([n] * (j - i + 1), slice(rows[i], rows[j] + 1))
                 forwards += 1
             i = j + 1
         return (forwards, hidden_states) if output_hidden_states else forwards

@@ -7,7 +7,7 @@ from test_plain_decoding import random_prompts, tiny_hf
 
 import specdec_ext
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
-from specdec_ext.decoding import CostModel
+from specdec_ext.engine import CostModel
 from specdec_ext.models import LlamaForCausalLM
 
 

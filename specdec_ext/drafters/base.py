@@ -1,0 +1,159 @@
+"""The Drafter protocol: what proposes the tokens that the target verifies in a round, and what it answers about
+itself, so that the decoder never looks inside a drafter.
+
+The decoder calls, over its request slots [0, slots):
+  bind(target, slots, capacity, paged=, num_pages=, cuda_graphs=)  before a run: check the target, allocate what
+                                 the drafter keeps (its cache of `capacity` tokens per slot; num_pages: a paged
+                                 cache's page budget, None: the worst case); a drafter that reallocates drops the
+                                 CUDA graphs it captured on the old cache (it owns both)
+  admit(slots, prefixes, hidden_states=None)  new requests: each prompt but its last token (which opens the first
+                                 round), and the target's hidden states of those tokens when needs_hidden_states
+  propose(round) -> Proposal     up to round.num_tokens[b] tokens for each slot b < round.batch (ragged, 0 allowed)
+  propose_tree(round, budget, branching) -> DraftTree   tree rounds (supports_trees): at most `budget` nodes (the
+                                 root included) per slot, no deeper than round.num_tokens[b], best nodes first
+  rollback(num_accepted, hidden_states=None)  after every round: keep what the target accepted ([batch] ints, -1
+                                 for a row without a request); hidden_states [batch, Q, H]: the target's, of the
+                                 round's block (after a tree round: of the accepted path, in path order)
+  release(slot)                  a finished request
+and asks:
+  supports_trees, needs_hidden_states
+  check_tree(tree)               ValueError when a TreeSettings is not one this drafter can propose
+  cache_margin(k_max, tree)      slots a round writes past a request's tokens in the drafter's own cache
+  draft_work(k, tree)            (steps, rows per request of each step) of a round drafting k tokens (a tree of
+                                 depth k): what the cost model multiplies the step's cost by
+  cost_probe()                   (key, prepare): what a draft step's cost depends on (the cost file's key) and
+                                 prepare(rows) -> a function running one draft step over `rows` rows on scratch
+                                 state, which the cost model times, so that no drafter counts as free
+
+A Proposal holds draft_token_ids [batch, K] int64 (padded with valid ids past each row's count), the count per
+row, and draft_logits [batch, K, V] (the processed logits the drafts were drawn from: q = softmax(logits / T)) or
+None for point proposals (q one-hot at the draft token).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from ..graphs import StepGraphs
+from ..host import upload
+from ..sampling import mask_top_k_top_p, sample_from_logits
+
+# A draft model's or head's Philox key is the request's seed XOR this (the golden-ratio constant as a signed
+# int64), so its draws never reuse the target's; its counter is the position of the drafted token.
+DRAFT_KEY = 0x9E3779B97F4A7C15 - 2**64
+
+
+@dataclass
+class RoundInputs:
+    """What a drafter sees of a round: rows [0, batch) of the decoder's slots."""
+    batch: int
+    num_tokens: list        # [batch] ints: how many tokens to propose for each row (0 for idle rows)
+    histories: list         # [batch] token lists (prompt + generated; None for idle rows)
+    temperature: torch.Tensor  # [batch] float32 on the device, and top_k [batch] int64, top_p [batch] float32
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor      # [batch] int64: the requests' seeds
+    steps: torch.Tensor     # [batch] int64: tokens generated so far (the Philox counter of this round)
+    max_top_k: int = 0      # the largest top_k of a sampled request (0: none), and whether one has top_p < 1
+    any_top_p: bool = False
+
+
+@dataclass
+class Proposal:
+    draft_token_ids: torch.Tensor  # [batch, K] int64
+    num_draft_tokens: list         # [batch] ints, each <= K and <= what was asked
+    draft_logits: torch.Tensor | None = None  # [batch, K, V] float32, or None: point proposals
+
+
+class Drafter:
+    """Defaults for a drafter that keeps no state between rounds and proposes chains only."""
+
+    needs_hidden_states = False
+    supports_trees = False
+
+    def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
+             cuda_graphs: bool = False) -> None:
+        self.device = target.device
+
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
+        pass
+
+    def propose(self, r: RoundInputs) -> Proposal:
+        raise NotImplementedError
+
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int):
+        raise NotImplementedError(f"{type(self).__name__} proposes chains only")
+
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def check_tree(self, tree) -> None:
+        if not self.supports_trees:
+            raise ValueError(f"tree rounds need a drafter that proposes trees (EagleDrafter, MedusaDrafter, "
+                             f"NgramDrafter), got {type(self).__name__}")
+
+    def cache_margin(self, k_max: int, tree=None) -> int:
+        return 0
+
+    def draft_work(self, k: int, tree=None) -> tuple[int, int]:
+        return (1 if k else 0), 1
+
+    def cost_probe(self):
+        """None: this drafter did not say what its steps cost, and the cost model counts them as free."""
+        return None
+
+
+class DraftCache:
+    """A drafter's KV cache with a host mirror of each request's length, and the CUDA graphs captured on it: both
+    are replaced together, so a graph never replays against a freed cache (a drafter shared by decoders of
+    different batch sizes reallocates on each bind)."""
+
+    def __init__(self):
+        self.cache, self.shape = None, None
+        self.graphs = StepGraphs(enabled=False)
+
+    def bind(self, model, slots: int, capacity: int, paged: bool, num_pages, cuda_graphs: bool):
+        """Reuses the cache while its shape is the run's (its graphs stay valid), else allocates a new one and drops
+        the graphs; every request emptied."""
+        shape = (slots, capacity, paged, num_pages, cuda_graphs)
+        if self.shape != shape:
+            self.cache = None  # free the old one before allocating
+            self.cache = model.new_kv_cache(slots, capacity, paged=paged, num_pages=num_pages)
+            self.graphs = StepGraphs(enabled=cuda_graphs)
+            self.shape = shape
+        for b in range(slots):
+            self.cache.release(b)
+        self.lengths = [0] * slots  # host mirror: tokens (or pairs) of request b that the cache holds
+        return self.cache
+
+    def advance(self, counts: list, rows: slice) -> None:
+        """The requests of `rows` grew by counts (host ints) after a forward wrote them."""
+        self.cache.advance(counts, rows)
+        for b, n in zip(range(*rows.indices(len(self.lengths))), counts):
+            self.lengths[b] += n
+
+    def restore(self) -> None:
+        """Back to the host mirror's lengths: drops what draft steps wrote after it."""
+        self.cache.restore_lengths(self.lengths)
+
+    def release(self, slot: int) -> None:
+        self.cache.release(slot)
+        self.lengths[slot] = 0
+
+
+def padded(rows: list, fill, dtype: torch.dtype, device) -> torch.Tensor:
+    """Ragged host lists as one [len(rows), longest] tensor on `device` (one upload, not one per row)."""
+    width = max((len(row) for row in rows), default=0)
+    return upload([list(row) + [fill] * (width - len(row)) for row in rows], dtype, device).reshape(len(rows), width)
+
+
+def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, r: RoundInputs,
+                          offset: torch.Tensor):
+    """Logits over a draft vocabulary [B, Vd] -> (processed logits over the full vocabulary [B, V], -inf outside
+    the draft vocabulary, and the token drawn from them [B] int64): q is zero outside it."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    full[:, draft_vocab] = logits
+    masked = mask_top_k_top_p(full, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k, any_top_p=r.any_top_p)
+    return masked, sample_from_logits(masked, r.temperature, r.seed ^ DRAFT_KEY, offset).long()

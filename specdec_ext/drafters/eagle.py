@@ -1,0 +1,192 @@
+"""EAGLE drafting: a one-layer head on the target's own hidden states, chains and EAGLE-2 dynamic trees."""
+import torch
+
+from ..host import upload
+from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
+from .base import DraftCache, Drafter, Proposal, RoundInputs, draw_from_draft_vocab
+
+
+class EagleDrafter(Drafter):
+    """Drafts with an EagleHead (specdec_ext.models.draft_heads) on the target's own hidden states.
+
+    The head's cache holds pairs (feature of token j, token j + 1) whose features are the target's. A prompt's
+    pairs are fed at admission; at a round's start every pair not yet in it is fed in one ragged forward (the
+    features the target's last verify block returned); its last output gives the first draft, and each later
+    draft step feeds the head's own predicted feature with the token just drafted. Those draft-step pairs are
+    dropped after the round: the next round feeds the target's features of whatever was accepted instead."""
+
+    needs_hidden_states = True
+    supports_trees = True
+
+    def __init__(self, target, head):
+        from ..models.draft_heads import check_target
+
+        check_target(head.target_config, target, "EagleDrafter")
+        self.target, self.head = target, head
+        self.state = DraftCache()
+
+    def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
+             cuda_graphs: bool = False) -> None:
+        if target is not self.target:
+            raise ValueError("EagleDrafter: made for another target model than the decoder's")
+        self.cache = self.state.bind(self.head.decoder, slots, capacity, paged, num_pages, cuda_graphs=False)
+        self.pending = [[] for _ in range(slots)]  # target features not yet fed: [n, H] tensors
+
+    def check_tree(self, tree) -> None:
+        if (tree.depth - 1) * tree.branching > MAX_TREE_NODES:  # the draft block holds every expanded node
+            raise ValueError(f"tree: (depth - 1) x branching must be at most {MAX_TREE_NODES} for EAGLE drafting, "
+                             f"got ({tree.depth} - 1) x {tree.branching}")
+
+    def cache_margin(self, k_max: int, tree=None) -> int:
+        """The pending pairs (up to a round's accepted tokens + 1) and the draft block after them."""
+        if tree is None:
+            return k_max + 1
+        return tree.depth + (tree.depth - 1) * tree.branching
+
+    def draft_work(self, k: int, tree=None) -> tuple[int, int]:
+        return k, (1 if tree is None else tree.branching)  # a tree's steps feed `branching` nodes per request
+
+    def cost_probe(self):
+        """One head step over `rows` pairs (fusion, the decoder layer, the draft-vocabulary LM head)."""
+        from ..engine.policy import table_key
+
+        def prepare(rows: int):
+            h = self.target.config.hidden_size
+            cache = self.head.decoder.new_kv_cache(1, rows + 1)
+            tokens = torch.ones(1, rows, dtype=torch.int64, device=self.target.device)
+            features = torch.ones(1, rows, h, dtype=self.target.dtype, device=self.target.device)
+            indices = torch.arange(rows, device=self.target.device)
+            return lambda: self.head(tokens, features, cache, logits_indices=indices)
+
+        return {**table_key(self.head.decoder), "drafter": "eagle head"}, prepare
+
+    @torch.no_grad()
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
+        """Feeds each prefix's pairs whose two halves it holds; the last feature waits for the token after the
+        prefix. So a round's ragged forward is at most k + 1 wide and its padded rows stay inside the cache (a
+        prompt's width there could run a row near its end past it). One forward per run of consecutive slots
+        whose prefixes have one length, as the target's prefill: admitting a batch costs a forward per distinct
+        length, not one per request."""
+        device = self.target.device
+        for b, h in zip(slots, hidden_states):
+            self.state.lengths[b], self.pending[b] = 0, [h[-1:]] if len(h) else []
+        i = 0
+        while i < len(slots):
+            j, n = i, len(hidden_states[i]) - 1  # the pairs of slot i's prefix
+            while j + 1 < len(slots) and slots[j + 1] == slots[j] + 1 and len(hidden_states[j + 1]) - 1 == n:
+                j += 1
+            if n > 0:
+                rows = slots[i:j + 1]
+                self.cache.reserve([n] * len(rows), requests=rows)
+                tokens = upload([p[1:] for p in prefixes[i:j + 1]], torch.int64, device)
+                features = torch.stack([h[:-1] for h in hidden_states[i:j + 1]])
+                self.head(tokens, features, self.cache, cache_rows=slice(rows[0], rows[-1] + 1),
+                          logits_indices=upload([n - 1], torch.int64, device))
+                self.state.advance([n] * len(rows), slice(rows[0], rows[-1] + 1))
+            i = j + 1
+
+    def release(self, slot: int) -> None:
+        self.state.release(slot)
+        self.pending[slot] = []
+
+    def feed_pending(self, r: RoundInputs, block: int):
+        """Feeds every row's pending pairs in one ragged forward, with room for a draft block of `block` slots per
+        row after them. Returns (rows' counts of tokens asked, 0 for a row without a feature yet; the logits of
+        the token after the last emitted one [B, Vd]; the head's feature of the last emitted token [B, 1, H])."""
+        device, rows = self.target.device, slice(0, r.batch)
+        live = [r.histories[b] is not None and bool(self.pending[b]) for b in range(r.batch)]
+        counts = [sum(len(f) for f in self.pending[b]) if live[b] else 0 for b in range(r.batch)]
+        # A request whose prompt is one token has no feature yet: it drafts from the next round on.
+        asked = [k if n else 0 for k, n in zip(r.num_tokens, counts)]
+        width = max(max(counts), 1)
+        self.cache.reserve([width + block] * r.batch, requests=list(range(r.batch)))
+        lengths = self.state.lengths  # pair j joins feature j with token j + 1
+        segments = [r.histories[b][lengths[b] + 1:lengths[b] + 1 + n] if n else [] for b, n in enumerate(counts)]
+        tokens = upload([s + [0] * (width - len(s)) for s in segments], torch.int64, device)
+        # Assembled with a constant number of tensor ops, whatever the batch (a round runs at every batch size).
+        features = torch.zeros(r.batch, width, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
+        if any(counts):
+            queued = torch.cat([f for b in range(r.batch) if live[b] for f in self.pending[b]])  # rows in slot order
+            row = upload([b for b, n in enumerate(counts) for _ in range(n)], torch.int64, device)
+            column = upload([j for n in counts for j in range(n)], torch.int64, device)
+            features[row, column] = queued
+        last = upload([[max(n - 1, 0)] for n in counts], torch.int64, device)
+        logits, hidden = self.head(tokens, features, self.cache, cache_rows=rows, logits_indices=last)
+        feature = hidden.gather(1, last.unsqueeze(-1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
+        self.state.advance(counts, rows)
+        for b in range(r.batch):
+            self.pending[b] = []
+        return asked, logits[:, 0], feature
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, vocab, rows = self.target.device, self.target.config.vocab_size, slice(0, r.batch)
+        asked, logits, feature = self.feed_pending(r, max(r.num_tokens))
+        kmax = max(asked)
+        draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
+        draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
+        wants = upload(asked, torch.int32, device)
+        for i in range(kmax):
+            masked, token = draw_from_draft_vocab(logits, self.head.draft_vocab, vocab, r, r.steps + i)
+            draft_ids[:, i], draft_logits[:, i] = token, masked
+            if i + 1 < kmax:
+                logits, feature = self.head(token.unsqueeze(1), feature, self.cache, cache_rows=rows)
+                logits = logits[:, 0]
+                self.cache.advance((wants > i + 1).int(), rows)  # dropped at rollback
+        return Proposal(draft_ids, asked, draft_logits)
+
+    @torch.no_grad()
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int):
+        """EAGLE-2's dynamic tree (Li et al. 2024): the top-`branching` tokens of the head after the last emitted
+        token are the first layer; then, for each further depth, the `branching` best nodes of the last layer (by
+        cumulative draft log-probability) are fed to the head in one forward and their top-`branching` tokens
+        become the next layer. Finally the best budget - 1 nodes of all layers make the tree (a node's ancestors
+        score higher, so they are in it). Point proposals: the children are deterministic, so the tree sampling
+        op tests each against the target in turn.
+
+        Each forward feeds every node expanded so far as one draft block after the head's cache, under a tree
+        mask (a node sees the cache and its ancestors; its position is the cache length + its depth), and never
+        advances the cache: the block is dropped at rollback, which queues the target's features of the
+        accepted path instead, as after a chain round."""
+        device, vocab = self.target.device, self.head.draft_vocab
+        k = min(branching, len(vocab))
+        asked, logits, feature = self.feed_pending(r, (max(r.num_tokens) - 1) * k)
+        depth = max(asked)
+        deepest = upload(asked, torch.int64, device).unsqueeze(-1)  # [B, 1]: a row's tree goes this deep (0: none)
+        nodes = Candidates(r.batch, device)
+        top = logits.log_softmax(-1).topk(k)
+        layer_scores = torch.where(deepest >= 1, top.values, float("-inf"))  # [B, m]: the layer's candidates
+        layer_tokens = vocab[top.indices]
+        layer = nodes.add(torch.zeros_like(top.indices), layer_tokens, layer_scores)
+        frontier = torch.arange(k, device=device).expand(r.batch, k)  # the layer's nodes to expand (all of the first)
+        inputs_feature = feature.expand(-1, k, -1)  # a pair joins the parent's predicted feature with the node's token
+        parent_slot = torch.full((r.batch, k), -1, device=device)  # the parent's slot in the draft block (-1: root)
+        block_tokens, block_features, block_parents = [], [], []
+        for d in range(1, depth):
+            block_tokens.append(layer_tokens.gather(1, frontier))
+            block_features.append(inputs_feature)
+            block_parents.append(parent_slot)
+            parents = torch.cat(block_parents, 1)
+            fed = (d - 1) * k  # the block's slots before this depth's
+            logits, hidden = self.head(torch.cat(block_tokens, 1), torch.cat(block_features, 1), self.cache,
+                                       cache_rows=slice(0, r.batch), tree_mask=ancestor_mask(parents),
+                                       logits_indices=torch.arange(fed, fed + k, device=device))
+            top = logits.log_softmax(-1).topk(k)  # [B, k expanded, k children]
+            scores = (layer_scores.gather(1, frontier).unsqueeze(-1) + top.values).flatten(1)
+            layer_scores = torch.where(deepest > d, scores, float("-inf"))
+            layer_tokens = vocab[top.indices].flatten(1)
+            layer = nodes.add(layer.gather(1, frontier).repeat_interleave(k, 1), layer_tokens, layer_scores)
+            frontier = layer_scores.topk(k).indices
+            expanded = frontier // k  # which fed node of this depth each new frontier node is a child of
+            inputs_feature = hidden[:, fed:fed + k].gather(1, expanded.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            parent_slot = fed + expanded
+        return nodes.best_tree(last_tokens(r.histories, device), budget)
+
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+        """Drops the draft-step pairs (back to the host's lengths: the pairs fed from the target's features);
+        queues the target's features of the round's accepted tokens (the last emitted token's and the accepted
+        drafts')."""
+        self.state.restore()
+        for b, a in enumerate(num_accepted):
+            if a >= 0:
+                self.pending[b].append(hidden_states[b, :a + 1])

@@ -1,0 +1,100 @@
+"""Medusa drafting: heads on the target's hidden state of the last scored token, chains and candidate trees."""
+import torch
+
+from ..host import upload
+from ..trees import Candidates, last_tokens
+from .base import Drafter, Proposal, RoundInputs, draw_from_draft_vocab
+
+
+class MedusaDrafter(Drafter):
+    """Drafts with MedusaHeads from the target's hidden state of the last scored token (the one whose logits
+    drew the request's last token): head i proposes the token i + 1 places after it, all heads at once, one
+    proposal chain per round. k is at most the number of heads."""
+
+    needs_hidden_states = True
+    supports_trees = True
+
+    def __init__(self, target, heads):
+        from ..models.draft_heads import check_target
+
+        check_target(heads.target_config, target, "MedusaDrafter")
+        self.target, self.heads = target, heads
+
+    def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
+             cuda_graphs: bool = False) -> None:
+        if target is not self.target:
+            raise ValueError("MedusaDrafter: made for another target model than the decoder's")
+        self.features = [None] * slots  # [H]: the target's feature of the last scored token
+
+    def draft_work(self, k: int, tree=None) -> tuple[int, int]:
+        return (1 if k else 0), 1  # every head in one step
+
+    def cost_probe(self):
+        """The heads over `rows` features (every head in one call)."""
+        from ..engine.policy import table_key
+
+        def prepare(rows: int):
+            features = torch.ones(rows, self.target.config.hidden_size, dtype=self.target.dtype,
+                                  device=self.target.device)
+            return lambda: self.heads(features)
+
+        return {**table_key(self.target), "drafter": "medusa heads", "heads": self.heads.num_heads,
+                "draft_vocab": len(self.heads.draft_vocab)}, prepare
+
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
+        for b, h in zip(slots, hidden_states):
+            self.features[b] = h[-1] if len(h) else None
+
+    def release(self, slot: int) -> None:
+        self.features[slot] = None
+
+    def head_logits(self, r: RoundInputs):
+        """(tokens asked per row, at most the number of heads and 0 for a row without a feature; the heads'
+        logits [B, heads, Vd])."""
+        device = self.target.device
+        asked = [min(k, self.heads.num_heads) if r.histories[b] is not None and self.features[b] is not None else 0
+                 for b, k in enumerate(r.num_tokens)]
+        features = torch.stack([self.features[b] if self.features[b] is not None else
+                                torch.zeros(self.target.config.hidden_size, dtype=self.target.dtype, device=device)
+                                for b in range(r.batch)])
+        return asked, self.heads(features)
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, vocab = self.target.device, self.target.config.vocab_size
+        asked, logits = self.head_logits(r)  # [B, heads, Vd]
+        kmax = max(asked)
+        draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
+        draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
+        for i in range(kmax):
+            masked, token = draw_from_draft_vocab(logits[:, i], self.heads.draft_vocab, vocab, r, r.steps + i)
+            draft_ids[:, i], draft_logits[:, i] = token, masked
+        return Proposal(draft_ids, asked, draft_logits)
+
+    @torch.no_grad()
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int):
+        """Medusa's candidate tree: the nodes at depth d + 1 are the paths through head d's top-`branching`
+        tokens, scored by the product of the heads' probabilities along them; the best budget - 1 prefixes make
+        the tree. Grown depth by depth, keeping the best budget - 1 of each (no other can be among the best
+        overall). Point proposals."""
+        device, vocab = self.target.device, self.heads.draft_vocab
+        asked, logits = self.head_logits(r)
+        deepest = upload(asked, torch.int64, device).unsqueeze(-1)
+        top = logits[:, :max(asked)].log_softmax(-1).topk(min(branching, len(vocab)))  # [B, depth, k]
+        k = top.indices.shape[-1]
+        nodes = Candidates(r.batch, device)
+        layer = torch.zeros(r.batch, 1, dtype=torch.long, device=device)  # the root
+        layer_scores = torch.zeros(r.batch, 1, device=device)
+        for d in range(max(asked)):
+            scores = (layer_scores.unsqueeze(-1) + top.values[:, d].unsqueeze(1)).flatten(1)  # [B, m * k]
+            scores = torch.where(deepest > d, scores, float("-inf"))
+            keep = scores.topk(min(budget - 1, scores.shape[1])).indices
+            tokens = vocab[top.indices[:, d]].repeat(1, layer.shape[1])
+            layer_scores = scores.gather(1, keep)
+            layer = nodes.add(layer.repeat_interleave(k, 1).gather(1, keep), tokens.gather(1, keep), layer_scores)
+        return nodes.best_tree(last_tokens(r.histories, device), budget)
+
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+        for b, a in enumerate(num_accepted):
+            if a >= 0:
+                self.features[b] = hidden_states[b, a]

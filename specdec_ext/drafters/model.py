@@ -1,0 +1,101 @@
+"""A smaller model of the target's vocabulary as the drafter."""
+import torch
+
+from ..host import upload
+from ..sampling import mask_top_k_top_p, sample_from_logits
+from .base import DRAFT_KEY, DraftCache, Drafter, Proposal, RoundInputs, padded
+
+
+class ModelDrafter(Drafter):
+    """A smaller model of the same vocabulary drafts k tokens per request, one batched forward per token, on its
+    own KV cache. Each token is drawn from the processed distribution it reports (the target's temperature,
+    top-k and top-p of that request) with its own Philox key, so q in the sampling kernel is the law the
+    drafts came from.
+
+    Its cache holds a prefix of each request's tokens: at a round's start every token not yet in it (the last
+    emitted one; two after a round whose drafts were all accepted, since the last draft was never fed; more
+    after rounds without drafts) is fed in one ragged forward, whose last position gives the first draft."""
+
+    def __init__(self, draft_model):
+        self.model = draft_model
+        self.state = DraftCache()
+
+    def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
+             cuda_graphs: bool = False) -> None:
+        m = self.model
+        if m.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"ModelDrafter: the draft model's vocabulary has {m.config.vocab_size} tokens, the "
+                             f"target's {target.config.vocab_size}: they must be the same")
+        if m.device != target.device:
+            raise ValueError(f"ModelDrafter: the draft model is on {m.device}, the target on {target.device}")
+        self.cache = self.state.bind(m, slots, capacity, paged, num_pages, cuda_graphs)
+        self.round = None
+
+    def cache_margin(self, k_max: int, tree=None) -> int:
+        return k_max + 1  # the drafts of a round after its pending tokens
+
+    def draft_work(self, k: int, tree=None) -> tuple[int, int]:
+        return k, 1  # one forward per drafted token (the first also feeds the pending tokens)
+
+    def cost_probe(self):
+        from ..engine.policy import forward_step, table_key
+
+        return table_key(self.model), lambda rows: forward_step(self.model, rows)
+
+    def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
+        self.model.prefill(self.cache, slots, prefixes)
+        for b, p in zip(slots, prefixes):
+            self.state.lengths[b] = len(p)
+
+    def release(self, slot: int) -> None:
+        self.state.release(slot)
+
+    @torch.no_grad()
+    def propose(self, r: RoundInputs) -> Proposal:
+        device, kmax, rows = self.model.device, max(r.num_tokens), slice(0, r.batch)
+        lengths = self.state.lengths
+        pending = [h[lengths[b]:] if h is not None else [] for b, h in enumerate(r.histories)]
+        width = max(max(len(p) for p in pending), 1)
+        self.cache.reserve([width + kmax] * r.batch, requests=list(range(r.batch)))
+        last = upload([[max(len(p) - 1, 0)] for p in pending], torch.long, device)
+        # Rows padded past their pending tokens write past their length: nothing reads those slots.
+        logits = self.model(padded(pending, 0, torch.int64, device), self.cache, logits_indices=last,
+                            cache_rows=rows)[:, 0]
+        self.state.advance([len(p) for p in pending], rows)
+        draft_ids = torch.empty(r.batch, kmax, dtype=torch.int64, device=device)
+        draft_logits = torch.empty(r.batch, kmax, logits.shape[-1], dtype=torch.float32, device=device)
+        wants = upload(r.num_tokens, torch.int32, device)
+
+        def step(logits, offset, grow, feed: bool):
+            """Draws a token per row from the processed logits; feeds it (next logits) unless it is the last."""
+            masked = mask_top_k_top_p(logits, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k,
+                                      any_top_p=r.any_top_p)
+            token = sample_from_logits(masked, r.temperature, r.seed ^ DRAFT_KEY, offset).long()
+            if not feed:
+                return masked, token, logits
+            logits = self.model(token.unsqueeze(1), self.cache, cache_rows=rows)[:, 0]
+            self.cache.advance(grow, rows)  # device counts: the host mirror is restored at rollback
+            return masked, token, logits
+
+        for i in range(kmax):
+            feed = i + 1 < kmax
+            grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
+            key = ("draft", r.batch, r.max_top_k, r.any_top_p, feed)
+            masked, token, next_logits = self.state.graphs.run(key, lambda l, o, g: step(l, o, g, feed),
+                                                               (logits, r.steps + i, grow),
+                                                               state=[self.cache.cache_seqlens])
+            draft_ids[:, i], draft_logits[:, i] = token, masked
+            logits = next_logits.clone() if feed else logits
+        self.round = list(r.num_tokens)
+        return Proposal(draft_ids, list(r.num_tokens), draft_logits)
+
+    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+        """Keeps the tokens fed this round that the target accepted: the pending ones (already in the host mirror)
+        and the accepted drafts that were fed (every draft but the last is); an idle row keeps nothing more.
+        Nothing to do after a round without drafts: the tokens wait in the history for the next propose."""
+        if self.round is None:
+            return
+        asked, self.round = self.round, None
+        for b, (k, a) in enumerate(zip(asked, num_accepted)):
+            self.state.lengths[b] += min(max(a, 0), max(k - 1, 0))
+        self.state.restore()

@@ -1,0 +1,336 @@
+"""SpeculativeDecoder: the loop that admits requests into slots (continuous batching), runs rounds (rounds.py) and
+advances every request by its own count. The policy (policy.py) chooses each round's k or tree size."""
+import threading
+import time
+from collections import deque
+
+import torch
+
+from ..drafters.base import Drafter
+from ..graphs import StepGraphs
+from ..ops import LIMITS
+from ..trees import TreeSettings
+from .policy import CostModel, Policy
+from .requests import Request, make_requests
+from .rounds import ChainRound, SlotParams, TreeRound, Verifier
+from .stats import GenerationOutput, GenerationStats
+
+# The Drafter protocol (specdec_ext.drafters.base): what a drafter does and what it answers.
+DRAFTER_METHODS = ("bind", "admit", "propose", "propose_tree", "rollback", "release", "check_tree", "cache_margin",
+                   "draft_work", "cost_probe")
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that an allocation on `device` can still get (CUDA: free device memory; CPU: MemAvailable), or None
+    when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of `target` with `drafter` (NgramDrafter, ModelDrafter, EagleDrafter,
+    MedusaDrafter, or any specdec_ext.drafters.Drafter; None for plain decoding only). num_speculative_tokens: the
+    largest k (at most the sampling op's limit). adaptive: True (k per request from its acceptance estimate and the
+    measured costs of the target and of the drafter's steps), "heuristic" (+2 after a fully accepted round, -1
+    otherwise) or False (always num_speculative_tokens). max_batch_size: requests decoded at once; the rest wait
+    and are admitted as slots free up. max_seq_len: prompt + generated tokens per request (default: per call, the
+    longest prompt plus the largest max_new_tokens). cuda_graphs: "auto" (on CUDA), True or False. paged: PagedKVCache for target and draft (pages freed
+    as requests finish). monitor: an AcceptanceMonitor fed every round. costs: the CostModel of adaptive k
+    (default: measured on first use).
+
+    tree: None (chain rounds) or tree rounds: a TreeSettings, a dict of its fields or an int (num_nodes): each round
+    the drafter (one whose supports_trees is True: EagleDrafter, MedusaDrafter, NgramDrafter) proposes a tree of up
+    to num_nodes nodes (the root, the last emitted token, included) and depth, which the target verifies in one
+    forward; num_speculative_tokens is then unused. With adaptive=True the round's node budget is the n <=
+    num_nodes that maximises the expected tokens over the round's measured cost (Policy.tree_size); otherwise every
+    tree has num_nodes nodes (fewer when the drafter finds fewer candidates).
+
+    Reproducibility: a fixed seed reproduces a request's tokens. With adaptive=False (or "heuristic") they do not
+    depend on the other requests in its batch; with adaptive=True its k depends on how many requests share its
+    rounds (a wider batch makes verify blocks dearer), and so do its sampled tokens (not their law)."""
+
+    page_size = 16  # the paged caches' page size (num_pages counts these)
+
+    def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
+                 cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, num_pages: int | None = None,
+                 monitor=None, costs: CostModel | None = None, tree=None):
+        from ..models.llama import LlamaForCausalLM  # the decoder needs the models; `import specdec_ext` does not
+
+        if not isinstance(target, LlamaForCausalLM):
+            hint = " (LlamaForCausalLM.from_hf(model) converts a transformers model)" \
+                if type(target).__module__.startswith("transformers") else ""
+            raise ValueError(f"SpeculativeDecoder: target must be a specdec_ext.models.LlamaForCausalLM{hint}, got "
+                             f"{type(target).__name__}")
+        if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
+            raise ValueError(f"SpeculativeDecoder: drafter must be a Drafter (NgramDrafter, ModelDrafter, EagleDrafter, "
+                             f"MedusaDrafter, or a subclass of specdec_ext.drafters.Drafter) or None, got "
+                             f"{type(drafter).__name__} {drafter!r:.60}")
+        k_limit = LIMITS["max_draft_tokens"]
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or \
+                not 1 <= num_speculative_tokens <= k_limit:
+            raise ValueError(f"SpeculativeDecoder: num_speculative_tokens must be an int in [1, {k_limit}], got "
+                             f"{num_speculative_tokens!r}")
+        if adaptive not in (True, False, "heuristic") or isinstance(adaptive, int) and not isinstance(adaptive, bool):
+            raise ValueError(f"SpeculativeDecoder: adaptive must be True, False or 'heuristic', got {adaptive!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"SpeculativeDecoder: max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        context = target.config.max_position_embeddings
+        if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or
+                                        not 2 <= max_seq_len <= context):
+            raise ValueError(f"SpeculativeDecoder: max_seq_len must be an int in [2, {context}] (the model's "
+                             f"max_position_embeddings) or None, got {max_seq_len!r}")
+        if num_pages is not None and (not paged or isinstance(num_pages, bool) or not isinstance(num_pages, int) or
+                                      num_pages < 1):
+            raise ValueError(f"SpeculativeDecoder: num_pages must be an int >= 1 with paged=True, or None, got "
+                             f"{num_pages!r}")
+        if cuda_graphs not in ("auto", True, False):
+            raise ValueError(f"SpeculativeDecoder: cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+        on_cuda = target.device.type == "cuda"
+        if cuda_graphs is True and not on_cuda:
+            raise ValueError("SpeculativeDecoder: cuda_graphs=True needs the target on a CUDA device")
+        try:
+            self.tree = None if tree is None else TreeSettings.of(tree)
+            if self.tree is not None and drafter is not None:
+                drafter.check_tree(self.tree)
+        except ValueError as e:
+            raise ValueError(f"SpeculativeDecoder: {e}") from None
+        if monitor is not None and not callable(getattr(monitor, "observe", None)):
+            raise ValueError(f"SpeculativeDecoder: monitor must be an AcceptanceMonitor or None, got {monitor!r}")
+        if costs is not None and not isinstance(costs, CostModel):
+            raise ValueError(f"SpeculativeDecoder: costs must be a CostModel or None, got {type(costs).__name__}")
+        self.target, self.drafter, self.num_speculative_tokens = target, drafter, num_speculative_tokens
+        self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
+        self.paged, self.num_pages, self.monitor = paged, num_pages, monitor
+        self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
+        self.policy = Policy(adaptive, num_speculative_tokens, self.tree, drafter, costs)
+        self.verifier = Verifier(target, self.graphs)
+        self.plain = ChainRound(None, self.verifier)
+        self.speculative = None if drafter is None else ChainRound(drafter, self.verifier) if self.tree is None \
+            else TreeRound(drafter, self.verifier, self.tree.branching)
+        self.cache = None
+        # One generate at a time: the caches, the drafter's state and the per-slot buffers belong to the run.
+        self._running = threading.Lock()
+
+    @property
+    def costs(self) -> CostModel | None:
+        """The cost model of adaptive k (measured on first use unless given)."""
+        return self.policy.costs
+
+    # ------------------------------------------------------------------------------------------------ public
+    def generate(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                 eos_token_id=None, stream=None) -> GenerationOutput:
+        """Speculative decoding of a list of ragged prompts (token-id lists). max_new_tokens, temperature, top_k,
+        top_p, seed: a scalar or one per prompt; eos_token_id: an int, a list of ints or None; stream: called as
+        stream(request_index, new_token_ids) as tokens are accepted."""
+        if self.drafter is None:
+            raise ValueError("SpeculativeDecoder.generate: no drafter was given (generate_autoregressive decodes "
+                             "without one)")
+        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, True)
+
+    def generate_autoregressive(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                                eos_token_id=None, stream=None) -> GenerationOutput:
+        """Plain decoding, one token per request and round, on the same kernels, scheduler and caches."""
+        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, False)
+
+    def _run(self, *args):
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError("SpeculativeDecoder: a generate call is already running on this decoder (another "
+                               "thread, or a stream callback): a decoder runs one call at a time; make one decoder "
+                               "per thread")
+        try:
+            return self._decode(*args)
+        finally:
+            self._running.release()
+
+    # --------------------------------------------------------------------------------------------- the loop
+    @torch.no_grad()
+    def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate):
+        start = time.perf_counter()
+        requests, eos, limit, self._limit_reason = make_requests(
+            self.target.config, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, self.max_seq_len)
+        if stream is not None and not callable(stream):
+            raise ValueError(f"stream must be a callable(request_index, new_token_ids) or None, got {stream!r}")
+        drafter, rounds = (self.drafter, self.speculative) if speculate else (None, self.plain)
+        stats = GenerationStats()
+        stats.calibration_s = self._bind(requests, limit, drafter)
+        start += stats.calibration_s
+        waiting, slots = deque(requests), [None] * min(self.max_batch_size, len(requests))  # the request per cache row
+        while waiting or any(slots):
+            t0 = time.perf_counter()
+            self._admit(waiting, slots, drafter, stats, limit)
+            batch = self.graphs.bucket(max(b for b, r in enumerate(slots) if r is not None) + 1, len(slots))
+            budget = self.policy.plan([r for r in slots[:batch] if r is not None], stats.target_forwards) \
+                if drafter is not None else 0
+            ks = [Policy.room(r, limit) if r is not None and drafter is not None else 0 for r in slots[:batch]]
+            inputs = self.params.round_inputs(slots, batch, ks)
+            stats.other_s += time.perf_counter() - t0
+            result = rounds.run(inputs, [int(r is not None) for r in slots[:batch]], budget)
+            stats.add_times(result)
+            t0 = time.perf_counter()
+            for b, r in enumerate(slots[:batch]):
+                if r is not None:
+                    self._emit(r, b, result, slots, drafter, stats, eos, stream, limit)
+            # The target's cache holds every token of a request but the last: known here without a read.
+            self.cache.free_unused_pages([len(r.tokens) - 1 if r is not None else 0 for r in slots] +
+                                         [0] * (self.cache.batch_size - len(slots)))
+            stats.other_s += time.perf_counter() - t0
+        stats.generated_tokens = sum(len(r.generated) for r in requests)
+        stats.elapsed_s = time.perf_counter() - start
+        return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests],
+                                [r.finish_reason for r in requests])
+
+    def _emit(self, r: Request, b: int, result, slots, drafter, stats, eos: set, stream, limit: int) -> None:
+        """Request r (slot b) advances by what the round emitted for it (up to an EOS); its stats, the policy's
+        estimates and the stream follow; a finished request frees its slot."""
+        new, k, a = result.tokens[b], result.num_draft[b], result.num_accepted[b]
+        cut = next((i for i, t in enumerate(new) if t in eos), None)
+        if cut is not None:
+            new = new[:cut + 1]
+        r.generated += new
+        for s in (r.stats, stats):
+            s.add_round(k, a, result.depths[b])
+        r.stats.target_forwards += 1
+        if drafter is not None:
+            r.stats.k_per_round.append(k)
+            self.policy.observe(r, k, a, result.paths[b])
+        if self.monitor is not None and k:
+            self.monitor.observe(k, a)
+        if stream is not None:
+            stream(r.index, new)
+        reason = "eos" if cut is not None else "length" if len(r.generated) >= r.max_new_tokens else \
+            self._limit_reason if len(r.tokens) >= limit else None
+        if reason is not None:
+            r.finish_reason = reason
+            self._finish(r, b, slots, drafter)
+
+    # ------------------------------------------------------------------------------------- scheduler helpers
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _margin(self) -> int:
+        """The most slots a round writes past a request's tokens in a cache: the target's verify block (chain:
+        k + 1; tree: num_nodes) or what the drafter writes in its own."""
+        k, t = self.num_speculative_tokens, self.tree
+        block = k + 1 if t is None else max(k + 1, t.num_nodes)
+        return max(block, self.drafter.cache_margin(k, t) if self.drafter is not None else 0)
+
+    def _request_pages(self, r: Request, limit: int) -> int:
+        """The most pages request r can hold in the target's cache: its longest sequence plus a verify block."""
+        return self._pages(min(len(r.prompt) + r.max_new_tokens, limit) + self._margin())
+
+    def _bind(self, requests: list, limit: int, drafter) -> float:
+        """Caches and per-slot parameter buffers, sized from what the call needs (its slots, its longest sequence
+        capped by `limit`) and kept across calls while they are large enough (CUDA graphs replay on these very
+        tensors). The verify block of a request near its end may run up to the margin past it. Measures the cost
+        model of adaptive k when it does not yet cover the call's row counts; returns the seconds that took."""
+        slots = min(self.max_batch_size, len(requests))
+        longest = max(min(len(r.prompt) + r.max_new_tokens, limit) for r in requests)
+        capacity = longest + self._margin()
+        if self.cache is None or self.capacity < capacity or self.cache.batch_size < slots:
+            self.cache = None  # free the old one before allocating
+            self.cache = self._allocate(self.target, slots, capacity, self.num_pages)
+            self.capacity = capacity
+            self.params = SlotParams(slots, self.target.device)
+            self.verifier.bind(self.cache, self.params)
+            self.graphs.clear()
+        rows = self.cache.batch_size
+        if self.num_pages is not None:  # the largest request alone must fit, or it would wait for ever
+            need = max(self._request_pages(r, limit) for r in requests) + rows * self._pages(self._margin())
+            if need > self.num_pages:
+                raise ValueError(f"SpeculativeDecoder: num_pages={self.num_pages} pages of {self.page_size} tokens "
+                                 f"cannot hold a request of up to {longest} tokens beside {rows} slots' verify "
+                                 f"blocks ({need} pages needed): raise num_pages or lower max_new_tokens")
+        for b in range(rows):
+            self.cache.release(b)
+        if drafter is None:
+            return 0.0
+        # A drafter's cache holds at most the target's tokens of a request plus its own draft block.
+        draft_pages = None if self.num_pages is None else self.num_pages + rows * self._pages(2 * self._margin())
+        drafter.bind(self.target, rows, self.capacity, paged=self.paged, num_pages=draft_pages,
+                     cuda_graphs=self.graphs.enabled)
+        return self.policy.calibrate(self.target, slots)
+
+    def _allocate(self, model, rows: int, capacity: int, num_pages):
+        """model.new_kv_cache, or a ValueError naming what to lower when the cache cannot fit in memory."""
+        c = model.config
+        if not self.paged:
+            tokens = rows * capacity
+        else:  # a page pool: the budget, or every slot's pages at capacity
+            tokens = (num_pages if num_pages is not None else rows * self._pages(capacity)) * self.page_size
+        size = 2 * c.num_hidden_layers * tokens * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+        free = available_memory(model.device)
+        what = f"num_pages={num_pages}" if num_pages is not None else \
+            f"max_batch_size={self.max_batch_size} (this call: {rows} slots) x max_seq_len {capacity}"
+        message = (f"SpeculativeDecoder: the KV cache needs {size / 2**30:.2f} GiB ({what}, {c.num_hidden_layers} "
+                   f"layers) and {{}}: lower max_new_tokens, max_seq_len or max_batch_size"
+                   f"{', or num_pages' if self.paged else ', or use paged=True with num_pages'}")
+        if free is not None and size > free:
+            raise ValueError(message.format(f"{free / 2**30:.2f} GiB are available on {model.device}"))
+        try:
+            return model.new_kv_cache(rows, capacity, paged=self.paged, page_size=self.page_size, num_pages=num_pages)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(message.format(f"allocating it failed ({str(e).splitlines()[0][:100]})")) from None
+
+    def _admit(self, waiting, slots, drafter, stats, limit: int) -> None:
+        """Fills free slots (lowest first) with waiting requests, in order: their prompt but the last token is
+        prefilled into the target's cache (the last opens the first verify block) and handed to the drafter. With
+        a page budget (num_pages) a request is admitted only while the pages it can come to hold fit beside the
+        running requests' (each counted at its most), so a run never runs out of pages: the rest wait."""
+        admitted = []
+        if self.num_pages is not None:
+            committed = sum(self._request_pages(r, limit) for r in slots if r is not None) + \
+                self.cache.batch_size * self._pages(self._margin())
+        for b in range(len(slots)):
+            if slots[b] is None and waiting:
+                if self.num_pages is not None:
+                    pages = self._request_pages(waiting[0], limit)
+                    if committed + pages > self.num_pages:
+                        break  # first come, first served: the next request waits for pages
+                    committed += pages
+                r = waiting.popleft()
+                slots[b] = r
+                r.started = time.perf_counter()
+                self.policy.start(r)
+                self.params.set(b, r)
+                admitted.append(b)
+        if not admitted:
+            return
+        prefixes = [slots[b].prompt[:-1] for b in admitted]
+        hidden = None
+        if drafter is not None and drafter.needs_hidden_states:
+            forwards, hidden = self.target.prefill(self.cache, admitted, prefixes, output_hidden_states=True)
+        else:
+            forwards = self.target.prefill(self.cache, admitted, prefixes)
+        stats.target_forwards += forwards
+        if drafter is not None:
+            t0 = time.perf_counter()
+            drafter.admit(admitted, prefixes, hidden)
+            stats.draft_s += time.perf_counter() - t0
+
+    def _finish(self, r: Request, b: int, slots, drafter) -> None:
+        slots[b] = None
+        self.cache.release(b)
+        if drafter is not None:
+            drafter.release(b)
+        r.stats.generated_tokens = len(r.generated)
+        r.stats.finish_reason = r.finish_reason
+        r.stats.elapsed_s = time.perf_counter() - r.started
+
+
+@torch.no_grad()
+def generate_autoregressive(model, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                            eos_token_id=None, stream=None, max_seq_len=None, paged=False) -> GenerationOutput:
+    """Plain decoding of a batch of ragged prompts (lists of token ids), all at once: SpeculativeDecoder's
+    generate_autoregressive with one slot per prompt. max_new_tokens, temperature, top_k, top_p and seed: a
+    scalar or one per prompt. eos_token_id: an int, a list of ints, or None. stream: called as
+    stream(request_index, new_token_ids) as tokens are emitted. max_seq_len: prompt + generated tokens per
+    request (default: the longest prompt plus the largest max_new_tokens)."""
+    batch = len(prompts) if isinstance(prompts, (list, tuple)) and prompts else 1
+    decoder = SpeculativeDecoder(model, None, max_batch_size=batch, max_seq_len=max_seq_len, paged=paged)
+    return decoder.generate_autoregressive(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           seed=seed, eos_token_id=eos_token_id, stream=stream)
