@@ -29,6 +29,7 @@ A Proposal holds draft_token_ids [batch, K] int64 (padded with valid ids past ea
 row, and draft_logits [batch, K, V] (the processed logits the drafts were drawn from: q = softmax(logits / T)) or
 None for point proposals (q one-hot at the draft token).
 """
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +65,9 @@ class Proposal:
     draft_logits: torch.Tensor | None = None  # [batch, K, V] float32, or None: point proposals
 
 
-class Drafter:
-    """Defaults for a drafter that keeps no state between rounds and proposes chains only."""
+class Drafter(ABC):
+    """Defaults for a drafter that keeps no state between rounds and proposes chains only: a subclass writes
+    propose()."""
 
     needs_hidden_states = False
     supports_trees = False
@@ -77,11 +79,12 @@ class Drafter:
     def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
         pass
 
+    @abstractmethod
     def propose(self, r: RoundInputs) -> Proposal:
-        raise NotImplementedError
+        """Up to r.num_tokens[b] draft tokens for each row b < r.batch."""
 
     def propose_tree(self, r: RoundInputs, budget: int, branching: int):
-        raise NotImplementedError(f"{type(self).__name__} proposes chains only")
+        raise ValueError(f"{type(self).__name__} does not propose trees (supports_trees is False)")
 
     def rollback(self, num_accepted: list, hidden_states=None) -> None:
         pass
