@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from scipy import stats
+from helpers import chi_square_pvalue, dirichlet, make_chain_inputs, misaligned_copy
 
 import specdec_ext
 from specdec_ext import reference, sim
@@ -12,27 +12,6 @@ from specdec_ext import reference, sim
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
 NAMESPACES = {"cpu": torch.ops.specdec, "sim": torch.ops.specdec_sim}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def make_inputs(gen, batch, k, vocab, dtype=torch.float32, with_draft=True, sharpness=2.0):
-    """Correlated target and draft logits (so that drafts are often, not always, accepted), their
-    probabilities, and draft tokens sampled from the draft distribution."""
-    base = torch.randn(batch, k + 1, vocab, generator=gen) * sharpness
-    target_logits = base
-    draft_logits = base[:, :k] + 0.7 * torch.randn(batch, k, vocab, generator=gen)
-    target_probs = torch.softmax(target_logits, -1)
-    draft_probs = torch.softmax(draft_logits, -1)
-    ids = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, k).int()
-    return {
-        "ids": ids,
-        "target_probs": target_probs.to(dtype),
-        "draft_probs": draft_probs.to(dtype) if with_draft else None,
-        "target_logits": target_logits.to(dtype),
-        "draft_logits": draft_logits.to(dtype) if with_draft else None,
-        "num_draft_tokens": torch.randint(0, k + 1, (batch,), generator=gen, dtype=torch.int32),
-        "seed": torch.randint(-(2**63), 2**63 - 1, (batch,), generator=gen),
-        "offset": torch.randint(0, 2**40, (batch,), generator=gen),
-    }
 
 
 def poisoned_out(batch, k):
@@ -105,7 +84,7 @@ SHAPES = [(1, 1, 1), (3, 1, 7), (6, 4, 1000), (5, 3, 2111), (4, 16, 300), (8, 2,
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,k,vocab", SHAPES)
 def test_probs_match_reference(backend, with_draft, dtype, batch, k, vocab, gen):
-    inp = make_inputs(gen, batch, k, vocab, dtype, with_draft)
+    inp = make_chain_inputs(gen, batch, k, vocab, dtype, with_draft)
     greedy = torch.rand(batch, generator=gen) < 0.25
     out = run_probs(backend, inp, greedy)
     check_well_formed(out, k, inp["num_draft_tokens"], vocab)
@@ -122,7 +101,7 @@ def test_probs_match_reference(backend, with_draft, dtype, batch, k, vocab, gen)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("batch,k,vocab", SHAPES)
 def test_logits_match_reference(backend, with_draft, dtype, batch, k, vocab, gen):
-    inp = make_inputs(gen, batch, k, vocab, dtype, with_draft)
+    inp = make_chain_inputs(gen, batch, k, vocab, dtype, with_draft)
     temperature = torch.rand(batch, generator=gen) * 1.5 + 0.2
     temperature[torch.rand(batch, generator=gen) < 0.25] = 0.0
     out = run_logits(backend, inp, temperature)
@@ -135,15 +114,6 @@ def test_logits_match_reference(backend, with_draft, dtype, batch, k, vocab, gen
     assert mismatched <= max(1, batch // 50), (out, ref)
 
 
-def misaligned_copy(t):
-    """The same values in rows that start one element past a 16-byte boundary (the kernels' scalar path)."""
-    if t is None:
-        return None
-    padded = torch.empty(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)
-    padded[..., 1:] = t
-    return padded[..., 1:]
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "point"])
@@ -153,7 +123,7 @@ def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_d
     # multiple of 8 (16-byte loads on the GPU) and spans three tiles; 2500 is not (scalar loads); the misaligned
     # copy takes the scalar path with the same values and must give the same tokens.
     k = 4
-    inp = make_inputs(gen, batch, k, vocab, dtype, with_draft, sharpness=1.0)
+    inp = make_chain_inputs(gen, batch, k, vocab, dtype, with_draft, sharpness=1.0)
     shifted = {key: misaligned_copy(val) if key.endswith(("probs", "logits")) else val for key, val in inp.items()}
     # Strict mode (the fixture): valid input, so the emulated kernel must not record an error either.
     cpu, emu, emu_shifted = run_all_backends(inp, shifted, logits, batch, gen)
@@ -178,7 +148,7 @@ def test_lanes_split_over_a_cluster_change_no_bit(dtype, logits, batch, cluster_
     # misaligned rows (scalar loads); round 4 has p == q with p(x) = q(x) = 0, whose residual has no mass, so the
     # token is resampled from p after a search that found nothing.
     for round_ in range(5):
-        inp = make_inputs(gen, batch, 4, 20000, dtype, with_draft=round_ != 3, sharpness=1.0)
+        inp = make_chain_inputs(gen, batch, 4, 20000, dtype, with_draft=round_ != 3, sharpness=1.0)
         inp["num_draft_tokens"][0] = 4
         if round_ == 4:
             inp["target_logits"][:, :, 7] = -math.inf
@@ -218,7 +188,7 @@ def run_all_backends(inp, shifted, logits, batch, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_rows_are_exact(backend, gen):
     batch, k, vocab = 40, 5, 257
-    inp = make_inputs(gen, batch, k, vocab)
+    inp = make_chain_inputs(gen, batch, k, vocab)
     # Make some drafts equal the target argmax so greedy rows accept a prefix of varying length.
     argmax = inp["target_probs"].argmax(-1)[:, :k].int()
     keep = torch.rand(batch, k, generator=gen) < 0.7
@@ -240,7 +210,7 @@ def test_greedy_rows_are_exact(backend, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deterministic_and_batch_invariant(backend, gen):
     batch, k, vocab = 9, 3, 600
-    inp = make_inputs(gen, batch, k, vocab)
+    inp = make_chain_inputs(gen, batch, k, vocab)
     first, again = run_probs(backend, inp), run_probs(backend, inp)
     assert torch.equal(first.output_token_ids, again.output_token_ids)
     perm = torch.randperm(batch, generator=gen)
@@ -255,31 +225,6 @@ def test_deterministic_and_batch_invariant(backend, gen):
 
 
 # ----- the law of the emitted tokens ---------------------------------------------------------------
-def dirichlet(gen, *shape, concentration=1.0):
-    g = torch.distributions.Gamma(torch.full(shape, concentration, dtype=torch.float64), 1.0)
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    x = g.sample()
-    return x / x.sum(-1, keepdim=True)
-
-
-def chi_square_pvalue(counts, expected_probs, min_expected=5.0):
-    """Pearson chi-square of count rows against probability rows (pooled); cells with too small an
-    expectation are merged into one per row."""
-    stat, dof = 0.0, 0
-    for c, p in zip(counts, expected_probs):
-        n = c.sum()
-        if n == 0:
-            continue
-        e = n * p
-        small = e < min_expected
-        obs = torch.cat([c[~small], c[small].sum().reshape(1)]) if small.any() else c
-        exp = torch.cat([e[~small], e[small].sum().reshape(1)]) if small.any() else e
-        keep = exp > 0
-        stat += float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-        dof += int(keep.sum()) - 1
-    return stats.chi2.sf(stat, dof), dof
-
-
 def markov_case(gen, k, vocab):
     """Prefix-dependent target and draft: row i depends on the token before it (first-order tables)."""
     p0, q0 = dirichlet(gen, vocab), dirichlet(gen, vocab)
@@ -298,7 +243,7 @@ def sample_round(gen, n, k, vocab, p0, q0, p, q):
     return ids, target, draft
 
 
-@pytest.mark.parametrize("backend,trials", [("cpu", 200_000), ("sim", 4_000)])
+@pytest.mark.parametrize("backend,trials", [("cpu", 200_000), pytest.param("sim", 4_000, marks=pytest.mark.slow)])
 def test_emitted_tokens_follow_the_target_at_every_position(backend, trials):
     # Fixed seed. Position 0 has `trials` samples; with V = 6 and p ~ 1/6, moving 1% of probability between two
     # tokens gives a noncentrality of trials * 2 * 0.01^2 / (1/6) = 0.0012 * trials: 240 on the CPU kernel (power
@@ -339,11 +284,13 @@ def test_multi_round_sequences_follow_the_target_markov_chain(logits):
     n, k, vocab, length = 20_000, 3, 5, 8
     P, Q = dirichlet(gen, vocab, vocab, concentration=2.0), dirichlet(gen, vocab, vocab, concentration=2.0)
     start = torch.randint(0, vocab, (n,), generator=gen)
-    seqs = [[int(s)] for s in start]
+    # Each sequence's first length + 1 tokens, how many it has emitted (it runs on past length + 1 until every one
+    # is that long) and its last token, which the next round drafts from.
+    y = torch.zeros(n, length + 1, dtype=torch.long)
+    y[:, 0], filled, last = start, torch.ones(n, dtype=torch.long), start
     seed = torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen)
     temperature = 0.8
     for rnd in range(40):
-        last = torch.tensor([s[-1] for s in seqs])
         x = [torch.multinomial(Q[last], 1, generator=gen).squeeze(-1)]
         for _ in range(1, k):
             x.append(torch.multinomial(Q[x[-1]], 1, generator=gen).squeeze(-1))
@@ -356,11 +303,14 @@ def test_multi_round_sequences_follow_the_target_markov_chain(logits):
         else:
             out = specdec_ext.chain_speculative_sampling(ids.int(), P[prev].float(), Q[prev[:, :k]].float(),
                                                          seed=seed, offset=rnd)
-        for b, (row, a) in enumerate(zip(out.output_token_ids.tolist(), out.num_accepted.tolist())):
-            seqs[b].extend(row[: a + 1])
-        if min(len(s) for s in seqs) > length:
+        tokens, accepted = out.output_token_ids.long(), out.num_accepted.long()
+        position = filled.unsqueeze(-1) + torch.arange(k + 1)  # where each emitted token lands
+        kept = (position <= accepted.unsqueeze(-1) + filled.unsqueeze(-1)) & (position <= length)
+        y[kept.nonzero()[:, 0], position[kept]] = tokens[kept]
+        last = tokens.gather(1, accepted.unsqueeze(-1)).squeeze(-1)
+        filled += accepted + 1
+        if int(filled.min()) > length:
             break
-    y = torch.tensor([s[: length + 1] for s in seqs])
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     counts.index_put_((y[:, :-1].reshape(-1), y[:, 1:].reshape(-1)), torch.ones(n * length, dtype=torch.float64),
                       accumulate=True)
@@ -391,7 +341,7 @@ def test_mean_accepted_matches_leviathan(backend, trials):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_draft_probability_is_rejected(backend, gen):
     batch, k, vocab = 200, 2, 9
-    inp = make_inputs(gen, batch, k, vocab)
+    inp = make_chain_inputs(gen, batch, k, vocab)
     q = inp["draft_probs"].clone()
     q.scatter_(-1, inp["ids"].long().unsqueeze(-1), 0.0)  # q(x) = 0 at every draft token
     out = BACKENDS[backend].chain_speculative_sampling(inp["ids"], inp["target_probs"], q, seed=inp["seed"])
@@ -424,7 +374,7 @@ def test_one_hot_targets_are_reproduced(backend, gen):
     batch, k, vocab = 30, 4, 70
     truth = torch.randint(0, vocab, (batch, k + 1), generator=gen)
     target = torch.nn.functional.one_hot(truth, vocab).float()
-    inp = make_inputs(gen, batch, k, vocab)
+    inp = make_chain_inputs(gen, batch, k, vocab)
     ids = torch.where(torch.rand(batch, k, generator=gen) < 0.6, truth[:, :k].int(), inp["ids"])
     out = BACKENDS[backend].chain_speculative_sampling(ids, target, inp["draft_probs"], seed=inp["seed"])
     for b in range(batch):
@@ -437,7 +387,7 @@ def test_vocabulary_of_one_and_no_drafts(backend, gen):
     out = BACKENDS[backend].chain_speculative_sampling(torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 3, 1),
                                                        torch.ones(3, 2, 1), seed=5)
     assert out.output_token_ids.tolist() == [[0, 0, 0]] * 3 and out.num_accepted.tolist() == [2] * 3
-    inp = make_inputs(gen, 4, 3, 40)
+    inp = make_chain_inputs(gen, 4, 3, 40)
     out = BACKENDS[backend].chain_speculative_sampling(inp["ids"], inp["target_probs"], inp["draft_probs"],
                                                        num_draft_tokens=0, seed=inp["seed"])
     assert out.num_accepted.tolist() == [0] * 4
@@ -450,7 +400,7 @@ def test_vocabulary_of_one_and_no_drafts(backend, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_logits_are_never_emitted(backend, gen):
     batch, k, vocab = 50, 3, 300
-    inp = make_inputs(gen, batch, k, vocab)
+    inp = make_chain_inputs(gen, batch, k, vocab)
     mask = torch.rand(batch, k + 1, vocab, generator=gen) < 0.5
     mask[..., 0] = False
     tl = inp["target_logits"].masked_fill(mask, float("-inf"))
@@ -465,7 +415,7 @@ def test_masked_logits_are_never_emitted(backend, gen):
 # ----- arguments and errors ------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generator_and_default_seed(backend, gen):
-    inp = make_inputs(gen, 5, 2, 50)
+    inp = make_chain_inputs(gen, 5, 2, 50)
     f = BACKENDS[backend].chain_speculative_sampling
     a = f(inp["ids"], inp["target_probs"], inp["draft_probs"], generator=torch.Generator().manual_seed(3))
     b = f(inp["ids"], inp["target_probs"], inp["draft_probs"], generator=torch.Generator().manual_seed(3))
@@ -475,7 +425,7 @@ def test_generator_and_default_seed(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments_are_named(backend, gen):
-    inp = make_inputs(gen, 3, 2, 10)
+    inp = make_chain_inputs(gen, 3, 2, 10)
     f = BACKENDS[backend].chain_speculative_sampling
     ids, tp, dp = inp["ids"], inp["target_probs"], inp["draft_probs"]
     with pytest.raises(ValueError, match="target_probs"):
@@ -508,7 +458,7 @@ def test_bad_arguments_are_named(backend, gen):
 
 
 def test_invalid_values_raise_on_cpu(gen):
-    inp = make_inputs(gen, 3, 2, 10)
+    inp = make_chain_inputs(gen, 3, 2, 10)
     f = specdec_ext.chain_speculative_sampling
     bad_ids = inp["ids"].clone()
     bad_ids[1, 0] = 10
@@ -530,7 +480,7 @@ def test_invalid_values_raise_on_cpu(gen):
 def test_device_side_checks_under_the_emulator(batch, gen):
     # Like CUDA: no host sync by default (a defined, in-range output), a ValueError in strict mode. At batch 1
     # the request's lanes are a cluster of 4 blocks, which all record the errors.
-    inp = make_inputs(gen, batch, 3, 40)
+    inp = make_chain_inputs(gen, batch, 3, 40)
     tp = inp["target_probs"].clone()
     tp[batch // 4, :, :] = float("nan")
     ids = inp["ids"].clone()
@@ -555,7 +505,7 @@ def test_device_side_checks_under_the_emulator(batch, gen):
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 def test_opcheck(backend, logits, gen):
     batch, k, vocab = 3, 2, 33
-    inp = make_inputs(gen, batch, k, vocab, torch.bfloat16)
+    inp = make_chain_inputs(gen, batch, k, vocab, torch.bfloat16)
     control = torch.tensor([0.0, 1.0, 0.7]) if logits else torch.tensor([True, False, False])
     ns = NAMESPACES[backend]
     fn = ns.chain_speculative_sampling_from_logits if logits else ns.chain_speculative_sampling
@@ -567,7 +517,7 @@ def test_opcheck(backend, logits, gen):
 
 
 def test_traces_under_torch_compile(gen):
-    inp = make_inputs(gen, 4, 3, 64)
+    inp = make_chain_inputs(gen, 4, 3, 64)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def step(ids, target, draft, seed):

@@ -6,6 +6,8 @@ import contextlib
 
 import pytest
 import torch
+from helpers import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_buffers, sglang_greedy,
+                     sglang_kernel_case, sglang_sample)
 from scipy import stats
 
 from specdec_ext import compat
@@ -13,51 +15,10 @@ from specdec_ext.bench.compat_sglang import eagle_like_tree, sglang_target_only_
 from specdec_ext.compat import sglang
 
 BACKENDS = ["cpu", "sim"]
-POISON = -77
 
 
 def backend(name):
     return compat.emulated() if name == "sim" else contextlib.nullcontext()
-
-
-def buffers(batch, steps, size):
-    """Poisoned output buffers: what the shim must write (or leave) is then visible."""
-    return (torch.full((size,), POISON, dtype=torch.int32), torch.full((batch, steps), POISON, dtype=torch.int32),
-            torch.full((batch,), POISON, dtype=torch.int32))
-
-
-def sglang_kernel_case():
-    """The two requests of six nodes of sgl-kernel's tests/speculative/test_speculative_sampling.py, re-typed as
-    data: request 0 is root -> {1 -> 2, 3 -> 4 -> 5}, request 1 is root -> {4 -> 5, 1 -> 2 -> 3} (its siblings
-    listed out of index order); the target (temperature 0.01) all but certainly follows 0 -> 3 -> 4 -> 5 and
-    0 -> 4 -> 5, and elsewhere emits token 18."""
-    tree = dict(candidates=torch.tensor([[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]),
-                retrive_index=torch.tensor([[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
-                retrive_next_token=torch.tensor([[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]),
-                retrive_next_sibling=torch.tensor([[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]))
-    logits = torch.full((2, 6, 20), 1.0)
-    for b, n, v in ((0, 0, 3), (0, 3, 4), (0, 4, 5), (1, 0, 11), (1, 4, 12)):
-        logits[b, n, v] = 10.0
-    logits[logits.amax(-1) < 10.0] = torch.where(torch.arange(20) == 18, 10.0, 1.0)
-    return tree, torch.softmax(logits / 0.01, -1)
-
-
-SGLANG_EXPECTED = dict(predicts=[3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],
-                       accept_index=[[0, 3, 4, 5], [6, 10, 11, -1]], accept_token_num=[3, 2])
-
-
-def sample(tree, target, coins, final, steps, size, draft=None, **kw):
-    predicts, accept_index, accept_token_num = buffers(target.shape[0], steps, size)
-    sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num, uniform_samples=coins,
-                                                 uniform_samples_for_final_sampling=final, target_probs=target,
-                                                 draft_probs=draft, **tree, **kw)
-    return predicts, accept_index, accept_token_num
-
-
-def greedy(tree, target_predict, steps, size):
-    predicts, accept_index, accept_token_num = buffers(target_predict.shape[0], steps, size)
-    sglang.verify_tree_greedy(predicts, accept_index, accept_token_num, target_predict=target_predict, **tree)
-    return predicts, accept_index, accept_token_num
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -66,8 +27,8 @@ def test_sglang_kernel_case(gen, name, draft):
     tree, target = sglang_kernel_case()
     scratch = torch.zeros_like(target) if draft == "sglang_scratch" else None  # what SGLang's caller passes
     with backend(name):
-        predicts, accept_index, accept_token_num = sample(tree, target, torch.rand(2, 6, generator=gen),
-                                                          torch.rand(2, generator=gen), 4, 12, scratch)
+        predicts, accept_index, accept_token_num = sglang_sample(tree, target, torch.rand(2, 6, generator=gen),
+                                                                 torch.rand(2, generator=gen), 4, 12, scratch)
     # SGLang's test pre-fills predicts with -1; ours is poisoned, so the entries SGLang leaves are still poisoned.
     assert predicts.tolist() == [POISON if v == -1 else v for v in SGLANG_EXPECTED["predicts"]]
     assert accept_index.tolist() == SGLANG_EXPECTED["accept_index"]
@@ -78,7 +39,7 @@ def test_sglang_kernel_case(gen, name, draft):
 
 def test_sglang_kernel_case_greedy():
     tree, target = sglang_kernel_case()
-    predicts, accept_index, accept_token_num = greedy(tree, target.argmax(-1), 4, 12)
+    predicts, accept_index, accept_token_num = sglang_greedy(tree, target.argmax(-1), 4, 12)
     assert predicts.tolist() == [POISON if v == -1 else v for v in SGLANG_EXPECTED["predicts"]]
     assert accept_index.tolist() == SGLANG_EXPECTED["accept_index"]
     assert accept_token_num.tolist() == SGLANG_EXPECTED["accept_token_num"]
@@ -104,33 +65,6 @@ def greedy_walk(tree, target_predict, steps):
     return out
 
 
-def random_lcrs(gen, batch, n, vocab, shuffle):
-    """Random trees in SGLang's form, ragged (padding nodes at the end), siblings in random list order; with
-    shuffle, node numbers permuted (children may come before parents; the padding lands anywhere)."""
-    nt = torch.full((batch, n), -1, dtype=torch.long)
-    ns = torch.full((batch, n), -1, dtype=torch.long)
-    cand = torch.zeros(batch, n, dtype=torch.long)
-    for b in range(batch):
-        size = int(torch.randint(1, n + 1, (1,), generator=gen))
-        order = torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n))
-        order.remove(0)
-        order = [0] + order  # node numbers of the tree's 0th, 1st, ... node
-        parents = [None] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
-        # distinct tokens when the vocabulary allows (the op's trees need distinct siblings; greedy takes repeats)
-        cand[b] = torch.randperm(vocab, generator=gen)[:n] if vocab >= n else torch.randint(0, vocab, (n,), generator=gen)
-        for i in range(1, size):  # push front or back of the parent's list at random
-            p, me = order[parents[i]], order[i]
-            if nt[b, p] == -1 or bool(torch.rand(1, generator=gen) < 0.5):
-                ns[b, me], nt[b, p] = nt[b, p], me
-            else:
-                last = int(nt[b, p])
-                while ns[b, last] != -1:
-                    last = int(ns[b, last])
-                ns[b, last] = me
-    ri = torch.arange(batch).unsqueeze(-1) * n + torch.arange(n)
-    return dict(candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns)
-
-
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_greedy_follows_sglang_walk(gen, shuffle):
     # Two tokens: matches are common, deep paths get cut at steps - 1. 512 requests: a path of 3 accepted drafts has
@@ -139,7 +73,7 @@ def test_greedy_follows_sglang_walk(gen, shuffle):
     batch, n, vocab, steps = 512, 9, 2, 5
     tree = random_lcrs(gen, batch, n, vocab, shuffle)
     target_predict = torch.randint(0, vocab, (batch, n), generator=gen)
-    predicts, accept_index, accept_token_num = greedy(tree, target_predict, steps, batch * n)
+    predicts, accept_index, accept_token_num = sglang_greedy(tree, target_predict, steps, batch * n)
     want_predicts = torch.full((batch * n,), POISON, dtype=torch.int32)
     for b, (path, tokens) in enumerate(greedy_walk(tree, target_predict, steps)):
         flat = [b * n + c for c in path]
@@ -164,35 +98,11 @@ def test_same_decisions_as_sglang_on_the_same_coins(gen, name):
     coins, final = torch.rand(batch, n, generator=gen), torch.rand(batch, generator=gen)
     tree = dict(candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns)
     with backend(name):
-        got = sample(tree, target, coins, final, 4, batch * n)
+        got = sglang_sample(tree, target, coins, final, 4, batch * n)
     want_predicts, want_index, want_num = sglang_target_only_torch(cand, ri, nt, ns, coins, final, target, 4)
     assert torch.equal(got[1], want_index) and torch.equal(got[2], want_num)
     assert torch.equal(got[0], torch.where(want_predicts == -1, POISON, want_predicts))
     assert (want_num > 0).any() and (want_num < 3).any()
-
-
-def first_two_law_batch(gen, trials, sampled):
-    """A fixed target over V = 6 tokens: p1 at the root, p2[t] after token t; the tree: root -> nodes 1, 2, 3 (tokens
-    distinct), node 1 -> nodes 4, 5. Point proposals: fixed tokens; sampled: each node's children drawn without
-    replacement from its draft row, in sibling order (q1 at the root, q2[t] after token t)."""
-    vocab = 6
-    p1 = torch.softmax(torch.randn(vocab, generator=gen), 0)
-    p2 = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 0.8, -1)
-    q1 = torch.softmax(torch.randn(vocab, generator=gen), 0)
-    q2 = torch.softmax(torch.randn(vocab, vocab, generator=gen), -1)
-    if sampled:  # Gumbel top-k: distinct draws, in the order of drawing without replacement
-        first = (q1.log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(3, -1).indices
-        second = (q2[first[:, 0]].log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(2, -1).indices
-    else:
-        first, second = torch.tensor([[2, 0, 5]]).expand(trials, 3), torch.tensor([[1, 4]]).expand(trials, 2)
-    cand = torch.cat([torch.zeros(trials, 1, dtype=torch.long), first, second], 1)
-    rows = torch.stack([p1.expand(trials, vocab)] + [p2[cand[:, c]] for c in (1, 2, 3)] +
-                       [torch.full((trials, vocab), 1.0 / vocab)] * 2, 1)
-    draft = torch.stack([q1.expand(trials, vocab), q2[cand[:, 1]]] + [torch.full((trials, vocab), 1.0 / vocab)] * 4, 1)
-    tree = dict(candidates=cand, retrive_index=torch.arange(trials * 6).reshape(trials, 6),
-                retrive_next_token=torch.tensor([[1, 4, -1, -1, -1, -1]]).expand(trials, 6),
-                retrive_next_sibling=torch.tensor([[-1, 2, 3, -1, 5, -1]]).expand(trials, 6))
-    return tree, rows, draft if sampled else None, p1, p2
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["point", "sampled"])
@@ -206,7 +116,7 @@ def test_first_two_tokens_have_the_target_law(sampled):
     gen = torch.Generator().manual_seed(11 + sampled)
     tree, rows, draft, p1, p2 = first_two_law_batch(gen, trials, sampled)
     coins, final = torch.rand(trials, 6, generator=gen), torch.rand(trials, generator=gen)
-    predicts, accept_index, accept_token_num = sample(tree, rows, coins, final, 3, trials * 6, draft)
+    predicts, accept_index, accept_token_num = sglang_sample(tree, rows, coins, final, 3, trials * 6, draft)
     t1 = predicts[accept_index[:, 0].long()].long()
     next_round = torch.multinomial(p2[t1], 1, generator=gen).squeeze(-1)
     t2 = torch.where(accept_token_num > 0, predicts[accept_index[:, 1].clamp_min(0).long()].long(), next_round)
@@ -223,9 +133,9 @@ def test_emulator_equals_cpu_on_the_law_rounds(sampled):
     gen = torch.Generator().manual_seed(11 + sampled)
     tree, rows, draft, _, _ = first_two_law_batch(gen, 400, sampled)
     coins, final = torch.rand(400, 6, generator=gen), torch.rand(400, generator=gen)
-    want = sample(tree, rows, coins, final, 3, 400 * 6, draft)
+    want = sglang_sample(tree, rows, coins, final, 3, 400 * 6, draft)
     with backend("sim"):
-        got = sample(tree, rows, coins, final, 3, 400 * 6, draft)
+        got = sglang_sample(tree, rows, coins, final, 3, 400 * 6, draft)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert (want[2] == 2).any() and (want[2] == 0).any()
 
@@ -250,8 +160,8 @@ def test_ragged_trees_and_depth_cut(gen, name):
     target = target / target.sum(-1, keepdim=True)
     tree = dict(candidates=cand, retrive_index=ri, retrive_next_token=nt, retrive_next_sibling=ns)
     with backend(name):
-        predicts, accept_index, accept_token_num = sample(tree, target, torch.rand(3, n, generator=gen),
-                                                          torch.rand(3, generator=gen), 3, 100 + 3 * n)
+        predicts, accept_index, accept_token_num = sglang_sample(tree, target, torch.rand(3, n, generator=gen),
+                                                                 torch.rand(3, generator=gen), 3, 100 + 3 * n)
     assert accept_index.tolist() == [[100, 101, 102], [106, 107, -1], [112, -1, -1]]
     assert accept_token_num.tolist() == [2, 1, 0]
     want = torch.full((100 + 3 * n,), POISON, dtype=torch.int32)
@@ -262,7 +172,7 @@ def test_ragged_trees_and_depth_cut(gen, name):
     # greedy follows SGLang's links whatever the numbering: request 2 goes root -> 2 -> 3 (cut after 2 drafts);
     # SGLang reads target_predict at the flat positions too, so they stay within its B * N entries here
     tree["retrive_index"] = tree["retrive_index"] - 100
-    predicts, accept_index, accept_token_num = greedy(tree, target.argmax(-1), 3, 3 * n)
+    predicts, accept_index, accept_token_num = sglang_greedy(tree, target.argmax(-1), 3, 3 * n)
     assert accept_index.tolist() == [[0, 1, 2], [6, 7, -1], [12, 14, 15]]
     assert accept_token_num.tolist() == [2, 1, 2]
     want = torch.full((3 * n,), POISON, dtype=torch.int32)
@@ -281,12 +191,12 @@ def test_mixed_scratch_and_draft_rows(gen, name):
     draft[::2] = 0.0
     coins, final = torch.rand(batch, n, generator=gen), torch.rand(batch, generator=gen)
     with backend(name):
-        together = sample(tree, target, coins, final, n, batch * n, draft)
+        together = sglang_sample(tree, target, coins, final, n, batch * n, draft)
         for b in range(batch):
             one = {k: v[b:b + 1] for k, v in tree.items()}
             one["retrive_index"] = one["retrive_index"] - b * n
-            alone = sample(one, target[b:b + 1], coins[b:b + 1], final[b:b + 1], n, n,
-                           None if b % 2 == 0 else draft[b:b + 1])
+            alone = sglang_sample(one, target[b:b + 1], coins[b:b + 1], final[b:b + 1], n, n,
+                                  None if b % 2 == 0 else draft[b:b + 1])
             assert torch.equal(together[1][b], torch.where(alone[1][0] >= 0, alone[1][0] + b * n, -1))
             assert torch.equal(together[0][b * n:(b + 1) * n], alone[0]) and together[2][b] == alone[2][0]
 
@@ -294,21 +204,22 @@ def test_mixed_scratch_and_draft_rows(gen, name):
 def test_both_keyword_spellings(gen):
     tree, target = sglang_kernel_case()
     coins, final = torch.rand(2, 6, generator=gen), torch.rand(2, generator=gen)
-    old = sample(tree, target, coins, final, 4, 12)
+    old = sglang_sample(tree, target, coins, final, 4, 12)
     new_tree = {k.replace("retrive", "retrieve"): v for k, v in tree.items()}
-    new = sample(new_tree, target, coins, final, 4, 12)
+    new = sglang_sample(new_tree, target, coins, final, 4, 12)
     for a, b in zip(old, new):
         assert torch.equal(a, b)
-    assert all(torch.equal(a, b) for a, b in zip(greedy(new_tree, target.argmax(-1), 4, 12), old))
+    assert all(torch.equal(a, b) for a, b in zip(sglang_greedy(new_tree, target.argmax(-1), 4, 12), old))
     with pytest.raises(TypeError, match="both retrive_index and retrieve_index"):
-        sample(dict(tree, retrieve_index=tree["retrive_index"]), target, coins, final, 4, 12)
+        sglang_sample(dict(tree, retrieve_index=tree["retrive_index"]), target, coins, final, 4, 12)
 
 
 @pytest.mark.parametrize("name, value", [("threshold_single", 0.5), ("threshold_acc", 0.0), ("threshold_acc", 1.5)])
 def test_lossy_thresholds_refused(gen, name, value):
     tree, target = sglang_kernel_case()
     with pytest.raises(ValueError, match=f"{name} = {value}.*lossless"):
-        sample(tree, target, torch.rand(2, 6, generator=gen), torch.rand(2, generator=gen), 4, 12, **{name: value})
+        sglang_sample(tree, target, torch.rand(2, 6, generator=gen), torch.rand(2, generator=gen), 4, 12,
+                      **{name: value})
 
 
 MALFORMED = {  # (retrive_next_token row, retrive_next_sibling row, message)
@@ -330,9 +241,9 @@ def test_malformed_trees_refused(gen, name, case):
                 retrive_next_token=torch.tensor([nt]), retrive_next_sibling=torch.tensor([ns]))
     target = torch.full((1, 4, 8), 1 / 8)
     with backend(name), pytest.raises(ValueError, match=f"malformed tree in request 0: .*({message})"):
-        sample(tree, target, torch.rand(1, 4, generator=gen), torch.rand(1, generator=gen), 4, 4)
+        sglang_sample(tree, target, torch.rand(1, 4, generator=gen), torch.rand(1, generator=gen), 4, 4)
     with pytest.raises(ValueError, match=f"malformed tree in request 0: .*({message})"):
-        greedy(tree, torch.zeros(1, 4, dtype=torch.long), 4, 4)
+        sglang_greedy(tree, torch.zeros(1, 4, dtype=torch.long), 4, 4)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -346,12 +257,12 @@ def test_without_host_reads(gen, name, monkeypatch):
     draft = torch.zeros_like(target)
     draft[1] = torch.softmax(torch.randn(6, 20, generator=gen), -1)
     with backend(name):
-        predicts, accept_index, accept_token_num = sample(tree, target, torch.rand(2, 6, generator=gen),
-                                                          torch.rand(2, generator=gen), 4, 12, draft)
+        predicts, accept_index, accept_token_num = sglang_sample(tree, target, torch.rand(2, 6, generator=gen),
+                                                                 torch.rand(2, generator=gen), 4, 12, draft)
     assert accept_index[0].tolist() == [0, -1, -1, -1] and int(accept_token_num[0]) == 0
     assert int(predicts[0]) == 3 and (predicts[1:6] == POISON).all()  # the root's row: token 3
     assert accept_index[1, 0] == 6 and 0 <= int(accept_token_num[1]) <= 2
-    predicts, accept_index, accept_token_num = greedy(tree, target.argmax(-1), 4, 12)
+    predicts, accept_index, accept_token_num = sglang_greedy(tree, target.argmax(-1), 4, 12)
     assert accept_index.tolist() == [[0, -1, -1, -1], [6, 10, 11, -1]] and accept_token_num.tolist() == [0, 2]
 
 
@@ -372,11 +283,11 @@ def test_bad_arguments_named(gen):
     for t, override, message in cases:
         args = dict(uniform_samples=coins, uniform_samples_for_final_sampling=final, target_probs=target)
         args.update(override)
-        predicts, accept_index, accept_token_num = buffers(2, 4, 12)
+        predicts, accept_index, accept_token_num = sglang_buffers(2, 4, 12)
         with pytest.raises(ValueError, match=message):
             sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num, **t, **args)
     with pytest.raises(ValueError, match="predicts must be a 1-D int32"):
-        sglang.verify_tree_greedy(torch.zeros(12, dtype=torch.int64), *buffers(2, 4, 12)[1:], **tree,
+        sglang.verify_tree_greedy(torch.zeros(12, dtype=torch.int64), *sglang_buffers(2, 4, 12)[1:], **tree,
                                   target_predict=target.argmax(-1))
     with pytest.raises(ValueError, match="target_predict must be"):
-        greedy(tree, target.argmax(-1)[:, :5], 4, 12)
+        sglang_greedy(tree, target.argmax(-1)[:, :5], 4, 12)

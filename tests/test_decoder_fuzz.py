@@ -9,12 +9,10 @@ import random
 import time
 
 import pytest
-from test_draft_heads import make_drafter, random_vocab
-from test_plain_decoding import VOCAB, tiny_hf
+from helpers import VOCAB, make_drafter, random_vocab, tiny_model
 
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import generate_autoregressive
-from specdec_ext.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 SECONDS = float(os.environ.get("SPECDEC_FUZZ_SECONDS", "40"))
@@ -38,8 +36,8 @@ def random_case(rng: random.Random) -> dict:
 
 
 def test_fuzz_greedy_equals_plain_and_finish_reasons_hold():
-    target = LlamaForCausalLM.from_hf(tiny_hf(seed=1234))
-    draft = LlamaForCausalLM.from_hf(tiny_hf(seed=77, layers=1, hidden=32, heads=2, kv_heads=1))
+    target = tiny_model(seed=1234)
+    draft = tiny_model(seed=77, layers=1, hidden=32, heads=2, kv_heads=1)
     vocab = random_vocab(VOCAB, 64, 1)
     rng = random.Random(SEED)
     deadline, cases = time.monotonic() + SECONDS, 0

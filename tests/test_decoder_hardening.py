@@ -8,22 +8,20 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_draft_heads import make_drafter, random_vocab
-from test_plain_decoding import VOCAB, random_prompts, tiny_hf
+from helpers import VOCAB, make_drafter, random_prompts, random_vocab, tiny_hf, tiny_model
 
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import policy
 from specdec_ext.engine import decoder
 from specdec_ext.engine.requests import check_eos
 from specdec_ext.engine import generate_autoregressive
-from specdec_ext.models import LlamaForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
 def target():
-    return LlamaForCausalLM.from_hf(tiny_hf(seed=1234))  # max_position_embeddings 256
+    return tiny_model(seed=1234)  # max_position_embeddings 256
 
 
 @pytest.fixture(scope="module")

@@ -4,40 +4,21 @@ draft vocabulary come through the residual), q is zero outside the draft vocabul
 refuse another model. Fixed seeds throughout."""
 import pytest
 import torch
-from test_plain_decoding import random_prompts, tiny_hf
-from test_speculative_decoding import LAW_CASES, LAW_VOCAB, assert_law, sample_first_tokens
+from helpers import (LAW_CASES, LAW_VOCAB, assert_law, law_target, make_drafter, random_medusa, random_prompts,
+                     random_vocab, sample_first_tokens, tiny_hf, tiny_model)
 
 from specdec_ext import SpeculativeDecoder
 from specdec_ext.engine import generate_autoregressive
-from specdec_ext.drafters import EagleDrafter, MedusaDrafter
+from specdec_ext.drafters import EagleDrafter
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-def random_vocab(vocab: int, size: int, seed: int) -> torch.Tensor:
-    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size].sort().values
-
-
-def random_medusa(target, vocab, num_heads, seed):
-    heads = MedusaHeads(target, vocab, num_heads)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        heads.weight.copy_(torch.randn(heads.weight.shape, generator=g) / heads.weight.shape[-1] ** 0.5)
-        heads.bias.copy_(torch.randn(heads.bias.shape, generator=g) * 0.1)
-    return heads
-
-
-def make_drafter(name, target, vocab, seed=0):
-    if name == "eagle":
-        return EagleDrafter(target, EagleHead(target, vocab).init_weights(torch.Generator().manual_seed(seed)))
-    return MedusaDrafter(target, random_medusa(target, vocab, 4, seed))
-
-
 @pytest.fixture(scope="module")
 def target():
-    return LlamaForCausalLM.from_hf(tiny_hf(seed=1234))
+    return tiny_model(seed=1234)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -87,23 +68,16 @@ def test_q_is_zero_outside_the_draft_vocabulary(target):
             assert not outside[p.draft_token_ids].any()
 
 
-@pytest.fixture(scope="module")
-def law_target():
-    hf = tiny_hf(vocab=LAW_VOCAB, layers=1, seed=99, logit_scale=0.15)
-    target = LlamaForCausalLM.from_hf(hf)  # float32, before the float64 copy
-    return hf.double(), target
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAW_CASES))
 @pytest.mark.parametrize("name", ["eagle", "medusa"])
-def test_law_of_the_first_tokens_is_the_targets(law_target, name, case):
+def test_law_of_the_first_tokens_is_the_targets(name, case):
     """As test_speculative_decoding's law test (70,000 or 50,000 seeds by case, chi-square over the 512 sequences
     of 3 tokens, power >= 0.9 against a 1% bias), with a draft vocabulary of 5 of the 8 tokens: the 3 others are
     emitted only through the residual, with their exact probability."""
-    hf, target = law_target
+    target = law_target()
     vocab = torch.tensor([0, 2, 4, 5, 7])
-    counts, law, acceptance = sample_first_tokens(hf, target, make_drafter(name, target, vocab, seed=11), case)
+    counts, law, acceptance = sample_first_tokens(target, make_drafter(name, target, vocab, seed=11), case)
     assert 0.05 < acceptance < 0.95, acceptance
     outside = [t for t in range(LAW_VOCAB) if t not in vocab.tolist()]
     assert sum(c for s, c in counts.items() if any(t in outside for t in s)) > 1000  # they do come through

@@ -9,11 +9,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import SMALL, hf_case, random_medusa, random_model, random_vocab, save_hf, tiny_model, write_gguf
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_draft_heads import random_medusa, random_vocab, target  # noqa: F401 (target: a fixture)
-from test_gguf_loader import SMALL, random_model, write_gguf
-from test_models import hf_case, save
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
@@ -22,6 +20,12 @@ from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 from specdec_ext.models.gguf_loader import load_gguf
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=1234)
+
 
 # ------------------------------------------------------------------------------------------------- config.json
 
@@ -94,7 +98,7 @@ def test_config_json_that_is_no_json_object(tmp_path, text, where):
 
 
 def test_string_rms_norm_eps_is_refused_at_load(tmp_path):
-    save(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(rms_norm_eps="1e-05"))
+    save_hf(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(rms_norm_eps="1e-05"))
     with pytest.raises(ValueError, match="config.json: rms_norm_eps must be a positive number"):
         LlamaForCausalLM.from_pretrained(tmp_path)
 
@@ -215,7 +219,7 @@ def rewrite(path, out, drop=(), add=None, meta=None):
 
 
 @pytest.fixture(scope="module")
-def head_files(target, tmp_path_factory):  # noqa: F811 (target: the fixture)
+def head_files(target, tmp_path_factory):
     folder = tmp_path_factory.mktemp("heads")
     vocab = random_vocab(target.config.vocab_size, 32, 3)
     EagleHead(target, vocab).init_weights(torch.Generator().manual_seed(4)).save(folder / "eagle.safetensors")
@@ -252,7 +256,7 @@ HEAD_CLASSES = {"eagle": EagleHead, "medusa": MedusaHeads}
 
 
 @pytest.mark.parametrize("kind, case", [(k, c) for k in BAD_HEADS for c in BAD_HEADS[k]])
-def test_malformed_head_file_is_named(target, head_files, tmp_path, kind, case):  # noqa: F811
+def test_malformed_head_file_is_named(target, head_files, tmp_path, kind, case):
     edit, message = BAD_HEADS[kind][case]
     path = rewrite(head_files[kind], tmp_path / "edited.safetensors", **edit)
     with pytest.raises(ValueError, match=message) as error:
@@ -261,7 +265,7 @@ def test_malformed_head_file_is_named(target, head_files, tmp_path, kind, case):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_head_file_that_is_not_safetensors(target, tmp_path, kind):  # noqa: F811
+def test_head_file_that_is_not_safetensors(target, tmp_path, kind):
     path = tmp_path / "head.safetensors"
     path.write_bytes(np.random.default_rng(0).bytes(256))
     with pytest.raises(ValueError, match="not a readable safetensors file") as error:

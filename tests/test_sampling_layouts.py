@@ -3,51 +3,13 @@ uniforms, reduced draft vocabularies (draft_to_target), FlashInfer's independent
 (K = 128, V up to 2^24), on the CPU kernel and the CUDA kernel under the emulator."""
 import pytest
 import torch
+from helpers import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 from scipy import stats
 
 import specdec_ext
 from specdec_ext import reference, sim
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
-
-
-def ragged_batch(gen, batch, max_k, vocab, dtype=torch.float32, sharpness=3.0, zero_rows=True, full=False):
-    """A padded batch with ragged counts (k = 0 rows included; every count max_k with full) and its flat twin over the
-    same rows."""
-    counts = torch.randint(0, max_k + 1, (batch,), generator=gen, dtype=torch.int32)
-    if full:
-        counts.fill_(max_k)
-    elif zero_rows:
-        counts[0] = 0
-    base = torch.randn(batch, max_k + 1, vocab, generator=gen) * sharpness
-    draft_logits = base[:, :max_k] + 0.7 * torch.randn(batch, max_k, vocab, generator=gen)
-    target_logits = base
-    draft_probs = torch.softmax(draft_logits, -1)
-    ids = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=gen).reshape(batch, max_k).int() \
-        if max_k else torch.zeros(batch, 0, dtype=torch.int32)
-    # Half the drafts are the target's argmax, so that point proposals are accepted too.
-    take_best = torch.rand(batch, max_k, generator=gen) < 0.5
-    ids = torch.where(take_best, target_logits[:, :max_k].argmax(-1).int(), ids)
-    # Poison what the padded form must not read: drafts past each count.
-    pad = torch.arange(max_k) >= counts.unsqueeze(-1)
-    ids = torch.where(pad, torch.full_like(ids, 10**6), ids)
-    padded = {
-        "ids": ids, "num_draft_tokens": counts,
-        "target_probs": torch.softmax(target_logits, -1).to(dtype), "draft_probs": draft_probs.to(dtype),
-        "target_logits": target_logits.to(dtype), "draft_logits": draft_logits.to(dtype),
-        "uniforms": torch.rand(batch, max_k, generator=gen), "final_uniforms": torch.rand(batch, generator=gen),
-        "bonus": torch.randint(0, vocab, (batch,), generator=gen, dtype=torch.int64),
-        "seed": torch.randint(-(2**62), 2**62, (batch,), generator=gen),
-        "offset": torch.randint(0, 2**40, (batch,), generator=gen),
-    }
-    flat = {"cu": counts.cumsum(0).int(), "ids": torch.cat([ids[b, :counts[b]] for b in range(batch)])}
-    for kind in ("probs", "logits"):
-        t, d = padded[f"target_{kind}"], padded[f"draft_{kind}"]
-        flat[f"target_{kind}"] = torch.cat([t[b, :counts[b] + 1] for b in range(batch)])  # k_b rows, then the bonus row
-        flat[f"target_{kind}_nobonus"] = torch.cat([t[b, :counts[b]] for b in range(batch)])
-        flat[f"draft_{kind}"] = torch.cat([d[b, :counts[b]] for b in range(batch)])
-    flat["uniforms"] = torch.cat([padded["uniforms"][b, :counts[b]] for b in range(batch)])
-    return padded, flat
 
 
 def poisoned(batch, k):
@@ -217,16 +179,6 @@ def test_accepted_independently(gen, backend, logits):
     assert torch.equal(got.long(), expected)
     assert (got >= out.num_accepted).all()
     assert (got > out.num_accepted).any(), "some draft after a rejection must pass on its own"
-
-
-def reduced_vocab(gen, vocab, draft_vocab):
-    return torch.randperm(vocab, generator=gen)[:draft_vocab].int()
-
-
-def scatter_full(rows, draft_to_target, vocab, logits):
-    full = rows.new_full((*rows.shape[:-1], vocab), float("-inf") if logits else 0.0)
-    full[..., draft_to_target.long()] = rows
-    return full
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
@@ -421,41 +373,12 @@ def test_opcheck_engine_layouts(gen):
         torch.library.opcheck(ns.chain_speculative_sampling_from_logits.default, args, kwargs)
 
 
-def random_trees(gen, batch, max_nodes, vocab, dtype=torch.float32):
-    """Padded random trees with ragged node counts (a lone root included), rows favouring the candidates, and the flat
-    twin (request b's nodes from cu[b-1] + b)."""
-    counts = torch.randint(1, max_nodes + 1, (batch,), generator=gen, dtype=torch.int32)
-    counts[0] = 1
-    parents = torch.full((batch, max_nodes), -1, dtype=torch.int32)
-    cand = torch.zeros(batch, max_nodes, dtype=torch.int32)
-    for b in range(batch):
-        for c in range(1, int(counts[b])):  # mostly a chain, with branches
-            deep = bool(torch.rand(1, generator=gen) < 0.6)
-            parents[b, c] = c - 1 if deep else int(torch.randint(0, c, (1,), generator=gen))
-        cand[b] = torch.randperm(vocab, generator=gen)[:max_nodes].int()  # distinct: siblings never repeat
-    logits = torch.randn(batch, max_nodes, vocab, generator=gen) * 2
-    for b in range(batch):  # each node's target favours its first child, so that paths go deep
-        seen = set()
-        for c in range(1, int(counts[b])):
-            p = int(parents[b, c])
-            logits[b, p, cand[b, c]] += 2.0 if p in seen else 9.0
-            seen.add(p)
-    draft = logits + 0.5 * torch.randn(batch, max_nodes, vocab, generator=gen)
-    padded = {"parents": parents, "cand": cand, "num_nodes": counts, "target_logits": logits.to(dtype),
-              "draft_logits": draft.to(dtype), "target_probs": torch.softmax(logits, -1).to(dtype),
-              "draft_probs": torch.softmax(draft, -1).to(dtype), "uniforms": torch.rand(batch, max_nodes, generator=gen)}
-    flat = {"cu": (counts - 1).cumsum(0).int()}
-    for key in ("parents", "cand", "target_logits", "draft_logits", "target_probs", "draft_probs", "uniforms"):
-        flat[key] = torch.cat([padded[key][b, :counts[b]] for b in range(batch)])
-    return padded, flat
-
-
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
 @pytest.mark.parametrize("logits", [False, True])
 @pytest.mark.parametrize("with_draft", [True, False])
 def test_flat_trees_equal_padded(gen, backend, logits, with_draft):
     batch, max_nodes, vocab = 14, 9, 120
-    padded, flat = random_trees(gen, batch, max_nodes, vocab)
+    padded, flat = padded_and_flat_trees(gen, batch, max_nodes, vocab)
     kind = "logits" if logits else "probs"
     ops = BACKENDS[backend]
     fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
@@ -483,7 +406,7 @@ def test_flat_trees_equal_padded(gen, backend, logits, with_draft):
 
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
 def test_bad_flat_trees_raise(gen, backend):
-    padded, flat = random_trees(gen, 3, 4, 30)
+    padded, flat = padded_and_flat_trees(gen, 3, 4, 30)
     fn = BACKENDS[backend].tree_speculative_sampling
     bad_cu = flat["cu"].clone()
     bad_cu[1] = bad_cu[2] + 1  # decreasing

@@ -2,12 +2,12 @@
 with them equals plain greedy decoding, and on held-out prompts (never trained on) they accept at least as well
 as when they were shipped: a regression test of the heads and of the drafters' use of them."""
 import pytest
-import torch
+from helpers import shipped_model
 
 from specdec_ext import SpeculativeDecoder
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.factory import make_drafter, prompt_ids
-from specdec_ext.models import LlamaForCausalLM, default_head_path, default_model_path, load_tokenizer
+from specdec_ext.models import default_head_path, default_model_path
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 from specdec_ext.training import load_prompts
 
@@ -20,9 +20,7 @@ FLOORS = {"eagle": 1.59, "medusa": 1.27}
 
 @pytest.fixture(scope="module")
 def shipped():
-    path = default_model_path()
-    target = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
-    tokenizer = load_tokenizer(path)
+    target, tokenizer = shipped_model()
     prompts = [prompt_ids(tokenizer, r["prompt"]) for r in load_prompts("heldout")][:HELDOUT]
     plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(
         prompts, NEW_TOKENS, eos_token_id=tokenizer.eos_token_id)

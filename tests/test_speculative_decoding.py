@@ -3,13 +3,10 @@ plain decoding token for token, the law of the first tokens at temperature > 0 i
 (chi-square over every sequence, float64 conditionals from transformers), both caches hold what a fresh
 prefill would after every round, seeds reproduce and a request ignores its batch, adaptive k, stats, bad
 input. Fixed seeds throughout."""
-import itertools
-import math
-
 import pytest
 import torch
-from scipy import stats
-from test_plain_decoding import VOCAB, exact_distribution, random_prompts, tiny_hf
+from helpers import (LAW_CASES, VOCAB, assert_cache_holds, assert_law, law_draft, law_target, random_prompts,
+                     sample_first_tokens, tiny_hf, tiny_model)
 
 import specdec_ext
 from specdec_ext import AcceptanceMonitor, ModelDrafter, NgramDrafter, SpeculativeDecoder
@@ -24,9 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 def pair():
     """A target and a different, smaller draft of the same vocabulary (random: acceptance is low but not 0 at
     temperature > 0), plus the target drafting for itself (acceptance 1 when greedy)."""
-    target = LlamaForCausalLM.from_hf(tiny_hf(seed=1234))
-    draft = LlamaForCausalLM.from_hf(tiny_hf(seed=77, layers=1, hidden=32, heads=2, kv_heads=1))
-    return target, draft
+    return tiny_model(seed=1234), tiny_model(seed=77, layers=1, hidden=32, heads=2, kv_heads=1)
 
 
 def drafters(target, draft):
@@ -82,44 +77,10 @@ def test_greedy_with_eos_and_max_seq_len(pair):
 
 # ------------------------------------------------------------------------------------------------ lossless law
 
-LAW_VOCAB, LAW_TOKENS = 8, 3
-LAW_CASES = {"T=1": (1.0, 0, 1.0), "T=0.7,top-k 5,top-p 0.9": (0.7, 5, 0.9)}
-# Requests per case: the fewest multiples of 10,000 whose power against the hardest 1% bias (chi_square_power, for
-# the case's exact law) is >= 0.95: 0.960 at T=1 (0.885 at 60,000); 0.978 for the concentrated top-k/top-p law
-# (0.897 at 40,000; 0.9996 at 70,000). assert_law checks the power for the count it is given.
-LAW_SAMPLES = {"T=1": 70_000, "T=0.7,top-k 5,top-p 0.9": 50_000}
-
-
 @pytest.fixture(scope="module")
 def law_models():
-    """A target and a different draft with 8 tokens and spread-out distributions (the draft's are far from the
-    target's: acceptance ~0.5-0.7), transformers' float64 copy of the target for the exact law."""
-    hf = tiny_hf(vocab=LAW_VOCAB, layers=1, seed=99, logit_scale=0.15)
-    target = LlamaForCausalLM.from_hf(hf)
-    draft = LlamaForCausalLM.from_hf(tiny_hf(vocab=LAW_VOCAB, layers=1, hidden=32, seed=5, logit_scale=0.15))
-    return hf.double(), target, draft
-
-
-def exact_law(hf, prompt, temperature, top_k, top_p) -> dict:
-    """P(first LAW_TOKENS tokens = s) for every s in V^L, from the target's float64 conditionals under the same
-    temperature / top-k / top-p (transformers' warpers)."""
-    law = {(): 1.0}
-    for _ in range(LAW_TOKENS):
-        prefixes = list(law)
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + list(p) for p in prefixes]), use_cache=False).logits[:, -1]
-        law = {p + (t,): law[p] * float(q[t]) for p, row in zip(prefixes, logits)
-               for q in [exact_distribution(row, temperature, top_k, top_p)] for t in range(LAW_VOCAB)}
-    return law
-
-
-def chi_square_power(law: dict, n: int, df: int, alpha: float = 1e-3) -> float:
-    """Power against the hardest 1% bias: 0.01 of probability mass moved between the two most likely
-    sequences (the shift with the smallest noncentrality n * 0.01^2 * (1/p1 + 1/p2))."""
-    p1, p2 = sorted(law.values())[-2:]
-    noncentrality = n * 0.01 ** 2 * (1 / p1 + 1 / p2)
-    critical = stats.chi2.ppf(1 - alpha, df)
-    return float(stats.ncx2.sf(critical, df, noncentrality))
+    """helpers' law target and its different draft (8 tokens, spread-out distributions: acceptance ~0.5-0.7)."""
+    return law_target(), law_draft()
 
 
 @pytest.mark.slow
@@ -131,76 +92,14 @@ def test_law_of_the_first_tokens_is_the_targets(law_models, name, case):
     pooled), p > 1e-3. The power against the hardest 1% bias (see chi_square_power) is checked to be >= 0.9 for
     the law at hand; a concentrated error (a masked token sampled, a wrong q) moves far more. Mutation run once:
     handing the kernel the draft's unprocessed logits as q (ModelDrafter, top-k/top-p case) fails this test."""
-    hf, target, draft = law_models
+    target, draft = law_models
     drafter = NgramDrafter(2, 1) if name == "ngram" else ModelDrafter(draft)
-    counts, law, acceptance = sample_first_tokens(hf, target, drafter, case)
+    counts, law, acceptance = sample_first_tokens(target, drafter, case)
     assert 0.1 < acceptance < 0.95, ("the test needs drafts accepted and rejected", acceptance)
     assert_law(counts, law)
 
 
-LAW_PROMPT = [0, 4, 0, 0, 4, 0]  # the law target's likely tokens 0 and 4: prompt lookup proposes them
-
-
-def sample_first_tokens(hf, target, drafter, case: str, tree=None):
-    """LAW_SAMPLES[case] requests of LAW_PROMPT (seeds 0, 1, ...), k = 2 fixed (or tree rounds of these settings):
-    the counts of their first LAW_TOKENS tokens, the exact law, and the acceptance rate."""
-    temperature, top_k, top_p = LAW_CASES[case]
-    law = exact_law(hf, LAW_PROMPT, temperature, top_k, top_p)
-    per_call = 5000
-    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call, tree=tree)
-    counts = dict.fromkeys(law, 0)
-    accepted = drafted = 0
-    samples = LAW_SAMPLES[case]
-    for start in range(0, samples, per_call):
-        out = dec.generate([LAW_PROMPT] * per_call, LAW_TOKENS, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=list(range(start, start + per_call)))
-        for s in out.sequences:
-            counts[tuple(s)] += 1
-        accepted += out.stats.num_accepted_tokens
-        drafted += out.stats.num_draft_tokens
-    assert drafted > samples
-    return counts, law, accepted / drafted
-
-
-def assert_law(counts: dict, law: dict) -> None:
-    """Chi-square of the counts against the law (cells expected < 5 pooled), p > 1e-3, with the test's power
-    against the hardest 1% bias at this many samples checked to be >= 0.9; no sequence of probability 0 emitted."""
-    assert sum(counts[s] for s, p in law.items() if p == 0) == 0, "a sequence of probability 0 was emitted"
-    samples = sum(counts.values())
-    expected = {s: p * samples for s, p in law.items() if p > 0}
-    big = [s for s, e in expected.items() if e >= 5]
-    observed = [counts[s] for s in big] + [sum(counts[s] for s in expected if s not in big)]
-    cells = [expected[s] for s in big] + [sum(e for s, e in expected.items() if s not in big)]
-    if cells[-1] == 0:
-        observed, cells = observed[:-1], cells[:-1]
-    assert chi_square_power(law, samples, len(cells) - 1) >= 0.9
-    assert stats.chisquare(observed, cells).pvalue > 1e-3
-
-
 # ---------------------------------------------------------------------------------------------------- rollback
-
-def fresh_cache_rows(model, tokens, paged):
-    """K/V of every layer for `tokens`, from a prefill into a fresh cache: [L, n, Hkv, D] each."""
-    cache = model.new_kv_cache(1, len(tokens) + 1)
-    model.prefill(cache, [0], [tokens])
-    n = len(tokens)
-    return cache.k[:, 0, :n], cache.v[:, 0, :n]
-
-
-def cache_rows(cache, b, n):
-    if cache.block_table is None:
-        return cache.k[:, b, :n], cache.v[:, b, :n]
-    pos = torch.arange(n)
-    pages = cache.block_table[b, pos // cache.page_size].long()
-    return cache.k[:, pages, pos % cache.page_size], cache.v[:, pages, pos % cache.page_size]
-
-
-def assert_cache_holds(model, cache, b, tokens) -> None:
-    """Request b's rows of `cache` hold the K and V of a fresh prefill of `tokens`, every layer."""
-    k, v = cache_rows(cache, b, len(tokens))
-    want_k, want_v = fresh_cache_rows(model, tokens, cache.block_table is not None)
-    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

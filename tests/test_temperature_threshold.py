@@ -7,12 +7,11 @@ import math
 
 import pytest
 import torch
+from helpers import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
 from specdec_ext import reference, sim
 from specdec_ext.ops import LIMITS
-from test_chain_sampling import make_inputs
-from test_tree_sampling import make_tree_inputs
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
 T_MIN = LIMITS["min_temperature"]
@@ -38,7 +37,7 @@ def add_ties(logits: torch.Tensor, gen: torch.Generator, requests) -> torch.Tens
 
 def chain_inputs(seed: int, with_draft: bool, scale: float = 1.0):
     gen = torch.Generator().manual_seed(seed)
-    inp = make_inputs(gen, BATCH, K, VOCAB, with_draft=with_draft)
+    inp = make_chain_inputs(gen, BATCH, K, VOCAB, with_draft=with_draft)
     inp["target_logits"] = add_ties(inp["target_logits"] * scale, gen, range(0, BATCH, 2))
     if with_draft:
         inp["draft_logits"] = inp["draft_logits"] * scale

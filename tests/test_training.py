@@ -5,10 +5,9 @@ import json
 
 import pytest
 import torch
-from test_plain_decoding import random_prompts, tiny_hf
+from helpers import random_prompts, tiny_model
 
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
-from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 from specdec_ext.training import distillation_data, draft_vocabulary, evaluate, load_prompts, train
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 @pytest.fixture(scope="module")
 def setup():
-    target = LlamaForCausalLM.from_hf(tiny_hf(seed=21, logit_scale=0.5))
+    target = tiny_model(seed=21, logit_scale=0.5)
     prompts = random_prompts(4, [5, 9, 7, 12, 6, 10, 8, 11])
     data = distillation_data(target, prompts, 40, batch_size=4, progress=False)
     return target, prompts, data

@@ -6,15 +6,13 @@ formed and best first (EAGLE's scored by the head itself along each path), stats
 follows the costs, bad settings raise. Fixed seeds throughout."""
 import pytest
 import torch
-from test_draft_heads import law_target, make_drafter, random_vocab  # noqa: F401 (law_target: a fixture)
-from test_plain_decoding import random_prompts, tiny_hf
-from test_speculative_decoding import LAW_CASES, assert_cache_holds, assert_law, cache_rows, sample_first_tokens
+from helpers import (LAW_CASES, assert_cache_holds, assert_law, cache_rows, law_target, make_drafter, random_prompts,
+                     random_vocab, sample_first_tokens, tiny_model)
 
 import specdec_ext
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import rounds
 from specdec_ext.engine import CostModel, generate_autoregressive
-from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.trees import TreeSettings, best_tree, trie
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -27,7 +25,7 @@ TREE = dict(num_nodes=24, depth=4, branching=4)
 
 @pytest.fixture(scope="module")
 def target():
-    return LlamaForCausalLM.from_hf(tiny_hf(vocab=VOCAB, seed=1234, logit_scale=0.3))
+    return tiny_model(vocab=VOCAB, seed=1234, logit_scale=0.3)
 
 
 def tree_drafter(name, target, seed=1):
@@ -108,17 +106,17 @@ def test_greedy_tree_decoding_equals_plain_decoding(target, name, paged, monkeyp
 
 @pytest.mark.parametrize("case", list(LAW_CASES))
 @pytest.mark.parametrize("name", [pytest.param("eagle", marks=pytest.mark.slow), "ngram"])
-def test_law_of_the_first_tokens_is_the_targets_with_trees(law_target, name, case):  # noqa: F811
+def test_law_of_the_first_tokens_is_the_targets_with_trees(name, case):
     """As test_speculative_decoding's law test (70,000 or 50,000 seeds by case, chi-square over the 512 sequences of
     3 tokens, power >= 0.9 against a 1% bias, checked by assert_law), with tree rounds of up to 8 nodes, depth 2 and
     3 children per node: point proposals tested in turn at each node, the rejected ones removed from the target's
     distribution. The n-gram trie branches on LAW_PROMPT; EAGLE's head (slow: its draft steps are head forwards) sees
     5 of the 8 tokens, the others coming through the residual. Mutation run once: handing the tree op the target's
     unmasked logits fails the top-k/top-p case (a masked token is emitted)."""
-    hf, target = law_target
+    target = law_target()
     drafter = make_drafter("eagle", target, torch.tensor([0, 2, 4, 5, 7]), seed=11) if name == "eagle" \
         else NgramDrafter(2, 1)
-    counts, law, acceptance = sample_first_tokens(hf, target, drafter, case,
+    counts, law, acceptance = sample_first_tokens(target, drafter, case,
                                                   tree=dict(num_nodes=8, depth=2, branching=3))
     assert 0.02 < acceptance < 0.9, ("the test needs tree nodes accepted and rejected", acceptance)
     assert_law(counts, law)

@@ -4,61 +4,14 @@ import math
 
 import pytest
 import torch
+from helpers import chi_square_pvalue, dirichlet, make_tree_inputs, misaligned_copy
 
 import specdec_ext
 from specdec_ext import reference, sim
-from test_chain_sampling import chi_square_pvalue, dirichlet, misaligned_copy
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
 NAMESPACES = {"cpu": torch.ops.specdec, "sim": torch.ops.specdec_sim}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def random_trees(gen, batch, n, vocab, branching, depth):
-    """[B, n] parents and candidate tokens of random trees: node c's parent is a random earlier node with fewer
-    than `branching` children and depth below `depth`; siblings' tokens are distinct. Returns parents, tokens
-    and the number of nodes each tree got (<= n)."""
-    parents = torch.full((batch, n), -1, dtype=torch.int32)
-    tokens = torch.randint(0, vocab, (batch, n), generator=gen, dtype=torch.int32)
-    num_nodes = torch.ones(batch, dtype=torch.int32)
-    for b in range(batch):
-        node_depth, kids = [0], [[]]
-        for c in range(1, n):
-            open_ = [i for i in range(c) if len(kids[i]) < min(branching, vocab) and node_depth[i] < depth]
-            if not open_:
-                break
-            p = open_[int(torch.randint(0, len(open_), (1,), generator=gen))]
-            used = {int(tokens[b, k]) for k in kids[p]}
-            free = [v for v in range(vocab) if v not in used] if vocab <= 64 else None
-            x = free[int(torch.randint(0, len(free), (1,), generator=gen))] if free is not None else int(tokens[b, c])
-            while x in used:
-                x = int(torch.randint(0, vocab, (1,), generator=gen))
-            parents[b, c], tokens[b, c] = p, x
-            kids[p].append(c)
-            kids.append([])
-            node_depth.append(node_depth[p] + 1)
-            num_nodes[b] = c + 1
-    return parents, tokens, num_nodes
-
-
-def make_tree_inputs(gen, batch, n, vocab, dtype=torch.float32, with_draft=True, branching=3, depth=4, sharpness=2.0,
-                     ragged=True):
-    parents, tokens, full = random_trees(gen, batch, n, vocab, branching, depth)
-    num_nodes = torch.minimum(full, torch.randint(1, n + 1, (batch,), generator=gen, dtype=torch.int32)) if ragged \
-        else full
-    base = torch.randn(batch, n, vocab, generator=gen) * sharpness
-    # Candidates are often, not always, the target's likely tokens: raise each node's token in its parent's row.
-    rows = torch.arange(batch).unsqueeze(-1)
-    base[rows, parents.long().clamp_min(0), tokens.long()] += torch.where(parents >= 0, 2.0, 0.0)
-    draft = base + 0.7 * torch.randn(batch, n, vocab, generator=gen)
-    return {
-        "parents": parents, "tokens": tokens, "num_nodes": num_nodes,
-        "target_logits": base.to(dtype), "draft_logits": draft.to(dtype) if with_draft else None,
-        "target_probs": torch.softmax(base, -1).to(dtype),
-        "draft_probs": torch.softmax(draft, -1).to(dtype) if with_draft else None,
-        "seed": torch.randint(-(2**63), 2**63 - 1, (batch,), generator=gen),
-        "offset": torch.randint(0, 2**40, (batch,), generator=gen),
-    }
 
 
 def poisoned_out(batch, n):
@@ -137,6 +90,10 @@ def test_a_chain_shaped_tree_is_the_chain_op(backend, with_draft, logits, gen):
     ids = torch.multinomial(torch.softmax(draft, -1).reshape(-1, vocab), 1, generator=gen).reshape(batch, k).int()
     for rows in (base[:, :k], draft):  # p(x) and q(x) around 1/2: some drafts accepted, some rejected
         rows.scatter_(-1, ids.long().unsqueeze(-1), (rows.logsumexp(-1) + torch.randn(batch, k, generator=gen)).unsqueeze(-1))
+    # Whatever the draws: row 1 rejects its first draft (p(x) = 0), row 2 accepts all (p(x) = q(x) = 1).
+    base[1, 0, ids[1, 0]] = -1e4
+    base[2, torch.arange(k), ids[2].long()] = 1e4
+    draft[2, torch.arange(k), ids[2].long()] = 1e4
     seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=gen)
     parents = torch.arange(-1, k, dtype=torch.int32).expand(batch, k + 1).contiguous()
     tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int32), ids], 1)
@@ -161,7 +118,7 @@ def test_a_chain_shaped_tree_is_the_chain_op(backend, with_draft, logits, gen):
     acc = chain.num_accepted.long().unsqueeze(-1)
     positions = torch.arange(k + 1)
     assert torch.equal(tree.accepted_nodes, torch.where(positions <= acc, positions, -1).int())
-    assert 0 < int(chain.num_accepted.sum()) < batch * k  # some accepted, some rejected
+    assert int(chain.num_accepted[1]) == 0 and int(chain.num_accepted[2]) == k  # the planted rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

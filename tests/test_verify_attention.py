@@ -2,15 +2,10 @@
 within fp32 2e-5, bf16 2e-2, fp16 4e-3."""
 import pytest
 import torch
+from helpers import TOLERANCE, random_tree_mask, rel_error
 
 import specdec_ext
 from specdec_ext import reference
-
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
-
-
-def rel_error(out, ref):
-    return float((out.double() - ref).norm() / ref.norm())
 
 
 def check_against_reference(f, q, k_cache, v_cache, lengths, k_new=None, v_new=None, *, lse_atol, **kwargs):
@@ -41,17 +36,6 @@ def make_case(gen, batch, n_q, hq, hkv, d, dtype, lengths, paged=None, s_max=Non
     k_cache = torch.randn(shape, generator=gen).to(dtype)  # random everywhere: unwritten rows would show
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     return q, k_cache, v_cache, torch.tensor(lengths, dtype=torch.int32), k_new, v_new, table
-
-
-def random_tree_mask(gen, n_q):
-    """A valid token tree: each node's parent is an earlier node; a node sees itself and its ancestors."""
-    mask = torch.zeros(n_q, n_q, dtype=torch.bool)
-    for i in range(n_q):
-        mask[i, i] = True
-        if i > 0:
-            parent = int(torch.randint(0, i, (1,), generator=gen))
-            mask[i] |= mask[parent]
-    return mask
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -2,10 +2,10 @@
 decisions, no host synchronisation, and (where sgl_kernel is installed) sgl_kernel's own outputs."""
 import pytest
 import torch
+from helpers import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_greedy, sglang_kernel_case,
+                     sglang_sample)
 
 from specdec_ext.bench.compat_sglang import eagle_like_tree, sglang_target_only_torch
-from tests.test_compat_sglang import (POISON, SGLANG_EXPECTED, first_two_law_batch, greedy, random_lcrs, sample,
-                                      sglang_kernel_case)
 
 CUDA = torch.device("cuda")
 
@@ -26,8 +26,8 @@ def eagle_case(gen, batch, n, vocab):
 
 def test_sglang_kernel_case_on_cuda(gen):
     tree, target = sglang_kernel_case()
-    got = sample(to_cuda(tree), target.to(CUDA), torch.rand(2, 6, generator=gen).to(CUDA),
-                 torch.rand(2, generator=gen).to(CUDA), 4, 12)
+    got = sglang_sample(to_cuda(tree), target.to(CUDA), torch.rand(2, 6, generator=gen).to(CUDA),
+                        torch.rand(2, generator=gen).to(CUDA), 4, 12)
     got = [t.cpu() for t in got]
     assert got[0].tolist() == [POISON if v == -1 else v for v in SGLANG_EXPECTED["predicts"]]
     assert got[1].tolist() == SGLANG_EXPECTED["accept_index"]
@@ -39,9 +39,9 @@ def test_cuda_equals_cpu_on_the_same_coins(sampled):
     gen = torch.Generator().manual_seed(3)
     tree, rows, draft, _, _ = first_two_law_batch(gen, 4000, sampled)
     coins, final = torch.rand(4000, 6, generator=gen), torch.rand(4000, generator=gen)
-    want = sample(tree, rows, coins, final, 3, 4000 * 6, draft)
-    got = sample(to_cuda(tree), rows.to(CUDA), coins.to(CUDA), final.to(CUDA), 3, 4000 * 6,
-                 None if draft is None else draft.to(CUDA))
+    want = sglang_sample(tree, rows, coins, final, 3, 4000 * 6, draft)
+    got = sglang_sample(to_cuda(tree), rows.to(CUDA), coins.to(CUDA), final.to(CUDA), 3, 4000 * 6,
+                        None if draft is None else draft.to(CUDA))
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b)
 
@@ -50,12 +50,12 @@ def test_sglang_decisions_large_vocab_without_host_sync(gen):
     batch, n, vocab = 64, 8, 128256
     tree, target, coins, final = eagle_case(gen, batch, n, vocab)
     tree, target, coins, final = to_cuda(tree), target.to(CUDA), coins.to(CUDA), final.to(CUDA)
-    sample(tree, target, coins, final, 4, batch * n)  # warm-up (lazy initialisation may synchronise)
+    sglang_sample(tree, target, coins, final, 4, batch * n)  # warm-up (lazy initialisation may synchronise)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = sample(tree, target, coins, final, 4, batch * n)
-        greedy(tree, target.argmax(-1), 4, batch * n)
+        got = sglang_sample(tree, target, coins, final, 4, batch * n)
+        sglang_greedy(tree, target.argmax(-1), 4, batch * n)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     want = sglang_target_only_torch(*(tree[k] for k in ("candidates", "retrive_index", "retrive_next_token",
@@ -67,8 +67,8 @@ def test_sglang_decisions_large_vocab_without_host_sync(gen):
 def test_greedy_on_cuda_equals_cpu(gen):
     tree = random_lcrs(gen, 64, 9, 2, shuffle=True)
     target_predict = torch.randint(0, 2, (64, 9), generator=gen)
-    want = greedy(tree, target_predict, 5, 64 * 9)
-    got = greedy(to_cuda(tree), target_predict.to(CUDA), 5, 64 * 9)
+    want = sglang_greedy(tree, target_predict, 5, 64 * 9)
+    got = sglang_greedy(to_cuda(tree), target_predict.to(CUDA), 5, 64 * 9)
     for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b)
 
@@ -90,13 +90,13 @@ def test_against_sgl_kernel(gen):
             torch.full((batch, 4), -1, dtype=torch.int32, device=CUDA), torch.zeros(batch, dtype=torch.int32, device=CUDA)]
     sgl_call(sgl_kernel.tree_speculative_sampling_target_only, *want, tree=tree, uniform_samples=coins,
              uniform_samples_for_final_sampling=final, target_probs=target, draft_probs=torch.zeros_like(target))
-    got = sample(tree, target, coins, final, 4, batch * n)
+    got = sglang_sample(tree, target, coins, final, 4, batch * n)
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     # the last token is drawn by inverse CDF on both sides; float32 sums may differ at a bucket's edge
     assert (got[0] == want[0]).float().mean() > 0.98
     want = [torch.full((batch * n,), POISON, dtype=torch.int32, device=CUDA),
             torch.full((batch, 4), -1, dtype=torch.int32, device=CUDA), torch.zeros(batch, dtype=torch.int32, device=CUDA)]
     sgl_call(sgl_kernel.verify_tree_greedy, *want, tree=tree, target_predict=target.argmax(-1))
-    got = greedy(tree, target.argmax(-1), 4, batch * n)
+    got = sglang_greedy(tree, target.argmax(-1), 4, batch * n)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

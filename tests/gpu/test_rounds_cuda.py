@@ -4,8 +4,7 @@ import warnings
 
 import pytest
 import torch
-from test_draft_heads import make_drafter, random_vocab
-from test_plain_decoding import random_prompts, tiny_hf
+from helpers import make_drafter, random_prompts, random_vocab, tiny_hf
 
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import rounds

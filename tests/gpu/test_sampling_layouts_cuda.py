@@ -3,9 +3,9 @@ reduced draft vocabularies give the CPU kernel's tokens bit for bit, K = 128 and
 capturable in a CUDA graph."""
 import pytest
 import torch
+from helpers import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 
 import specdec_ext
-from tests.test_sampling_layouts import random_trees, ragged_batch, reduced_vocab, scatter_full
 
 CUDA = torch.device("cuda")
 
@@ -40,7 +40,7 @@ def test_flat_equals_padded_and_cpu(gen, logits, dtype):
 
 
 def test_flat_trees_equal_padded_on_cuda(gen):
-    padded, flat = random_trees(gen, 12, 9, 5000)
+    padded, flat = padded_and_flat_trees(gen, 12, 9, 5000)
     p, f = to_cuda(padded), to_cuda(flat)
     want = specdec_ext.tree_speculative_sampling_from_logits(p["parents"], p["cand"], p["target_logits"], p["draft_logits"],
                                                              temperature=0.8, num_nodes=p["num_nodes"], seed=3)

@@ -2,9 +2,9 @@
 canonical order), capturable in a CUDA graph, defined output on malformed trees."""
 import pytest
 import torch
+from helpers import make_tree_inputs
 
 import specdec_ext
-from test_tree_sampling import make_tree_inputs
 
 
 def run(inp, device, logits, control, **kw):
