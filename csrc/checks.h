@@ -119,6 +119,7 @@ struct EngineLayoutArgs {
   const std::optional<at::Tensor>& uniforms;
   const std::optional<at::Tensor>& final_uniforms;
   const std::optional<at::Tensor>& target_to_draft;
+  c10::string_view coupling;  // "rejection" or "gumbel"
 };
 
 // Target rows: [B, rows, V] (padded) or [rows, V] (flat); draft rows likewise with draft_rows rows and V columns, or Vd
@@ -186,6 +187,14 @@ inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, c
     }
   }
   P.draft_vocab = Vd;
+  TORCH_CHECK_VALUE(E.coupling == "rejection" || E.coupling == "gumbel", op, ": coupling must be \"rejection\" or ",
+                    "\"gumbel\", got \"", std::string(E.coupling), "\"");
+  P.gumbel = E.coupling == "gumbel";
+  if (P.gumbel) {  // the Gumbel-max token of each row decides alone: nothing else would be read
+    TORCH_CHECK_VALUE(!draft.has_value(), op, ": coupling=\"gumbel\" reads no draft rows; pass ", dname, "=None");
+    TORCH_CHECK_VALUE(!E.uniforms.has_value() && !E.final_uniforms.has_value(), op,
+                      ": coupling=\"gumbel\" draws its own noise per position; uniforms and final_uniforms must be None");
+  }
   A.vector_of(greedy_or_temperature, A.logits ? "temperature" : "greedy", A.logits ? at::kFloat : at::kBool);
   A.vector_of(seed, "seed", at::kLong);
   A.vector_of(offset, "offset", at::kLong);

@@ -22,14 +22,19 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor? num_draft_tokens, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
-      "Tensor(d!)? accepted_independently=None) -> ()");
+      "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\") -> ()");
   // The same from logits: softmax(logits / temperature[b]) in float32 inside the kernel; temperature 0 = greedy.
   m.def(
       "chain_speculative_sampling_from_logits(Tensor draft_token_ids, Tensor target_logits, Tensor? draft_logits, "
       "Tensor? num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
-      "Tensor(d!)? accepted_independently=None) -> ()");
+      "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\") -> ()");
+
+  // coupling="gumbel" (every sampling op): a sampled request's token at row i is the Gumbel-max sample of the row with
+  // the noise of position offset[b] + i (a tree node: + its depth), uniform v of Philox stream 2 for token v
+  // (specdec/sampling_math.h); a draft is accepted when it equals that token. Draft rows, uniforms and
+  // final_uniforms are not taken. "rejection" (default): min(1, p/q) acceptance with residual resampling.
 
   // Tree speculative sampling (README "Tree speculation", specdec/tree_sampling.h): per request a tree of N <= 64
   // nodes (parents [B, N] int32, -1 for the root and padding; candidate_token_ids [B, N] int32/int64; num_nodes
@@ -44,13 +49,14 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "tree_speculative_sampling(Tensor parents, Tensor candidate_token_ids, Tensor? num_nodes, Tensor target_probs, "
       "Tensor? draft_probs, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, Tensor? uniforms=None, "
-      "Tensor? final_uniforms=None, Tensor? target_to_draft=None, Tensor? cu_num_draft_tokens=None) -> ()");
+      "Tensor? final_uniforms=None, Tensor? target_to_draft=None, Tensor? cu_num_draft_tokens=None, "
+      "str coupling=\"rejection\") -> ()");
   m.def(
       "tree_speculative_sampling_from_logits(Tensor parents, Tensor candidate_token_ids, Tensor? num_nodes, "
       "Tensor target_logits, Tensor? draft_logits, Tensor temperature, Tensor seed, Tensor offset, "
       "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, "
       "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
-      "Tensor? cu_num_draft_tokens=None) -> ()");
+      "Tensor? cu_num_draft_tokens=None, str coupling=\"rejection\") -> ()");
 
   // KV-cache truncation after verification (DESIGN.md §3.3, §3.4): cache_seqlens[b] += num_kept[b]; with
   // kept_indices (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the

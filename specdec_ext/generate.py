@@ -3,6 +3,7 @@ import sys
 import time
 
 from .cli import tree_settings
+from .engine.decoder import DEFAULT_SAMPLING, SAMPLING_MODES
 from .factory import check_drafter
 
 
@@ -43,7 +44,7 @@ def main(args) -> int:
     if len(ids) >= context:
         raise UsageError(f"--prompt is {len(ids)} tokens; the model's context is {context} tokens")
     dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), args.k, tree=args.tree,
-                             max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive)
+                             max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive, sampling=args.sampling)
     text = TextStream(tokenizer)
 
     def stream(r, new):
@@ -76,6 +77,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1: off")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", default=DEFAULT_SAMPLING, choices=sorted(SAMPLING_MODES),
+                   help="how sampled tokens are verified: invariant (Gumbel coupling: the tokens plain sampling with "
+                        "this seed gives, whatever the drafter) or rejection (min(1, p/q); default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens (largest k; adaptive below it)")
     p.add_argument("--no-adaptive", action="store_true",

@@ -295,12 +295,30 @@ def _flat_form(op: str, cu_num_draft_tokens, max_draft_tokens, counts, counts_na
     return cu, cu.numel(), max_draft_tokens
 
 
+COUPLINGS = ("rejection", "gumbel")
+
+
+def _check_coupling(op: str, coupling, draft, dname: str, uniforms, final_uniforms) -> None:
+    """coupling="gumbel" decides every row by its own Gumbel-max token: it takes no draft rows and no caller uniforms
+    (the drafts are assumed drawn with the same noise, by gumbel_sample or the decoder's drafters)."""
+    if coupling not in COUPLINGS:
+        raise ValueError(f"{op}: coupling must be one of {COUPLINGS}, got {coupling!r}")
+    if coupling == "gumbel":
+        if draft is not None:
+            raise ValueError(f"{op}: coupling='gumbel' reads no draft rows (a draft is accepted when it equals the "
+                             f"target's Gumbel-max token); pass {dname}=None")
+        for name, value in (("uniforms", uniforms), ("final_uniforms", final_uniforms)):
+            if value is not None:
+                raise ValueError(f"{op}: coupling='gumbel' draws its noise from (seed, position); {name} must be None")
+
+
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
                     offset, generator, out, cu_num_draft_tokens, max_draft_tokens, bonus_token_ids, uniforms,
-                    final_uniforms, draft_to_target, accepted_independently, records_errors) -> SamplingOutput:
+                    final_uniforms, draft_to_target, accepted_independently, coupling, records_errors) -> SamplingOutput:
     op = "chain_speculative_sampling_from_logits" if logits else "chain_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
+    _check_coupling(op, coupling, draft, dname, uniforms, final_uniforms)
     flat = cu_num_draft_tokens is not None
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
@@ -345,7 +363,8 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
     fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
-       flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft, accepted_independently)
+       flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft, accepted_independently,
+       coupling)
     _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, k, bonus_token_ids is not None, logits)
@@ -372,10 +391,11 @@ def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parent
 
 def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
                    seed, offset, generator, out, uniforms, final_uniforms, draft_to_target, cu_num_draft_tokens,
-                   max_draft_tokens, records_errors) -> TreeSamplingOutput:
+                   max_draft_tokens, coupling, records_errors) -> TreeSamplingOutput:
     op = "tree_speculative_sampling_from_logits" if logits else "tree_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
+    _check_coupling(op, coupling, draft, dname, uniforms, final_uniforms)
     flat = cu_num_draft_tokens is not None
     for name, t in (("parents", parents), ("candidate_token_ids", candidate_token_ids)):
         if not isinstance(t, torch.Tensor) or t.dim() != (1 if flat else 2):
@@ -423,7 +443,7 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
     fn(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms, final_uniforms,
-       target_to_draft, cu_num_draft_tokens)
+       target_to_draft, cu_num_draft_tokens, coupling)
     _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_tree_row(op, tname, dname, target, draft, parents, num_nodes, logits)
@@ -599,7 +619,7 @@ class Ops:
                                    greedy=None, seed=None, offset=None, generator=None, out=None,
                                    cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
                                    final_uniforms=None, draft_to_target=None,
-                                   accepted_independently=None) -> SamplingOutput:
+                                   accepted_independently=None, coupling="rejection") -> SamplingOutput:
         """Chain speculative sampling (DESIGN.md §3.1) from probabilities: accept draft token x at position i with
         probability min(1, p_i(x) / q_i(x)); at the first rejection draw from norm(max(0, p_i - q_i)); if all
         num_draft_tokens[b] drafts are accepted, draw a bonus token from p_k. The emitted tokens are distributed
@@ -623,36 +643,74 @@ class Ops:
           ids); q is 0 off the map. Lossless, without expanding the draft rows.
         accepted_independently [B] int32, filled: the drafts accepted when each is judged on its own (FlashInfer's
           accepted count); reads the rows after the first rejection, which the op otherwise never reads.
+
+        coupling: "rejection" (the above) or "gumbel" (drafter-invariant): offset[b] is then the absolute position of
+          request b's first row, and row i's token is the Gumbel-max sample argmax_v(log p_i(v) + G(v)) with the
+          noise of position offset[b] + i (uniform v of Philox stream 2, gumbel_sample's); a draft is accepted when it
+          equals that token, and the first one that does not is replaced by it. The emitted tokens are exactly what
+          plain sampling with gumbel_sample draws at those positions, whatever the drafts; draft_probs, uniforms and
+          final_uniforms must be None. Greedy rows are unchanged.
         """
         return _chain_sampling(self.namespace, draft_token_ids, target_probs, draft_probs, logits=False,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed, offset=offset,
                                generator=generator, out=out, cu_num_draft_tokens=cu_num_draft_tokens,
                                max_draft_tokens=max_draft_tokens, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
                                final_uniforms=final_uniforms, draft_to_target=draft_to_target,
-                               accepted_independently=accepted_independently,
+                               accepted_independently=accepted_independently, coupling=coupling,
                                records_errors=self.records_errors(target_probs))
 
     def chain_speculative_sampling_from_logits(self, draft_token_ids, target_logits, draft_logits=None, *, temperature,
                                                num_draft_tokens=None, seed=None, offset=None, generator=None,
                                                out=None, cu_num_draft_tokens=None, max_draft_tokens=None,
                                                bonus_token_ids=None, uniforms=None, final_uniforms=None,
-                                               draft_to_target=None, accepted_independently=None) -> SamplingOutput:
+                                               draft_to_target=None, accepted_independently=None,
+                                               coupling="rejection") -> SamplingOutput:
         """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
         computed inside the kernel in float32 and never written to memory; a temperature below 1e-5 (0 included;
         LIMITS["min_temperature"]) makes a row greedy.
-        temperature: a float or [B] float32. The engine-layout arguments are chain_speculative_sampling's."""
+        temperature: a float or [B] float32. The engine-layout arguments and coupling are chain_speculative_sampling's."""
         return _chain_sampling(self.namespace, draft_token_ids, target_logits, draft_logits, logits=True,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
                                offset=offset, generator=generator, out=out, cu_num_draft_tokens=cu_num_draft_tokens,
                                max_draft_tokens=max_draft_tokens, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
                                final_uniforms=final_uniforms, draft_to_target=draft_to_target,
-                               accepted_independently=accepted_independently,
+                               accepted_independently=accepted_independently, coupling=coupling,
                                records_errors=self.records_errors(target_logits))
+
+    def gumbel_sample(self, logits, *, temperature, seed, positions, out=None) -> torch.Tensor:
+        """One token per row of logits [B, V] (float32/bf16/fp16; top-k/top-p masks already applied as -inf): the
+        Gumbel-max sample argmax_v(logits[b, v] / temperature[b] + G(v)), G the noise of (seed[b], positions[b]),
+        which the sampling ops' coupling="gumbel" uses for the row at that position. A drafter drawing its drafts here
+        and plain decoding drawing here make the speculative output equal to the plain one (DESIGN.md §4,
+        sampling="invariant"). Temperature below 1e-5 is argmax. temperature: a float or [B]; seed, positions: ints
+        or [B] int64. out: a preallocated [B] int32. Returns [B] int32."""
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+            raise ValueError(f"gumbel_sample: logits must be a [B, V] tensor, got "
+                             f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+        batch, vocab = logits.shape
+        if out is not None and not (isinstance(out, torch.Tensor) and out.shape == (batch,) and out.dtype == torch.int32
+                                    and out.device == logits.device):
+            raise ValueError(f"gumbel_sample: out must be a [B] = [{batch}] int32 tensor on {logits.device}")
+        rows = SamplingOutput(torch.empty((batch, 2), dtype=torch.int32, device=logits.device),
+                              torch.empty((batch,), dtype=torch.int32, device=logits.device))
+        # No drafts: K = 1 with none proposed, the token drawn as the bonus of row 0 at offset = position.
+        _chain_sampling(self.namespace, torch.zeros((batch, 1), dtype=torch.int32, device=logits.device),
+                        logits.unsqueeze(1).expand(batch, 2, vocab), None, logits=True,
+                        num_draft_tokens=torch.zeros((batch,), dtype=torch.int32, device=logits.device),
+                        greedy_or_temperature=temperature, seed=seed, offset=positions, generator=None, out=rows,
+                        cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
+                        final_uniforms=None, draft_to_target=None, accepted_independently=None, coupling="gumbel",
+                        records_errors=self.records_errors(logits))
+        if out is None:
+            return rows.output_token_ids[:, 0]
+        out.copy_(rows.output_token_ids[:, 0])
+        return out
 
     def tree_speculative_sampling(self, parents, candidate_token_ids, target_probs, draft_probs=None, *,
                                   num_nodes=None, greedy=None, seed=None, offset=None, generator=None,
                                   out=None, uniforms=None, final_uniforms=None, draft_to_target=None,
-                                  cu_num_draft_tokens=None, max_draft_tokens=None) -> TreeSamplingOutput:
+                                  cu_num_draft_tokens=None, max_draft_tokens=None,
+                                  coupling="rejection") -> TreeSamplingOutput:
         """Tree speculative sampling from probabilities (README "Tree speculation"): walks a tree of candidates
         from its root, accepting at each node one child or none, so that every emitted token is distributed as
         the target's; lossless for point proposals (no draft_probs) and for children sampled without
@@ -673,25 +731,29 @@ class Ops:
         first, parents relative to its own nodes) are entries cu[b-1] + b .. cu[b] + b of parents, candidate_token_ids,
         the target and draft rows [T + B, V] and uniforms [T + B]; outputs [B, max_draft_tokens + 1], exactly the
         padded form's.
+        coupling="gumbel": node n's row decides with the Gumbel-max token of position offset[b] + depth(n)
+        (chain_speculative_sampling): the walk moves to the child carrying it, else emits it.
         """
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_probs, draft_probs, logits=False,
                               num_nodes=num_nodes, greedy_or_temperature=greedy, seed=seed, offset=offset,
                               generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
                               draft_to_target=draft_to_target, cu_num_draft_tokens=cu_num_draft_tokens,
-                              max_draft_tokens=max_draft_tokens, records_errors=self.records_errors(target_probs))
+                              max_draft_tokens=max_draft_tokens, coupling=coupling,
+                              records_errors=self.records_errors(target_probs))
 
     def tree_speculative_sampling_from_logits(self, parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                               temperature, num_nodes=None, seed=None, offset=None, generator=None,
                                               out=None, uniforms=None, final_uniforms=None,
                                               draft_to_target=None, cu_num_draft_tokens=None,
-                                              max_draft_tokens=None) -> TreeSamplingOutput:
+                                              max_draft_tokens=None, coupling="rejection") -> TreeSamplingOutput:
         """tree_speculative_sampling from logits: softmax(logits / temperature[b]) in float32 inside the kernel,
         never written to memory; a temperature below 1e-5 (LIMITS["min_temperature"]) makes a request greedy."""
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_logits, draft_logits, logits=True,
                               num_nodes=num_nodes, greedy_or_temperature=temperature, seed=seed, offset=offset,
                               generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
                               draft_to_target=draft_to_target, cu_num_draft_tokens=cu_num_draft_tokens,
-                              max_draft_tokens=max_draft_tokens, records_errors=self.records_errors(target_logits))
+                              max_draft_tokens=max_draft_tokens, coupling=coupling,
+                              records_errors=self.records_errors(target_logits))
 
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False, kv_layout="NHD", kv_indptr=None,
@@ -764,6 +826,7 @@ philox_uniform = NATIVE.philox_uniform
 chain_speculative_sampling = NATIVE.chain_speculative_sampling
 chain_speculative_sampling_from_logits = NATIVE.chain_speculative_sampling_from_logits
 tree_speculative_sampling = NATIVE.tree_speculative_sampling
+gumbel_sample = NATIVE.gumbel_sample
 tree_speculative_sampling_from_logits = NATIVE.tree_speculative_sampling_from_logits
 truncate_kv_cache = NATIVE.truncate_kv_cache
 verify_attention = NATIVE.verify_attention

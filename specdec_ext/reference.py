@@ -58,6 +58,55 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int, stream: int
 
 
 # ---------------------------------------------------------------------------------------------------
+# Gumbel coupling (coupling="gumbel", sampling="invariant"): the noise of token v at a request's position n is
+# -ln(-ln u), u = uniform v of Philox stream 2 at offset n; a row's token is argmax_v(ln p(v) + noise). Here in
+# float64, so the kernels' (float32 keys, base 2) can differ only where two keys are within rounding of each other.
+GUMBEL_STREAM = 2
+
+
+def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float64: the Gumbel noise of every token at (seed[b], positions[b])."""
+    u = philox_uniform(seed, positions, vocab, stream=GUMBEL_STREAM).double()
+    return -torch.log(-torch.log(u))
+
+
+def _gumbel_tokens(log_p: torch.Tensor, seed, offset, depth) -> torch.Tensor:
+    """[B, R] Gumbel-max tokens of rows log_p [B, R, V] (float64 log-probabilities), row (b, i) at position
+    offset[b] + depth[b, i]."""
+    batch, rows, vocab = log_p.shape
+    positions = (offset.long().unsqueeze(-1) + depth).reshape(-1)
+    noise = gumbel_noise(seed.long().repeat_interleave(rows), positions, vocab).view(batch, rows, vocab)
+    return (log_p + noise).argmax(-1)
+
+
+def _one_hot_rows(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Rows [B, R, V] float64 with all their mass on tokens [B, R]: a greedy walk over them emits those tokens."""
+    return torch.nn.functional.one_hot(tokens, vocab).double()
+
+
+def _gumbel_rows(log_p: torch.Tensor, greedy, seed, offset, depth=None) -> torch.Tensor:
+    """Chain or tree rows [B, R, V] as one-hot rows on each row's token: the argmax for greedy requests, else the
+    Gumbel-max token at position offset[b] + depth[b, i] (depth None: the row index, a chain)."""
+    batch, rows, vocab = log_p.shape
+    if depth is None:
+        depth = torch.arange(rows, device=log_p.device).expand(batch, rows)
+    tokens = torch.where(greedy.unsqueeze(-1), log_p.argmax(-1), _gumbel_tokens(log_p, seed, offset, depth))
+    return _one_hot_rows(tokens, vocab)
+
+
+def gumbel_sample(logits, *, temperature, seed, positions) -> torch.Tensor:
+    """Reference of specdec_ext.gumbel_sample: argmax_v(log_softmax(logits / t)[v] + noise(seed, position)), the
+    argmax below MIN_TEMPERATURE. Returns [B] int32."""
+    batch, vocab = logits.shape
+    t, greedy = _temperature(temperature, batch, logits.device)
+    seed = torch.as_tensor(seed, device=logits.device).long().expand(batch)
+    positions = torch.as_tensor(positions, device=logits.device).long().expand(batch)
+    log_p = torch.log_softmax(logits.double() / torch.where(greedy, 1.0, t).unsqueeze(-1), -1)
+    drawn = _gumbel_tokens(log_p.unsqueeze(1), seed, positions, torch.zeros(batch, 1, dtype=torch.long))[:, 0]
+    return torch.where(greedy, logits.argmax(-1), drawn).int()
+
+
+# ---------------------------------------------------------------------------------------------------
 # Chain speculative sampling. Same uniforms as the kernels (RNG contract): acceptance at position i uses
 # uniform i of stream 0, the resampled or bonus token uniform 0 of stream 1. Acceptance is decided in
 # float32 exactly as the kernels do (u * q < p); the resampled token is drawn by inverse CDF in float64 over
@@ -197,7 +246,8 @@ def _chain_inputs(draft_token_ids, target_rows, draft_rows, num_draft_tokens, cu
 
 def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
                                seed, offset=None, cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None,
-                               uniforms=None, final_uniforms=None, draft_to_target=None, accepted_independently=None):
+                               uniforms=None, final_uniforms=None, draft_to_target=None, accepted_independently=None,
+                               coupling="rejection"):
     """Reference of specdec_ext.chain_speculative_sampling (seed required), engine layouts included (the flat form is
     padded first). Returns (output_token_ids, num_accepted)."""
     draft_token_ids, target_probs, draft_probs, num_draft_tokens, layout = _chain_inputs(
@@ -207,6 +257,9 @@ def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, 
     v = target_probs.shape[-1]
     num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
     greedy = torch.as_tensor(False if greedy is None else greedy, device=draft_token_ids.device).expand(batch)
+    if coupling == "gumbel":  # every row's token is fixed by its noise: a greedy walk over one-hot rows
+        target_probs = _gumbel_rows(target_probs.double().log(), greedy, seed, offset)
+        greedy = torch.ones_like(greedy)
     ids = _checked_ids(draft_token_ids, num_draft_tokens, v)
     p32 = target_probs.float()
     p_accept = p32[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
@@ -227,7 +280,8 @@ def _temperature(temperature, batch: int, device) -> tuple[torch.Tensor, torch.T
 def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft_logits=None, *, temperature,
                                            num_draft_tokens=None, seed, offset=None, cu_num_draft_tokens=None,
                                            max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
-                                           final_uniforms=None, draft_to_target=None, accepted_independently=None):
+                                           final_uniforms=None, draft_to_target=None, accepted_independently=None,
+                                           coupling="rejection"):
     """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
     (so acceptance can differ from the kernels' float32 where u * q is within rounding of p); greedy below
     MIN_TEMPERATURE."""
@@ -240,6 +294,9 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
     p_rows = torch.softmax(target_logits.double() * scale, -1)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
+    if coupling == "gumbel":
+        p_rows = _gumbel_rows(torch.log_softmax(target_logits.double() * scale, -1), greedy, seed, offset)
+        greedy = torch.ones_like(greedy)
     ids = _checked_ids(draft_token_ids, num_draft_tokens, p_rows.shape[-1]).unsqueeze(-1)
     p_accept = p_rows[:, :k].gather(-1, ids).squeeze(-1).float()
     q_accept = torch.ones_like(p_accept) if q_rows is None else q_rows.gather(-1, ids).squeeze(-1).float()
@@ -273,6 +330,19 @@ def tree_node_errors(parents, candidate_token_ids, num_nodes, vocab) -> list:
                 errors.append(f"node {c} of request {b} repeats a sibling's token {ids[c]}")
             seen.add((par[c], ids[c]))
     return errors
+
+
+def _node_depths(parents, num_nodes) -> torch.Tensor:
+    """[B, N] depth of every node of well-formed trees (parents before children; padding and nodes past
+    num_nodes get depth 0, their rows never read)."""
+    batch, n = parents.shape
+    depth = torch.zeros(batch, n, dtype=torch.long, device=parents.device)
+    in_tree = torch.arange(n, device=parents.device) < num_nodes.long().unsqueeze(-1)
+    for c in range(1, n):
+        par = parents[:, c].long()
+        ok = in_tree[:, c] & (par >= 0) & (par < c)
+        depth[:, c] = torch.where(ok, depth.gather(1, par.clamp(0, n - 1).unsqueeze(-1)).squeeze(-1) + 1, 0)
+    return depth
 
 
 def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset, layout):
@@ -376,7 +446,7 @@ def _pad_flat_trees(cu_num_draft_tokens, max_draft_tokens, parents, candidate_to
 
 def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_probs=None, *, num_nodes=None,
                               greedy=None, seed, offset=None, uniforms=None, final_uniforms=None, draft_to_target=None,
-                              cu_num_draft_tokens=None, max_draft_tokens=None):
+                              cu_num_draft_tokens=None, max_draft_tokens=None, coupling="rejection"):
     """Reference of specdec_ext.tree_speculative_sampling (seed required; flat trees are padded first). Returns
     (output_token_ids, accepted_nodes, num_accepted)."""
     if cu_num_draft_tokens is not None:
@@ -386,14 +456,18 @@ def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_
     greedy = torch.as_tensor(False if greedy is None else greedy, device=parents.device).expand(parents.shape[0])
     draft_probs = _full_draft_rows(draft_probs, draft_to_target, target_probs.shape[-1], logits=False)
     q_rows = None if draft_probs is None else draft_probs.double()
-    return _tree_reference(parents, candidate_token_ids, num_nodes, target_probs.double(), q_rows, greedy, seed,
-                           offset, _EngineLayout(uniforms, final_uniforms))
+    p_rows = target_probs.double()
+    if coupling == "gumbel":
+        p_rows = _gumbel_rows(p_rows.log(), greedy, seed, offset, _node_depths(parents, num_nodes))
+        greedy = torch.ones_like(greedy)
+    return _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset,
+                           _EngineLayout(uniforms, final_uniforms))
 
 
 def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                           temperature, num_nodes=None, seed, offset=None, uniforms=None,
                                           final_uniforms=None, draft_to_target=None, cu_num_draft_tokens=None,
-                                          max_draft_tokens=None):
+                                          max_draft_tokens=None, coupling="rejection"):
     """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64;
     greedy below MIN_TEMPERATURE."""
     if cu_num_draft_tokens is not None:
@@ -406,6 +480,10 @@ def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_l
     p_rows = torch.softmax(target_logits.double() * scale, -1)
     draft_logits = _full_draft_rows(draft_logits, draft_to_target, target_logits.shape[-1], logits=True)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
+    if coupling == "gumbel":
+        p_rows = _gumbel_rows(torch.log_softmax(target_logits.double() * scale, -1), greedy, seed, offset,
+                              _node_depths(parents, num_nodes))
+        greedy = torch.ones_like(greedy)
     return _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, greedy, seed, offset,
                            _EngineLayout(uniforms, final_uniforms))
 

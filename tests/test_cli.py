@@ -198,6 +198,12 @@ def test_bad_argument_exits_2_at_once_without_a_traceback():
     assert errors == ["specdec generate: error: --top-p must be in (0, 1] (1: off), got 2.0"], r.stderr
 
 
+def test_unknown_sampling_mode_exits_2_naming_the_choices():
+    r = run_cli("generate", "--prompt", "Hi", "--sampling", "gumbel")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "argument --sampling: invalid choice: 'gumbel' (choose from 'invariant', 'rejection')" in r.stderr, r.stderr
+
+
 def test_non_utf8_prompt_is_a_usage_error():
     # A prompt of bytes that are not UTF-8 ($'caf\xff' in bash) reaches Python as a lone surrogate.
     t0 = time.perf_counter()

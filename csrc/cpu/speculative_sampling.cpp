@@ -143,6 +143,41 @@ SPECDEC_CPU_CLONES int32_t argmax_row(const T* row, int64_t vocab, bool logits, 
   return row_has_mass(best, logits) ? static_cast<int32_t>(index) : -1;
 }
 
+// Gumbel coupling: the first index of the largest key log2 p + noise at `position` (gumbel_key: the same bits as the
+// CUDA kernel's); `base` is the row's max logit or log2 of its max probability. Chunks of 64 entries with none
+// in reach of the max draw no noise; the others run each step as its own loop over the chunk, which vectorises
+// (Philox's 32 x 32-bit products as 64-bit lanes, the logarithms with selects).
+template <typename T>
+SPECDEC_CPU_CLONES int32_t gumbel_argmax_row(const T* row, int64_t vocab, bool logits, float scale, float base,
+                                             uint64_t seed, uint64_t position) {
+  constexpr int kChunk = 64;
+  float lp[kChunk], key[kChunk];
+  uint32_t words[kChunk];
+  ArgMax best = argmax_identity();
+  for (int64_t c0 = 0; c0 < vocab; c0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, vocab - c0));
+    int in_reach = 0;
+    for (int i = 0; i < kChunk; ++i) {
+      lp[i] = i < n ? gumbel_log2p(static_cast<float>(row[c0 + i]), base, logits, scale) : kNegInf;
+      in_reach |= static_cast<int>(lp[i] >= -kGumbelReach);
+    }
+    if (!in_reach) continue;
+    const uint32_t block0 = static_cast<uint32_t>(c0 >> 2);
+    for (int j = 0; j < kChunk / 4; ++j) {
+      const Philox4 r = philox_block(seed, position, kStreamGumbel, block0 + static_cast<uint32_t>(j));
+      words[4 * j] = r.x[0];
+      words[4 * j + 1] = r.x[1];
+      words[4 * j + 2] = r.x[2];
+      words[4 * j + 3] = r.x[3];
+    }
+    for (int i = 0; i < kChunk; ++i) key[i] = gumbel_key(lp[i], words[i]);
+    for (int i = 0; i < n; ++i) {
+      if (key[i] > best.value) best = ArgMax{key[i], static_cast<int32_t>(c0 + i)};
+    }
+  }
+  return best.index < vocab ? best.index : -1;
+}
+
 template <typename T>
 struct CpuSamplingEngine {
   const ChainSamplingParams& P;
@@ -178,6 +213,13 @@ struct CpuSamplingEngine {
     const int32_t index = argmax_row(row, P.vocab, P.logits, &bad);
     if (bad) errors |= kErrTargetNonFinite;
     return index;
+  }
+
+  int32_t gumbel_argmax(const T* row, float scale, uint64_t seed, uint64_t position) {
+    const int32_t top = argmax(row);
+    if (top < 0) return -1;
+    const float m = static_cast<float>(row[top]);
+    return gumbel_argmax_row(row, P.vocab, P.logits, scale, P.logits ? m : det_log2(m), seed, position);
   }
 
   // The pairwise tree over the lane states, one level at a time (adjacent pairs).
@@ -377,10 +419,10 @@ void tree_sampling_op_cpu(const at::Tensor& parents, const at::Tensor& candidate
                           const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                          const Opt& cu_num_draft_tokens) {
+                          const Opt& cu_num_draft_tokens, c10::string_view coupling) {
   tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature, seed, offset,
                     output_token_ids, accepted_nodes, num_accepted, error_flags,
-                    cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, kLogits);
+                    cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, kLogits);
 }
 
 template <bool kLogits>
@@ -389,11 +431,11 @@ void chain_sampling_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& 
                            const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
                            const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                            const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                           const Opt& accepted_independently) {
+                           const Opt& accepted_independently, c10::string_view coupling) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
                         output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, accepted_independently, kLogits);
+                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, accepted_independently, kLogits);
   // Counts, ids and temperatures of every request first: they raise before anything is sampled or written.
   int32_t errors = 0;
   for (int64_t b = 0; b < P.batch; ++b) errors |= check_request_controls(P, b);

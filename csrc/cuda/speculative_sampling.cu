@@ -72,11 +72,11 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
                            const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
                            const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                            const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                           const Opt& accepted_independently) {
+                           const Opt& accepted_independently, c10::string_view coupling) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
                         output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft}, accepted_independently, kLogits);
+                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, accepted_independently, kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "chain sampling: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
@@ -97,10 +97,10 @@ void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate
                           const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                          const Opt& cu_num_draft_tokens) {
+                          const Opt& cu_num_draft_tokens, c10::string_view coupling) {
   const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
                                                  seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft},
+                                                 cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling},
                                                  kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "tree sampling: tensors must be on ", kLauncherDevice);
   if (TP.rows.batch == 0) return;

@@ -203,6 +203,29 @@ struct ClusterSamplingEngine {
     return row_has_mass(r.value, P.logits) && r.index < P.vocab ? r.index : -1;
   }
 
+  // Gumbel coupling: the first index of the largest key log2 p + noise at `position` (gumbel_keys4), or -1 if the row
+  // has no mass. The keys are relative to the row's max (argmax's pass); blocks out of its reach draw no noise.
+  SPECDEC_DEVICE_NOINLINE int32_t gumbel_argmax(const T* row, float scale, uint64_t seed, uint64_t position) {
+    const int32_t top = argmax(row);
+    if (top < 0) return -1;
+    const float m = to_float(row[top]);
+    const float base = P.logits ? m : det_log2(m);
+    ArgMax best = argmax_identity();
+    for_each_tile(row, vector_row(row), nullptr, false, [&](const RawBlock& p, const RawBlock&, int, int v0) {
+      float x[kLaneEntries], key[kLaneEntries];
+      to_floats(p, v0, true, x);
+#pragma unroll
+      for (int j = 0; j < kLaneEntries; ++j) x[j] = gumbel_log2p(x[j], base, P.logits, scale);
+      static_assert(kLaneEntries == 8, "two Philox blocks per lane block");
+      gumbel_keys4(x, seed, position, v0, key);
+      gumbel_keys4(x + 4, seed, position, v0 + 4, key + 4);
+#pragma unroll
+      for (int j = 0; j < kLaneEntries; ++j) best = argmax_combine(best, ArgMax{key[j], v0 + j});
+    });
+    const ArgMax r = reduce_lanes(best, ArgMaxCombine{}, am_scratch);
+    return r.index < P.vocab ? r.index : -1;
+  }
+
   SPECDEC_DEVICE_NOINLINE void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {
     const bool has_q = row_q != nullptr;
     MaxSum lp = maxsum_identity(), lq = maxsum_identity();

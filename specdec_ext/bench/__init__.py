@@ -30,7 +30,9 @@ def register(sub) -> None:
                        "heldout: held-out chat prompts of the shipped prompt set, never trained on)")
     bench.add_argument("--drafters", default=None, help="e2e: comma-separated drafters (default ngram,eagle,medusa: "
                        "prompt lookup and the shipped model's trained heads)")
-    bench.add_argument("--sampling", default=None, help="e2e: greedy,sampled (sampled: temperature 0.7, top-p 0.9)")
+    bench.add_argument("--sampling", default=None,
+                       help="e2e: greedy,sampled,invariant (sampled: temperature 0.7, top-p 0.9, rejection sampling; "
+                            "invariant: the same with Gumbel coupling)")
     bench.add_argument("--draft", default=None, help="e2e: a draft model (HF dir or .gguf) for ModelDrafter rows")
     bench.add_argument("--tree", action="append", default=None, help="e2e: tree rows of these settings, N or "
                        "nodes=N,depth=D,branching=K (repeatable; default: the default TreeSettings)")

@@ -65,7 +65,10 @@ def tokens_per_second(run, repeats: int) -> tuple[float, list]:
     return statistics.median(rates), sequences
 
 
-SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
+SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9}, "invariant": {"temperature": 0.7, "top_p": 0.9}}
+# The decoders' sampling= per mode: "sampled" verifies by rejection sampling, "invariant" by Gumbel coupling (whose
+# output must equal plain decoding's: same_as_plain is checked as for greedy).
+DECODER_SAMPLING = {"greedy": "rejection", "sampled": "rejection", "invariant": "invariant"}
 
 
 def paired_tokens_per_second(run_a, run_b, repeats: int) -> tuple:
@@ -196,7 +199,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
             for mode in modes:
                 sampling = SAMPLING[mode]
                 seeds = list(range(len(prompts)))
-                plain = SpeculativeDecoder(target, None, max_batch_size=batch)
+                plain = SpeculativeDecoder(target, None, max_batch_size=batch, sampling=DECODER_SAMPLING[mode])
                 run_plain = lambda: plain.generate_autoregressive(prompts, new_tokens, seed=seeds, **sampling).sequences
                 with torch.no_grad():
                     hf_tps, _ = tokens_per_second(lambda: [s for c in chunks for s in transformers_generate(
@@ -209,7 +212,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                         if tree is not None and not drafter.supports_trees:
                             continue
                         dec = SpeculativeDecoder(target, drafter, k_max, adaptive=adaptive, max_batch_size=batch,
-                                                 tree=tree)
+                                                 tree=tree, sampling=DECODER_SAMPLING[mode])
                         last = {}
 
                         def run():
@@ -227,7 +230,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                                      "acc_per_pos": "/".join(f"{a:.2f}" for a in st.acceptance_rate_per_position[:8]),
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,
                                      "sample": st.sample_s / spent, "other": st.other_s / spent,
-                                     "same_as_plain": seq == plain_seq if mode == "greedy" else "-"})
+                                     "same_as_plain": seq == plain_seq if mode != "sampled" else "-"})
                         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in rows[-1].items()), flush=True)
     report(f"speculative decoding, SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, CPU, "

@@ -92,12 +92,34 @@ def main(args) -> int:
                         print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
                                        for key, val in rows[-1].items()), flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    noise = [noise_cost(vocab, dtype, device, args.repeats) for dtype in (torch.float32, torch.bfloat16)
+             for vocab in vocabs]
+    report(f"the cost of Gumbel coupling per verify row on {name}: one token drawn from each of 64 rows of logits "
+           f"(T = 0.7) by the Gumbel-max of its position (coupling='gumbel') and by inverse CDF (rejection sampling's "
+           f"bonus draw)", noise, ["dtype", "V", "gumbel_us_per_row", "inverse_cdf_us_per_row", "ratio"])
     report(f"chain speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
            ["path", "dtype", "B", "K", "V", "accepted", "ours_us", "graph_us", "torch_us", "speedup", "reference_us",
             "vs_reference", "GB/s", "of_copy_bw"])
-    save(args, {"title": f"chain speculative sampling, {name}", "device": name, "copy_bw_gbs": peak}, rows,
+    save(args, {"title": f"chain speculative sampling, {name}", "device": name, "copy_bw_gbs": peak,
+                "gumbel_noise": noise}, rows,
          ["path", "dtype", "B", "K", "V"])
     return 0
+
+
+def noise_cost(vocab, dtype, device, repeats, rows=64):
+    """Microseconds per row of a token drawn from rows of logits by gumbel_sample (the noise of every in-reach
+    entry: Philox and two logarithms) and by the chain op's bonus draw (softmax statistics and inverse CDF)."""
+    from ..sampling import sample_from_logits
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2.5).to(device=device, dtype=dtype)
+    t = torch.full((rows,), 0.7, device=device)
+    seed, positions = torch.arange(rows, device=device), torch.arange(rows, device=device) * 7
+    gumbel = median_us(lambda: specdec_ext.gumbel_sample(logits, temperature=t, seed=seed, positions=positions), device,
+                       repeats)
+    inverse = median_us(lambda: sample_from_logits(logits, t, seed, positions), device, repeats)
+    return {"dtype": str(dtype).replace("torch.", ""), "V": vocab, "gumbel_us_per_row": gumbel / rows,
+            "inverse_cdf_us_per_row": inverse / rows, "ratio": gumbel / inverse}
 
 
 def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):

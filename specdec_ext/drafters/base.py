@@ -39,7 +39,8 @@ from ..host import upload
 from ..sampling import mask_top_k_top_p, sample_from_logits
 
 # A draft model's or head's Philox key is the request's seed XOR this (the golden-ratio constant as a signed
-# int64), so its draws never reuse the target's; its counter is the position of the drafted token.
+# int64), so its draws never reuse the target's; its counter is the position of the drafted token. Under Gumbel
+# coupling a draft is drawn with the target's own noise at its position instead (draw_draft).
 DRAFT_KEY = 0x9E3779B97F4A7C15 - 2**64
 
 
@@ -56,6 +57,7 @@ class RoundInputs:
     steps: torch.Tensor     # [batch] int64: tokens generated so far (the Philox counter of this round)
     max_top_k: int = 0      # the largest top_k of a sampled request (0: none), and whether one has top_p < 1
     any_top_p: bool = False
+    coupling: str = "rejection"  # the sampling ops' coupling: "gumbel" under sampling="invariant"
 
 
 @dataclass
@@ -152,6 +154,15 @@ def padded(rows: list, fill, dtype: torch.dtype, device) -> torch.Tensor:
     return upload([list(row) + [fill] * (width - len(row)) for row in rows], dtype, device).reshape(len(rows), width)
 
 
+def draw_draft(masked: torch.Tensor, r: RoundInputs, offset: torch.Tensor) -> torch.Tensor:
+    """A sampled draft token per row [batch] int64 from processed logits [batch, V], drafting the tokens at positions
+    `offset` (tokens generated): with the draft's own Philox key (rejection coupling, q reported with the drafts), or
+    with the target's Gumbel noise at that position (gumbel coupling: the draft is the target's own token wherever
+    the two argmaxes of log-probability plus noise agree)."""
+    seed = r.seed if r.coupling == "gumbel" else r.seed ^ DRAFT_KEY
+    return sample_from_logits(masked, r.temperature, seed, offset, r.coupling).long()
+
+
 def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, r: RoundInputs,
                           offset: torch.Tensor):
     """Logits over a draft vocabulary [B, Vd] -> (processed logits over the full vocabulary [B, V], -inf outside
@@ -159,4 +170,4 @@ def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab
     full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
     full[:, draft_vocab] = logits
     masked = mask_top_k_top_p(full, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k, any_top_p=r.any_top_p)
-    return masked, sample_from_logits(masked, r.temperature, r.seed ^ DRAFT_KEY, offset).long()
+    return masked, draw_draft(masked, r, offset)

@@ -2,8 +2,8 @@
 import torch
 
 from ..host import upload
-from ..sampling import mask_top_k_top_p, sample_from_logits
-from .base import DRAFT_KEY, DraftCache, Drafter, Proposal, RoundInputs, padded
+from ..sampling import mask_top_k_top_p
+from .base import DraftCache, Drafter, Proposal, RoundInputs, draw_draft, padded
 
 
 class ModelDrafter(Drafter):
@@ -70,7 +70,7 @@ class ModelDrafter(Drafter):
             """Draws a token per row from the processed logits; feeds it (next logits) unless it is the last."""
             masked = mask_top_k_top_p(logits, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k,
                                       any_top_p=r.any_top_p)
-            token = sample_from_logits(masked, r.temperature, r.seed ^ DRAFT_KEY, offset).long()
+            token = draw_draft(masked, r, offset)
             if not feed:
                 return masked, token, logits
             logits = self.model(token.unsqueeze(1), self.cache, cache_rows=rows)[:, 0]
@@ -80,7 +80,7 @@ class ModelDrafter(Drafter):
         for i in range(kmax):
             feed = i + 1 < kmax
             grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
-            key = ("draft", r.batch, r.max_top_k, r.any_top_p, feed)
+            key = ("draft", r.batch, r.max_top_k, r.any_top_p, r.coupling, feed)
             masked, token, next_logits = self.state.graphs.run(key, lambda l, o, g: step(l, o, g, feed),
                                                                (logits, r.steps + i, grow),
                                                                state=[self.cache.cache_seqlens])

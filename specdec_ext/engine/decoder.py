@@ -15,6 +15,11 @@ from .requests import Request, make_requests
 from .rounds import ChainRound, SlotParams, TreeRound, Verifier
 from .stats import GenerationOutput, GenerationStats
 
+# How sampled requests are verified: "rejection" (min(1, p/q) acceptance, residual resampling) or "invariant" (Gumbel
+# coupling keyed by seed and position: the tokens are plain decoding's, whatever the drafter, k, tree or batch).
+SAMPLING_MODES = {"rejection": "rejection", "invariant": "gumbel"}  # -> the sampling ops' coupling
+DEFAULT_SAMPLING = "rejection"
+
 # The Drafter protocol (specdec_ext.drafters.base): what a drafter does and what it answers.
 DRAFTER_METHODS = ("bind", "admit", "propose", "propose_tree", "rollback", "release", "check_tree", "cache_margin",
                    "draft_work", "cost_probe")
@@ -50,15 +55,23 @@ class SpeculativeDecoder:
     num_nodes that maximises the expected tokens over the round's measured cost (Policy.tree_size); otherwise every
     tree has num_nodes nodes (fewer when the drafter finds fewer candidates).
 
-    Reproducibility: a fixed seed reproduces a request's tokens. With adaptive=False (or "heuristic") they do not
-    depend on the other requests in its batch; with adaptive=True its k depends on how many requests share its
-    rounds (a wider batch makes verify blocks dearer), and so do its sampled tokens (not their law)."""
+    sampling: how sampled requests are verified. "invariant": Gumbel coupling; the token at each position is the
+    Gumbel-max sample of the target with the noise of (seed, position), and a draft is accepted when it equals it
+    (drafts are drawn with the same noise), so generate returns exactly generate_autoregressive's tokens for the same
+    seeds, whatever the drafter, k, tree, adaptive policy or batch. "rejection": min(1, p/q) acceptance with
+    residual resampling (the highest acceptance for sampled drafts; the law is the target's, but the tokens depend
+    on k and the drafter). Greedy requests are the same in both.
+
+    Reproducibility: a fixed seed reproduces a request's tokens. With sampling="invariant" they are plain decoding's.
+    With "rejection" and adaptive=False (or "heuristic") they do not depend on the other requests in its batch; with
+    adaptive=True its k depends on how many requests share its rounds (a wider batch makes verify blocks dearer),
+    and so do its sampled tokens (not their law)."""
 
     page_size = 16  # the paged caches' page size (num_pages counts these)
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
                  cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, num_pages: int | None = None,
-                 monitor=None, costs: CostModel | None = None, tree=None):
+                 monitor=None, costs: CostModel | None = None, tree=None, sampling: str = DEFAULT_SAMPLING):
         from ..models.llama import LlamaForCausalLM  # the decoder needs the models; `import specdec_ext` does not
 
         if not isinstance(target, LlamaForCausalLM):
@@ -88,6 +101,8 @@ class SpeculativeDecoder:
                                       num_pages < 1):
             raise ValueError(f"SpeculativeDecoder: num_pages must be an int >= 1 with paged=True, or None, got "
                              f"{num_pages!r}")
+        if sampling not in SAMPLING_MODES:
+            raise ValueError(f"SpeculativeDecoder: sampling must be one of {tuple(SAMPLING_MODES)}, got {sampling!r}")
         if cuda_graphs not in ("auto", True, False):
             raise ValueError(f"SpeculativeDecoder: cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         on_cuda = target.device.type == "cuda"
@@ -105,7 +120,7 @@ class SpeculativeDecoder:
             raise ValueError(f"SpeculativeDecoder: costs must be a CostModel or None, got {type(costs).__name__}")
         self.target, self.drafter, self.num_speculative_tokens = target, drafter, num_speculative_tokens
         self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
-        self.paged, self.num_pages, self.monitor = paged, num_pages, monitor
+        self.paged, self.num_pages, self.monitor, self.sampling = paged, num_pages, monitor, sampling
         self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
         self.policy = Policy(adaptive, num_speculative_tokens, self.tree, drafter, costs)
         self.verifier = Verifier(target, self.graphs)
@@ -235,7 +250,7 @@ class SpeculativeDecoder:
             self.cache = None  # free the old one before allocating
             self.cache = self._allocate(self.target, slots, capacity, self.num_pages)
             self.capacity = capacity
-            self.params = SlotParams(slots, self.target.device)
+            self.params = SlotParams(slots, self.target.device, SAMPLING_MODES[self.sampling])
             self.verifier.bind(self.cache, self.params)
             self.graphs.clear()
         rows = self.cache.batch_size
@@ -324,13 +339,17 @@ class SpeculativeDecoder:
 
 @torch.no_grad()
 def generate_autoregressive(model, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                            eos_token_id=None, stream=None, max_seq_len=None, paged=False) -> GenerationOutput:
+                            eos_token_id=None, stream=None, max_seq_len=None, paged=False,
+                            sampling: str = DEFAULT_SAMPLING) -> GenerationOutput:
     """Plain decoding of a batch of ragged prompts (lists of token ids), all at once: SpeculativeDecoder's
     generate_autoregressive with one slot per prompt. max_new_tokens, temperature, top_k, top_p and seed: a
     scalar or one per prompt. eos_token_id: an int, a list of ints, or None. stream: called as
     stream(request_index, new_token_ids) as tokens are emitted. max_seq_len: prompt + generated tokens per
-    request (default: the longest prompt plus the largest max_new_tokens)."""
+    request (default: the longest prompt plus the largest max_new_tokens). sampling: "invariant" draws each token as
+    the Gumbel-max sample of (seed, position), the tokens a SpeculativeDecoder with sampling="invariant" emits;
+    "rejection": by inverse CDF (the same law)."""
     batch = len(prompts) if isinstance(prompts, (list, tuple)) and prompts else 1
-    decoder = SpeculativeDecoder(model, None, max_batch_size=batch, max_seq_len=max_seq_len, paged=paged)
+    decoder = SpeculativeDecoder(model, None, max_batch_size=batch, max_seq_len=max_seq_len, paged=paged,
+                                 sampling=sampling)
     return decoder.generate_autoregressive(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                            seed=seed, eos_token_id=eos_token_id, stream=stream)

@@ -10,7 +10,9 @@ Plain decoding is a ChainRound without a drafter (k = 0: the verify block is the
 
 Invariant: the target's cache holds every token of a request but the last emitted one, which opens the next
 verify block. Request r's round draws from Philox key seed[r] at offset = tokens r has generated, so its output
-depends on its own prompt, parameters and seed only.
+depends on its own prompt, parameters and seed only. Under Gumbel coupling (sampling="invariant") the token at
+each position is the Gumbel-max sample with that position's noise, whoever drafted: the output is plain
+decoding's, whatever the drafter, k, tree or batch.
 """
 import time
 from dataclasses import dataclass
@@ -40,7 +42,8 @@ class SlotParams:
     """Per-slot sampling parameters on the device, written at admission (temperature, top_k, top_p, seed) and every
     round (steps: tokens generated, the Philox counter), which CUDA graphs replay on."""
 
-    def __init__(self, slots: int, device):
+    def __init__(self, slots: int, device, coupling: str = "rejection"):
+        self.coupling = coupling
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
@@ -60,7 +63,7 @@ class SlotParams:
         return RoundInputs(batch, ks, [r.tokens if r is not None else None for r in running],
                            self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
                            self.steps[:batch], max((r.top_k for r in sampled), default=0),
-                           any(r.top_p < 1 for r in sampled))
+                           any(r.top_p < 1 for r in sampled), self.coupling)
 
 
 class Verifier:
@@ -83,6 +86,8 @@ class Verifier:
         states of the accepted tokens in order when asked, else None; the time the forward ended, eager only)."""
         batch, width = ids.shape
         p, cache, rows = self.params, self.cache, slice(0, r.batch)
+        if r.coupling == "gumbel":  # each row decides by its own Gumbel-max token: the draft rows are not read
+            draft_logits = None
         forward_done = [0.0]
 
         def step(ids, live, draft_logits, num_draft, parents, tree_mask, num_nodes, depths):
@@ -97,13 +102,14 @@ class Verifier:
                 else:  # no drafts: K = 1 with none proposed, the bonus token drawn from row 0 (stride 0, no copy)
                     drafts, target = torch.zeros_like(ids), target_logits.expand(batch, 2, target_logits.shape[-1])
                 out = chain_speculative_sampling_from_logits(drafts, target, draft_logits, temperature=r.temperature,
-                                                             num_draft_tokens=num_draft, seed=r.seed, offset=r.steps)
+                                                             num_draft_tokens=num_draft, seed=r.seed, offset=r.steps,
+                                                             coupling=r.coupling)
                 cache.truncate((out.num_accepted + 1) * live, rows, free_pages=False)
                 packed = torch.cat([out.output_token_ids, out.num_accepted.unsqueeze(1)], 1)
                 return packed, hidden
             out = tree_speculative_sampling_from_logits(parents, ids, target_logits, draft_logits,
                                                         temperature=r.temperature, num_nodes=num_nodes, seed=r.seed,
-                                                        offset=r.steps)
+                                                        offset=r.steps, coupling=r.coupling)
             cache.truncate((out.num_accepted + 1) * live, rows, kept_indices=out.accepted_nodes, free_pages=False)
             if hidden is not None:  # the path's features in path order: a chain of num_accepted drafts to the drafter
                 path = out.accepted_nodes.long().clamp_min(0)
@@ -113,7 +119,7 @@ class Verifier:
             return packed, hidden
 
         kind = "chain" if tree is None else "tree"
-        key = (kind, batch, width, r.max_top_k, r.any_top_p, draft_logits is not None, hidden_states)
+        key = (kind, batch, width, r.max_top_k, r.any_top_p, r.coupling, draft_logits is not None, hidden_states)
         inputs = (ids, live, draft_logits, num_draft) + ((None,) * 4 if tree is None else
                                                          (tree.parents, tree.tree_mask, tree.num_nodes, tree.depths))
         packed, hidden = self.graphs.run(key, step, inputs, state=[cache.cache_seqlens])

@@ -145,4 +145,37 @@ TEST_CASE("first_crossing: the first cumulative mass above the threshold, else t
   CHECK_EQ(before, 0.0f);
 }
 
+TEST_CASE("det_log2 is within 4 ulp of log2(x) over the normal and subnormal range, exact at powers of 2") {
+  double worst = 0.0;
+  // 2^22 points log-spaced over [2^-149, 2^127], plus 2^22 points of [0.5, 2] (where log2 x is near 0) and the
+  // neighbourhood of sqrt(2) (where the reduction switches ranges).
+  for (int i = 0; i <= (1 << 22); ++i) {
+    const float x = std::exp2f(-149.0f + 276.0f * static_cast<float>(i) / static_cast<float>(1 << 22));
+    if (x > 0.0f && std::fabs(std::log2l(x)) > 1e-30L) worst = std::fmax(worst, ulp_error(det_log2(x), std::log2l(x)));
+    const float y = 0.5f + 1.5f * static_cast<float>(i) / static_cast<float>(1 << 22);
+    if (y != 1.0f) worst = std::fmax(worst, ulp_error(det_log2(y), std::log2l(y)));
+  }
+  float z = 1.41421354f;
+  for (int i = 0; i < 64; ++i, z = std::nextafter(z, 2.0f)) worst = std::fmax(worst, ulp_error(det_log2(z), std::log2l(z)));
+  for (int k = -149; k <= 127; ++k) CHECK_EQ(det_log2(std::ldexp(1.0f, k)), static_cast<float>(k));
+  CHECK(worst <= 4.0);  // 3.8 ulp near x = 1.086, where log2 x = 0.119: a relative 2.3e-7
+  CHECK(worst > 0.0);
+  CHECK_EQ(det_log2(0.0f), kNegInf);
+}
+
+TEST_CASE("gumbel_noise2 of Philox's uniforms is -log2(-log2 u) within 1e-6, bounded as kGumbelReach assumes") {
+  double worst = 0.0;
+  const float lowest = 5.9604644775390625e-08f, highest = 1.0f - lowest;  // the uniforms' extremes (philox.h)
+  for (uint32_t k = 0; k < (1u << 23); k += 97) {
+    const float u = static_cast<float>(2 * k + 1) * lowest;
+    const long double want = -std::log2l(-std::log2l(static_cast<long double>(u)));
+    worst = std::fmax(worst, static_cast<double>(std::fabs(gumbel_noise2(u) - want)));
+  }
+  CHECK(worst < 1e-5);
+  CHECK(gumbel_noise2(highest) < 23.6f && gumbel_noise2(highest) > 23.4f);
+  CHECK(gumbel_noise2(lowest) > -4.6f && gumbel_noise2(lowest) < -4.5f);
+  // A key kGumbelReach below the max can never beat the max's key: 23.6 - 32 < -4.6.
+  CHECK(gumbel_noise2(highest) - kGumbelReach < gumbel_noise2(lowest));
+}
+
 int main(int argc, char** argv) { return specdec_test::run_all(argc, argv); }

@@ -37,6 +37,10 @@ struct ChainSamplingParams {
   int64_t draft_vocab;          // Vd: the draft rows' columns
   int32_t* accepted_independently;  // [B] or nullptr: drafts accepted when each is judged on its own (FlashInfer's count)
   bool draft_rows_per_node;     // trees: flat draft rows are [T + B, Vd], one per node like the target's
+  // coupling="gumbel": a sampled row's token is its Gumbel-max sample (sampling_math.h, gumbel_keys4) with the noise of
+  // the request's position offset[b] + the row's depth; a draft is accepted when it equals it. No draft row or
+  // uniform is read. The emitted tokens are then the ones plain decoding with the same noise draws.
+  bool gumbel;
   const bool* greedy;           // [B] (probabilities); nullptr with logits
   const float* temperature;     // [B] (logits); nullptr with probabilities
   const int64_t* seed;          // [B]
@@ -204,8 +208,8 @@ SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, 
   if (x < 0 || x >= P.vocab) x = -1;  // rejected: an id that is not in the vocabulary has no probability
   const auto* row_p = e.row_target(b, i);
   const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
-  if (greedy) {
-    *best = e.argmax(row_p);
+  if (greedy || P.gumbel) {
+    *best = greedy ? e.argmax(row_p) : e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(i));
     return *best >= 0 && x == *best;
   }
   *spec = MassSpec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
@@ -235,7 +239,8 @@ SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, 
 //   row is read at draft_column(v), absent columns reading as probability 0); argmax(row) -> int32, or -1 if the
 //   row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale, MaxSum*, MaxSum*) (base-2 statistics of
 //   the logits at scale, maxsum_push_block); sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is
-//   zero or not finite; flag(bits); write(b, accepted, token).
+//   zero or not finite; gumbel_argmax(row, scale, seed, position) -> int32, the first index of the largest
+//   gumbel_keys4 key, or -1 if the row has no mass; flag(bits); write(b, accepted, token).
 // Invalid controls are flagged up front and then given defined meanings (a count is clamped to [0, K], an id
 // outside [0, V) is rejected, a bad temperature is greedy, as is one below kMinTemperature; a flat request whose
 // positions are inconsistent emits nothing). A target row the round must draw its last token from, but which has
@@ -265,7 +270,7 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
       ++accepted;
       continue;
     }
-    if (greedy) {
+    if (greedy || P.gumbel) {
       token = best;
       break;
     }
@@ -287,6 +292,8 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
       const auto* row_p = e.row_target(b, k);
       if (greedy) {
         token = e.argmax(row_p);
+      } else if (P.gumbel) {
+        token = e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(k));
       } else {
         MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
         if (P.logits) {

@@ -65,6 +65,10 @@ constexpr float kMinTemperature = 1e-5f;
 // kStreamAccept; the round's one resampled or bonus token uses uniform 0 of kStreamResample.
 constexpr uint32_t kStreamAccept = 0;
 constexpr uint32_t kStreamResample = 1;
+// Gumbel coupling (coupling="gumbel"): the noise of token v at a request's absolute position n is uniform v of
+// kStreamGumbel at offset n, so a position's noise is the same whether its row is verified, drawn as a bonus, or
+// drawn by plain decoding or a drafter.
+constexpr uint32_t kStreamGumbel = 2;
 
 // Error bits reported by the kernels (CPU raises on them; CUDA records them for set_strict(True)). Their
 // messages are in checks.h (sampling_error_messages), which the Python layer reads from the extension.
@@ -132,6 +136,39 @@ SPECDEC_HD float det_exp2(float d) {
   return bits_as_float((float_as_bits(p) + (float_as_bits(t) << 23)) & keep);
 }
 
+// log2(x) for finite normal x > 0, the same bits on every backend: x = 2^e * m with m in [sqrt(1/2), sqrt(2)],
+// log2(m) = 2 atanh(s) / ln 2 with s = (m - 1) / (m + 1), |s| <= 0.172, by its series to s^9 (truncation below 1e-9
+// of the result), in correctly rounded operations only; selects, no branches, so that CPU loops vectorise. Within
+// 4 ulp (tests/cpp/test_sampling_math.cpp).
+SPECDEC_HD float det_log2_normal(float x) {
+  const uint32_t bits = float_as_bits(x);
+  const float m1 = bits_as_float((bits & 0x7fffffu) | 0x3f800000u);  // [1, 2)
+  const bool high = m1 > 1.41421354f;
+  const float m = high ? fmul(m1, 0.5f) : m1;  // exact
+  const int32_t e = static_cast<int32_t>(bits >> 23) - 127 + static_cast<int32_t>(high);
+  const float s = fdiv(fadd(m, -1.0f), fadd(m, 1.0f));  // m - 1 is exact (Sterbenz)
+  const float s2 = fmul(s, s);
+  float p = 1.11111111e-01f;  // 1/9
+  p = ffma(p, s2, 1.42857143e-01f);
+  p = ffma(p, s2, 2.00000003e-01f);
+  p = ffma(p, s2, 3.33333343e-01f);
+  p = ffma(p, s2, 1.0f);
+  return fadd(static_cast<float>(e), fmul(fmul(s, p), 2.88539004f));  // 2 / ln 2
+}
+// det_log2_normal for any finite x > 0 (subnormals scaled into the normal range exactly); -inf for x <= 0.
+SPECDEC_HD float det_log2(float x) {
+  if (!(x > 0.0f)) return kNegInf;
+  if (x < 1.17549435e-38f) return fadd(det_log2_normal(fmul(x, 16777216.0f)), -24.0f);
+  return det_log2_normal(x);
+}
+
+// The base-2 Gumbel noise of a uniform u in (0, 1): -log2(-log2 u), which is -log2(-ln u) up to the constant
+// log2(ln 2) (argmax(log2 p + noise) is then the Gumbel-max sample of p). For the uniforms of philox.h
+// (u in [2^-24, 1 - 2^-24]) it lies in [-4.59, 23.5].
+SPECDEC_HD float gumbel_noise2(float u) { return -det_log2_normal(-det_log2_normal(u)); }
+// A token whose key (log2 p + noise) is kGumbelReach below the row's best log2 p can never win: its noise is at
+// most 23.5 above, the best's at least -4.59, so keys are computed only within reach of the row's max.
+constexpr float kGumbelReach = 32.0f;
 // An input value the kernels reject: logits may be -inf (a masked token) but not NaN or +inf; probabilities
 // must be finite. Written without branches, so that CPU loops vectorise.
 SPECDEC_HD bool invalid_entry(float x, bool logits) {
@@ -240,6 +277,28 @@ SPECDEC_HD float entry_mass(const MassSpec& s, int32_t v, float pv, float qv, bo
   float q = has_q ? (s.logits ? softmax_prob(qv, s.scale, s.m_q, s.inv_z_q) : qv) : (v == s.point ? 1.0f : 0.0f);
   const float r = fadd(p, -q);
   return r > 0.0f ? r : 0.0f;
+}
+
+// log2 of an entry's probability relative to its row's largest (raw value x; `base` the row's max logit, or log2 of
+// its max probability): 0 for the max, -inf for no mass.
+SPECDEC_HD float gumbel_log2p(float x, float base, bool logits, float scale) {
+  return logits ? scaled_gap(x, base, scale) : (x > 0.0f ? fadd(det_log2(x), -base) : kNegInf);
+}
+// The Gumbel key of an entry from its gumbel_log2p value and its Philox word: log2 p + noise, or -inf out of reach (or
+// NaN). A row's sample is the first index of its largest key (argmax_combine).
+SPECDEC_HD float gumbel_key(float lp, uint32_t word) {
+  return lp >= -kGumbelReach ? fadd(lp, gumbel_noise2(uniform_from_bits(word))) : kNegInf;
+}
+// The Gumbel keys log2 p + noise of the 4 entries v0 .. v0 + 3 (v0 % 4 == 0, one Philox block) at a request's
+// position (gumbel_key), from their gumbel_log2p values. The block is drawn only if one of them is in reach.
+SPECDEC_HD void gumbel_keys4(const float* lp, uint64_t seed, uint64_t position, int64_t v0, float* key) {
+  const bool any = lp[0] >= -kGumbelReach || lp[1] >= -kGumbelReach || lp[2] >= -kGumbelReach || lp[3] >= -kGumbelReach;
+  if (!any) {
+    key[0] = key[1] = key[2] = key[3] = kNegInf;
+    return;
+  }
+  const Philox4 r = philox_block(seed, position, kStreamGumbel, static_cast<uint32_t>(v0 >> 2));
+  for (int j = 0; j < 4; ++j) key[j] = gumbel_key(lp[j], r.x[j]);
 }
 
 }  // namespace specdec

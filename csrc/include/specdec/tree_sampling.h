@@ -25,7 +25,10 @@
 // the current node is rejected (or it has none), the round's last token is drawn from r, and the round emits
 // the accepted path's tokens and that one. Each emitted token is distributed as p given the tokens before it,
 // which is the target's law of the sequence. Greedy requests (temperature 0) follow the target's argmax:
-// to the child carrying it, else the argmax is the last token.
+// to the child carrying it, else the argmax is the last token. With Gumbel coupling (P.gumbel) a sampled request
+// does the same with the Gumbel-max sample of the node's row, its noise that of position offset[b] + the node's
+// depth: siblings share a position, at most one child carries the sample, and every emitted token is the one plain
+// decoding draws there.
 //
 // Randomness (the chain op's RNG contract): testing node c draws uniform c - 1 of kStreamAccept, the last token
 // uniform 0 of kStreamResample; so a tree that is a chain draws exactly what the chain op draws, and emits
@@ -227,8 +230,8 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
     const bool node_q = has_q && child >= 0;  // a node without children never reads its draft row
     const auto* row_p = e.row_target(b, node);
     const auto* row_q = node_q ? e.row_draft(b, node) : nullptr;
-    if (greedy) {
-      const int32_t best = e.argmax(row_p);
+    if (greedy || P.gumbel) {  // the target's token at this depth; the child carrying it, if any, is accepted
+      const int32_t best = greedy ? e.argmax(row_p) : e.gumbel_argmax(row_p, scale, seed, offset + depth);
       while (child >= 0 && e.token(child) != best) child = next_child(node, child);
       if (best >= 0 && child >= 0) {
         node = child;
