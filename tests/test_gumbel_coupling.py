@@ -3,7 +3,7 @@ its position, bit for bit the same on the CPU kernel and the CUDA kernel under t
 they equal it; the law of gumbel_sample is the target's."""
 import pytest
 import torch
-from helpers import chi_square_pvalue, make_chain_inputs, make_tree_inputs
+from helpers import chi_square_pvalue, make_chain_inputs, make_tree_inputs, padded_and_flat_trees
 
 import specdec_ext
 from specdec_ext import reference, sim
@@ -238,6 +238,22 @@ def test_flat_form_equals_padded(gen):
                                                               coupling="gumbel")
     assert torch.equal(flat.output_token_ids, padded.output_token_ids)
     assert torch.equal(flat.num_accepted, padded.num_accepted)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flat_trees_equal_padded(backend, gen):
+    batch, n, vocab = 7, 12, 500
+    padded, flat = padded_and_flat_trees(gen, batch, n, vocab)
+    t = temperatures(gen, batch)
+    seed, offset = torch.randint(0, 2**62, (batch,), generator=gen), torch.randint(0, 2**40, (batch,), generator=gen)
+    ops = BACKENDS[backend]
+    common = dict(temperature=t, seed=seed, offset=offset, coupling="gumbel")
+    a = ops.tree_speculative_sampling_from_logits(padded["parents"], padded["cand"], padded["target_logits"],
+                                                  num_nodes=padded["num_nodes"], **common)
+    b = ops.tree_speculative_sampling_from_logits(flat["parents"], flat["cand"], flat["target_logits"],
+                                                  cu_num_draft_tokens=flat["cu"], max_draft_tokens=n - 1, **common)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert int(a.num_accepted.max()) >= 2  # paths went deep (each node's first child is favoured)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
