@@ -34,8 +34,15 @@ _SHARED = []  # (model, fingerprint) of every shared model
 
 
 def fingerprint(model) -> list:
-    """Per tensor: its storage, its count of in-place writes, its sum (cheap, for the 135M shipped model too)."""
-    return [(name, t.data_ptr(), t._version, float(t.sum())) for name, t in model.state_dict().items()]
+    """Per tensor: its storage, its count of in-place writes, its sum (cheap, for the 135M shipped model too). The sums
+    run on one thread: a float sum's rounding depends on how many threads split it, and a model registered inside a
+    one-thread test is checked at the end of the session."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [(name, t.data_ptr(), t._version, float(t.sum())) for name, t in model.state_dict().items()]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def shared(model):

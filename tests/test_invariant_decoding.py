@@ -94,7 +94,7 @@ def test_shipped_model_eagle_equals_plain_sampling():
         prompts, 24, **params)
     drafter = make_shipped_drafter("eagle", target, default_model_path())
     for tree in (None, dict(num_nodes=16, depth=5, branching=4)):
-        out = SpeculativeDecoder(target, drafter, 4, max_batch_size=2, tree=tree, sampling="invariant").generate(
-            prompts, 24, **params)
+        out = SpeculativeDecoder(target, drafter, 4, max_batch_size=2, tree=tree, costs=COSTS,
+                                 sampling="invariant").generate(prompts, 24, **params)
         assert out.sequences == plain.sequences
         assert out.stats.mean_acceptance_length > 1.2, out.stats
