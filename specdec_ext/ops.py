@@ -691,16 +691,11 @@ class Ops:
         if out is not None and not (isinstance(out, torch.Tensor) and out.shape == (batch,) and out.dtype == torch.int32
                                     and out.device == logits.device):
             raise ValueError(f"gumbel_sample: out must be a [B] = [{batch}] int32 tensor on {logits.device}")
-        rows = SamplingOutput(torch.empty((batch, 2), dtype=torch.int32, device=logits.device),
-                              torch.empty((batch,), dtype=torch.int32, device=logits.device))
         # No drafts: K = 1 with none proposed, the token drawn as the bonus of row 0 at offset = position.
-        _chain_sampling(self.namespace, torch.zeros((batch, 1), dtype=torch.int32, device=logits.device),
-                        logits.unsqueeze(1).expand(batch, 2, vocab), None, logits=True,
-                        num_draft_tokens=torch.zeros((batch,), dtype=torch.int32, device=logits.device),
-                        greedy_or_temperature=temperature, seed=seed, offset=positions, generator=None, out=rows,
-                        cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
-                        final_uniforms=None, draft_to_target=None, accepted_independently=None, coupling="gumbel",
-                        records_errors=self.records_errors(logits))
+        rows = self.chain_speculative_sampling_from_logits(
+            torch.zeros((batch, 1), dtype=torch.int32, device=logits.device), logits.unsqueeze(1).expand(batch, 2, vocab),
+            temperature=temperature, num_draft_tokens=torch.zeros((batch,), dtype=torch.int32, device=logits.device),
+            seed=seed, offset=positions, coupling="gumbel")
         if out is None:
             return rows.output_token_ids[:, 0]
         out.copy_(rows.output_token_ids[:, 0])

@@ -79,19 +79,15 @@ def _gumbel_tokens(log_p: torch.Tensor, seed, offset, depth) -> torch.Tensor:
     return (log_p + noise).argmax(-1)
 
 
-def _one_hot_rows(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Rows [B, R, V] float64 with all their mass on tokens [B, R]: a greedy walk over them emits those tokens."""
-    return torch.nn.functional.one_hot(tokens, vocab).double()
-
-
 def _gumbel_rows(log_p: torch.Tensor, greedy, seed, offset, depth=None) -> torch.Tensor:
-    """Chain or tree rows [B, R, V] as one-hot rows on each row's token: the argmax for greedy requests, else the
-    Gumbel-max token at position offset[b] + depth[b, i] (depth None: the row index, a chain)."""
+    """Chain or tree rows [B, R, V] as one-hot rows on each row's token (a greedy walk over them emits those tokens):
+    the argmax for greedy requests, else the Gumbel-max token at position offset[b] + depth[b, i] (depth None: the row
+    index, a chain)."""
     batch, rows, vocab = log_p.shape
     if depth is None:
         depth = torch.arange(rows, device=log_p.device).expand(batch, rows)
     tokens = torch.where(greedy.unsqueeze(-1), log_p.argmax(-1), _gumbel_tokens(log_p, seed, offset, depth))
-    return _one_hot_rows(tokens, vocab)
+    return torch.nn.functional.one_hot(tokens, vocab).double()
 
 
 def gumbel_sample(logits, *, temperature, seed, positions) -> torch.Tensor:

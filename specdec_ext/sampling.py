@@ -4,7 +4,7 @@ the sampling kernels (softmax(logits / temperature) in float32), so the processe
 a masked entry is -inf, every other entry is unchanged."""
 import torch
 
-from .ops import chain_speculative_sampling_from_logits, gumbel_sample
+from .ops import chain_speculative_sampling_from_logits
 
 
 def mask_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -48,12 +48,10 @@ def sample_from_logits(logits: torch.Tensor, temperature: torch.Tensor, seed: to
     of Philox stream 1 of (seed[b], offset[b]). Returns [B] int32. The same kernel computes the draft
     distribution q from these logits when they are handed to it, so a drafter sampling here proposes from
     exactly the q it reports. coupling="gumbel": the Gumbel-max sample with the noise of (seed[b], position
-    offset[b]) instead (gumbel_sample), the token the sampling ops' gumbel coupling draws at that position."""
-    if coupling == "gumbel":
-        return gumbel_sample(logits, temperature=temperature, seed=seed, positions=offset)
+    offset[b]) instead (gumbel_sample's draw), the token the sampling ops' gumbel coupling draws at that position."""
     batch, vocab = logits.shape
     out = chain_speculative_sampling_from_logits(
         torch.zeros(batch, 1, dtype=torch.int64, device=logits.device), logits.unsqueeze(1).expand(batch, 2, vocab),
         temperature=temperature, num_draft_tokens=torch.zeros(batch, dtype=torch.int32, device=logits.device),
-        seed=seed, offset=offset)
+        seed=seed, offset=offset, coupling=coupling)
     return out.output_token_ids[:, 0]
