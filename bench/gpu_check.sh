@@ -21,6 +21,9 @@ python3 -m specdec_ext.cli bench philox --device cuda --json "$OUT/philox.json" 
 python3 -m specdec_ext.cli bench sampling --device cuda --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png" \
   > "$OUT/bench_sampling.txt" 2>&1
 tail -26 "$OUT/bench_sampling.txt"
+python3 -m specdec_ext.cli bench row_filters --device cuda --repeats 30 --json "$OUT/row_filters.json" \
+  > "$OUT/bench_row_filters.txt" 2>&1
+tail -12 "$OUT/bench_row_filters.txt"
 python3 -m specdec_ext.cli bench tree_sampling --device cuda --repeats 30 --json "$OUT/tree_sampling.json" \
   > "$OUT/bench_tree_sampling.txt" 2>&1
 tail -40 "$OUT/bench_tree_sampling.txt"

@@ -120,6 +120,10 @@ struct EngineLayoutArgs {
   const std::optional<at::Tensor>& final_uniforms;
   const std::optional<at::Tensor>& target_to_draft;
   c10::string_view coupling;  // "rejection" or "gumbel"
+  // The from-logits ops' per-request logits processing (row_filter.h): [B] int32, float32, float32, or absent.
+  const std::optional<at::Tensor>* top_k = nullptr;
+  const std::optional<at::Tensor>* top_p = nullptr;
+  const std::optional<at::Tensor>* min_p = nullptr;
 };
 
 // Target rows: [B, rows, V] (padded) or [rows, V] (flat); draft rows likewise with draft_rows rows and V columns, or Vd
@@ -195,6 +199,14 @@ inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, c
     TORCH_CHECK_VALUE(!E.uniforms.has_value() && !E.final_uniforms.has_value(), op,
                       ": coupling=\"gumbel\" draws its own noise per position; uniforms and final_uniforms must be None");
   }
+  const auto row_filter = [&](const std::optional<at::Tensor>* t, const char* name, at::ScalarType type) -> const void* {
+    if (t == nullptr || !t->has_value()) return nullptr;
+    A.vector_of(**t, name, type);
+    return (*t)->data_ptr();
+  };
+  P.top_k = static_cast<const int32_t*>(row_filter(E.top_k, "top_k", at::kInt));
+  P.top_p = static_cast<const float*>(row_filter(E.top_p, "top_p", at::kFloat));
+  P.min_p = static_cast<const float*>(row_filter(E.min_p, "min_p", at::kFloat));
   A.vector_of(greedy_or_temperature, A.logits ? "temperature" : "greedy", A.logits ? at::kFloat : at::kBool);
   A.vector_of(seed, "seed", at::kLong);
   A.vector_of(offset, "offset", at::kLong);
@@ -319,6 +331,7 @@ inline constexpr ErrorBit kSamplingErrorBits[] = {
     {kErrBonusTokenId, "bonus_token_ids holds ids outside [0, V)"},
     {kErrCuNumDraftTokens, "cu_num_draft_tokens must be non-decreasing, in [0, T], with steps of at most max_draft_tokens"},
     {kErrDraftToTarget, "draft_to_target holds an id outside [0, V) or an id twice"},
+    {kErrRowFilter, "top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1)"},
 };
 
 // The message for error bits raised by the sampling kernels (SamplingError).
@@ -414,6 +427,7 @@ inline constexpr ErrorBit kTreeSamplingErrorBits[] = {
     {kErrUniform, "uniforms and final_uniforms must be in [0, 1)"},
     {kErrCuNumDraftTokens, "cu_num_draft_tokens must be non-decreasing, in [0, T], with steps of at most max_draft_tokens"},
     {kErrDraftToTarget, "draft_to_target holds an id outside [0, V) or an id twice"},
+    {kErrRowFilter, "top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1)"},
 };
 
 inline std::string tree_sampling_error_message(int32_t bits, bool logits) {

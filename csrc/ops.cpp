@@ -24,12 +24,15 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
       "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\") -> ()");
   // The same from logits: softmax(logits / temperature[b]) in float32 inside the kernel; temperature 0 = greedy.
+  // top_k [B] int32 (0: off), top_p [B] float32 (1: off), min_p [B] float32 (0: off) process every target and draft
+  // row of a sampled request inside the kernel, after temperature, in transformers' order (specdec/row_filter.h).
   m.def(
       "chain_speculative_sampling_from_logits(Tensor draft_token_ids, Tensor target_logits, Tensor? draft_logits, "
       "Tensor? num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
-      "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\") -> ()");
+      "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\", Tensor? top_k=None, Tensor? top_p=None, "
+      "Tensor? min_p=None) -> ()");
 
   // coupling="gumbel" (every sampling op): a sampled request's token at row i is the Gumbel-max sample of the row with
   // the noise of position offset[b] + i (a tree node: + its depth), uniform v of Philox stream 2 for token v
@@ -56,7 +59,8 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor target_logits, Tensor? draft_logits, Tensor temperature, Tensor seed, Tensor offset, "
       "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, "
       "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
-      "Tensor? cu_num_draft_tokens=None, str coupling=\"rejection\") -> ()");
+      "Tensor? cu_num_draft_tokens=None, str coupling=\"rejection\", Tensor? top_k=None, Tensor? top_p=None, "
+      "Tensor? min_p=None) -> ()");
 
   // KV-cache truncation after verification (DESIGN.md §3.3, §3.4): cache_seqlens[b] += num_kept[b]; with
   // kept_indices (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the

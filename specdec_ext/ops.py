@@ -6,6 +6,7 @@ methods are this module's functions) and specdec_ext.sim's (torch.ops.specdec_si
 kernels get exactly the same checks.
 """
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -243,12 +244,22 @@ def _float32_tensor(t, name: str, op: str, device):
     return t.contiguous()
 
 
+# CPU maps already checked and inverted, by the map tensor's id: (a weak reference to it, its version, V, the inverse).
+# A decoder hands the same map every round; checking it on the host each time would read it back every round.
+_CHECKED_CPU_MAPS: dict = {}
+
+
 def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, device, flags):
     """The inverse of a reduced draft vocabulary's map: [V] int32, the draft column of each target id or -1. Built with
     device ops (no host read on CUDA, capturable); a map with an id outside [0, V) or an id twice raises on the CPU
-    and sets the error word's bit in strict mode elsewhere (the kernels then see a map without those columns)."""
+    (checked once per map tensor and version) and sets the error word's bit in strict mode elsewhere (the kernels then
+    see a map without those columns)."""
     if draft_to_target is None:
         return None
+    cached = _CHECKED_CPU_MAPS.get(id(draft_to_target))
+    if cached is not None and cached[0]() is draft_to_target and cached[1:3] == (draft_to_target._version, vocab) and \
+            draft is not None and draft.shape[-1] == draft_to_target.numel() and device.type == "cpu":
+        return cached[3]
     if draft is None:
         raise ValueError(f"{op}: draft_to_target maps the columns of {dname}, which is None (point proposals)")
     if not isinstance(draft_to_target, torch.Tensor) or draft_to_target.dim() != 1:
@@ -274,8 +285,12 @@ def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, de
             raise ValueError(f"{op}: draft_to_target[{j}] = {x} is {why}: the map must hold distinct target ids")
     elif flags is not None:
         flags |= (~valid).any().int() * _SAMPLING_BITS["draft_to_target"]
-    inverse = inverse[:vocab]
-    return torch.where(inverse < ids.numel(), inverse, -1).to(torch.int32)
+    inverse = torch.where(inverse[:vocab] < ids.numel(), inverse[:vocab], -1).to(torch.int32)
+    if device.type == "cpu":
+        for key in [k for k, v in _CHECKED_CPU_MAPS.items() if v[0]() is None]:
+            del _CHECKED_CPU_MAPS[key]
+        _CHECKED_CPU_MAPS[id(draft_to_target)] = (weakref.ref(draft_to_target), draft_to_target._version, vocab, inverse)
+    return inverse
 
 
 def _flat_form(op: str, cu_num_draft_tokens, max_draft_tokens, counts, counts_name: str, device, tname: str):
@@ -298,6 +313,22 @@ def _flat_form(op: str, cu_num_draft_tokens, max_draft_tokens, counts, counts_na
 COUPLINGS = ("rejection", "gumbel")
 
 
+def _row_filters(op: str, top_k, top_p, min_p, batch: int, device) -> tuple:
+    """The from-logits ops' logits processing as [B] tensors (top_k int32, top_p and min_p float32), None where not
+    given. Python scalars are checked here; a tensor's entries are checked by the kernels (the CPU raises, CUDA in
+    strict mode), which process an invalid request's rows as if no control were given."""
+    ranges = {"top_k": (lambda v: v >= 0, ">= 0 (0: off)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
+              "min_p": (lambda v: 0 <= v < 1, "in [0, 1) (0: off)")}
+    out = []
+    for name, value, dtype in (("top_k", top_k, torch.int32), ("top_p", top_p, torch.float32),
+                               ("min_p", min_p, torch.float32)):
+        if value is not None and not isinstance(value, torch.Tensor) and not isinstance(value, bool) and \
+                isinstance(value, (int, float)) and not ranges[name][0](value):
+            raise ValueError(f"{op}: {name} must be {ranges[name][1]}, got {value}")
+        out.append(None if value is None else _per_request(value, name, op, batch, device, dtype))
+    return tuple(out)
+
+
 def _check_coupling(op: str, coupling, draft, dname: str, uniforms, final_uniforms) -> None:
     """coupling="gumbel" decides every row by its own Gumbel-max token: it takes no draft rows and no caller uniforms
     (the drafts are assumed drawn with the same noise, by gumbel_sample or the decoder's drafters)."""
@@ -314,7 +345,8 @@ def _check_coupling(op: str, coupling, draft, dname: str, uniforms, final_unifor
 
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
                     offset, generator, out, cu_num_draft_tokens, max_draft_tokens, bonus_token_ids, uniforms,
-                    final_uniforms, draft_to_target, accepted_independently, coupling, records_errors) -> SamplingOutput:
+                    final_uniforms, draft_to_target, accepted_independently, coupling, records_errors,
+                    top_k=None, top_p=None, min_p=None) -> SamplingOutput:
     op = "chain_speculative_sampling_from_logits" if logits else "chain_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
@@ -361,10 +393,16 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
                    accepted_independently=accepted_independently)
     flags = _error_flags(op, device, records_errors)
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
-    fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
-    fn(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids, out.num_accepted,
-       flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft, accepted_independently,
-       coupling)
+    if logits:
+        ops.chain_speculative_sampling_from_logits(
+            draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids,
+            out.num_accepted, flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft,
+            accepted_independently, coupling, *_row_filters(op, top_k, top_p, min_p, batch, device))
+    else:
+        ops.chain_speculative_sampling(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset,
+                                       out.output_token_ids, out.num_accepted, flags, cu_num_draft_tokens,
+                                       bonus_token_ids, uniforms, final_uniforms, target_to_draft,
+                                       accepted_independently, coupling)
     _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, k, bonus_token_ids is not None, logits)
@@ -391,7 +429,8 @@ def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parent
 
 def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
                    seed, offset, generator, out, uniforms, final_uniforms, draft_to_target, cu_num_draft_tokens,
-                   max_draft_tokens, coupling, records_errors) -> TreeSamplingOutput:
+                   max_draft_tokens, coupling, records_errors, top_k=None, top_p=None,
+                   min_p=None) -> TreeSamplingOutput:
     op = "tree_speculative_sampling_from_logits" if logits else "tree_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
@@ -441,9 +480,15 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
                    num_accepted=out.num_accepted)
     flags = _error_flags(op, device, records_errors)
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
-    fn = ops.tree_speculative_sampling_from_logits if logits else ops.tree_speculative_sampling
-    fn(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms, final_uniforms,
-       target_to_draft, cu_num_draft_tokens, coupling)
+    if logits:
+        ops.tree_speculative_sampling_from_logits(
+            parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms,
+            final_uniforms, target_to_draft, cu_num_draft_tokens, coupling,
+            *_row_filters(op, top_k, top_p, min_p, batch, device))
+    else:
+        ops.tree_speculative_sampling(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset,
+                                      *out, flags, uniforms, final_uniforms, target_to_draft, cu_num_draft_tokens,
+                                      coupling)
     _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_tree_row(op, tname, dname, target, draft, parents, num_nodes, logits)
@@ -664,26 +709,38 @@ class Ops:
                                                out=None, cu_num_draft_tokens=None, max_draft_tokens=None,
                                                bonus_token_ids=None, uniforms=None, final_uniforms=None,
                                                draft_to_target=None, accepted_independently=None,
-                                               coupling="rejection") -> SamplingOutput:
+                                               coupling="rejection", top_k=None, top_p=None,
+                                               min_p=None) -> SamplingOutput:
         """chain_speculative_sampling from logits: p = softmax(target_logits / temperature[b]) and likewise q are
         computed inside the kernel in float32 and never written to memory; a temperature below 1e-5 (0 included;
         LIMITS["min_temperature"]) makes a row greedy.
-        temperature: a float or [B] float32. The engine-layout arguments and coupling are chain_speculative_sampling's."""
+        temperature: a float or [B] float32. The engine-layout arguments and coupling are chain_speculative_sampling's.
+
+        top_k (int or [B] int: 0 off), top_p (float or [B]: 1 off), min_p (float or [B]: 0 off): transformers' logits
+        processing, inside the kernel and without sorting, applied after temperature to every target and draft row of
+        a sampled request alike: the k largest logits (ties with the k-th kept), then the fewest largest whose mass
+        reaches top_p of what top-k kept (ties kept), then those with p >= min_p * max p. p and q are the processed
+        distributions: a caller that drew its drafts from q processed with the same controls stays lossless. A draft
+        row with draft_to_target is processed over its own Vd columns. Definition and method: README "Top-k, top-p,
+        min-p"; reference.filter_logits is the readable version."""
         return _chain_sampling(self.namespace, draft_token_ids, target_logits, draft_logits, logits=True,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=temperature, seed=seed,
                                offset=offset, generator=generator, out=out, cu_num_draft_tokens=cu_num_draft_tokens,
                                max_draft_tokens=max_draft_tokens, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
                                final_uniforms=final_uniforms, draft_to_target=draft_to_target,
                                accepted_independently=accepted_independently, coupling=coupling,
-                               records_errors=self.records_errors(target_logits))
+                               records_errors=self.records_errors(target_logits), top_k=top_k, top_p=top_p,
+                               min_p=min_p)
 
-    def gumbel_sample(self, logits, *, temperature, seed, positions, out=None) -> torch.Tensor:
+    def gumbel_sample(self, logits, *, temperature, seed, positions, out=None, top_k=None, top_p=None,
+                      min_p=None) -> torch.Tensor:
         """One token per row of logits [B, V] (float32/bf16/fp16; top-k/top-p masks already applied as -inf): the
         Gumbel-max sample argmax_v(logits[b, v] / temperature[b] + G(v)), G the noise of (seed[b], positions[b]),
         which the sampling ops' coupling="gumbel" uses for the row at that position. A drafter drawing its drafts here
         and plain decoding drawing here make the speculative output equal to the plain one (DESIGN.md §4,
         sampling="invariant"). Temperature below 1e-5 is argmax. temperature: a float or [B]; seed, positions: ints
-        or [B] int64. out: a preallocated [B] int32. Returns [B] int32."""
+        or [B] int64. out: a preallocated [B] int32. top_k, top_p, min_p: the rows processed first, as in
+        chain_speculative_sampling_from_logits. Returns [B] int32."""
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             raise ValueError(f"gumbel_sample: logits must be a [B, V] tensor, got "
                              f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
@@ -695,7 +752,7 @@ class Ops:
         rows = self.chain_speculative_sampling_from_logits(
             torch.zeros((batch, 1), dtype=torch.int32, device=logits.device), logits.unsqueeze(1).expand(batch, 2, vocab),
             temperature=temperature, num_draft_tokens=torch.zeros((batch,), dtype=torch.int32, device=logits.device),
-            seed=seed, offset=positions, coupling="gumbel")
+            seed=seed, offset=positions, coupling="gumbel", top_k=top_k, top_p=top_p, min_p=min_p)
         if out is None:
             return rows.output_token_ids[:, 0]
         out.copy_(rows.output_token_ids[:, 0])
@@ -740,15 +797,18 @@ class Ops:
                                               temperature, num_nodes=None, seed=None, offset=None, generator=None,
                                               out=None, uniforms=None, final_uniforms=None,
                                               draft_to_target=None, cu_num_draft_tokens=None,
-                                              max_draft_tokens=None, coupling="rejection") -> TreeSamplingOutput:
+                                              max_draft_tokens=None, coupling="rejection", top_k=None, top_p=None,
+                                              min_p=None) -> TreeSamplingOutput:
         """tree_speculative_sampling from logits: softmax(logits / temperature[b]) in float32 inside the kernel,
-        never written to memory; a temperature below 1e-5 (LIMITS["min_temperature"]) makes a request greedy."""
+        never written to memory; a temperature below 1e-5 (LIMITS["min_temperature"]) makes a request greedy.
+        top_k, top_p, min_p: every node's target and draft rows processed (chain_speculative_sampling_from_logits)."""
         return _tree_sampling(self.namespace, parents, candidate_token_ids, target_logits, draft_logits, logits=True,
                               num_nodes=num_nodes, greedy_or_temperature=temperature, seed=seed, offset=offset,
                               generator=generator, out=out, uniforms=uniforms, final_uniforms=final_uniforms,
                               draft_to_target=draft_to_target, cu_num_draft_tokens=cu_num_draft_tokens,
                               max_draft_tokens=max_draft_tokens, coupling=coupling,
-                              records_errors=self.records_errors(target_logits))
+                              records_errors=self.records_errors(target_logits), top_k=top_k, top_p=top_p,
+                              min_p=min_p)
 
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False, kv_layout="NHD", kv_indptr=None,

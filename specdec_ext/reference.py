@@ -90,16 +90,62 @@ def _gumbel_rows(log_p: torch.Tensor, greedy, seed, offset, depth=None) -> torch
     return torch.nn.functional.one_hot(tokens, vocab).double()
 
 
-def gumbel_sample(logits, *, temperature, seed, positions) -> torch.Tensor:
+def gumbel_sample(logits, *, temperature, seed, positions, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
     """Reference of specdec_ext.gumbel_sample: argmax_v(log_softmax(logits / t)[v] + noise(seed, position)), the
-    argmax below MIN_TEMPERATURE. Returns [B] int32."""
+    argmax below MIN_TEMPERATURE; the logits processed by filter_logits first. Returns [B] int32."""
     batch, vocab = logits.shape
+    logits = filter_logits(logits, temperature, top_k, top_p, min_p)
     t, greedy = _temperature(temperature, batch, logits.device)
     seed = torch.as_tensor(seed, device=logits.device).long().expand(batch)
     positions = torch.as_tensor(positions, device=logits.device).long().expand(batch)
     log_p = torch.log_softmax(logits.double() / torch.where(greedy, 1.0, t).unsqueeze(-1), -1)
     drawn = _gumbel_tokens(log_p.unsqueeze(1), seed, positions, torch.zeros(batch, 1, dtype=torch.long))[:, 0]
     return torch.where(greedy, logits.argmax(-1), drawn).int()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Logits processing of the from-logits ops (csrc/include/specdec/row_filter.h), in float64: top-k keeps the values
+# >= the k-th largest; top-p, over what top-k kept, the values >= the largest t whose softmax mass
+# sum_{x >= t} exp((x - max) / T) reaches top_p of the total; min-p the values with exp((x - max) / T) >= min_p.
+# Each keeps every entry tied with its threshold. The kernels sum the masses in float32 (canonical order), so the kept
+# sets can differ only where a cumulative mass is within float32 rounding of top_p times the total.
+def filter_logits(logits, temperature, top_k=None, top_p=None, min_p=None, *, dtype=torch.float64):
+    """logits [B, ..., V] with per-request controls (a scalar or [B]: top_k 0 off, top_p 1 off, min_p 0 off) ->
+    the logits with the removed entries -inf, unchanged for greedy requests (temperature below MIN_TEMPERATURE).
+    dtype: of the masses (float32: the sort-based masks an engine applies before a sampling op, as a baseline)."""
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    device = logits.device
+    shape = (batch,) + (1,) * (logits.dim() - 1)
+
+    def control(value, default, dtype):
+        value = default if value is None else value
+        return torch.as_tensor(value, device=device).to(dtype).expand(batch).reshape(shape)
+
+    t, greedy = _temperature(temperature, batch, device)
+    k = control(top_k, 0, torch.int64)
+    p = control(top_p, 1.0, torch.float32).to(dtype)
+    min_p = control(min_p, 0.0, torch.float32).to(dtype)
+    x = logits.to(dtype)
+    m = x.amax(-1, keepdim=True)
+    lo = torch.full_like(m, float("-inf"))
+    if bool(((k > 0) & (k < vocab)).any()):
+        kth = x.topk(int(k.clamp(1, vocab).max()), dim=-1).values.gather(-1, (k.clamp(1, vocab) - 1).expand_as(m))
+        lo = torch.where((k > 0) & (k < vocab), kth, lo)
+    w = torch.exp((x - m) / torch.where(greedy, 1.0, t).view(shape))
+    if bool((p < 1).any()):
+        kept_by_k = torch.where(x >= lo, w, 0.0)
+        values, order = x.sort(-1, descending=True)
+        cumulative = kept_by_k.gather(-1, order).cumsum(-1)
+        # S(v) for each sorted value v: the cumulative mass through its last tie (the entries >= v number V - #(< v)).
+        ascending = values.flip(-1).contiguous()
+        through = vocab - torch.searchsorted(ascending, values.contiguous(), right=False)
+        mass_at = cumulative.gather(-1, through - 1)
+        reaches = mass_at >= p * cumulative[..., -1:]
+        first = reaches.int().argmax(-1, keepdim=True)  # the largest value whose S reaches the target
+        lo = torch.where(p < 1, torch.maximum(lo, values.gather(-1, first)), lo)
+    lo = torch.where(min_p > 0, torch.maximum(lo, torch.where(w >= min_p, x, float("inf")).amin(-1, keepdim=True)), lo)
+    lo = torch.where(greedy.view(shape), float("-inf"), lo)
+    return torch.where(x >= lo, logits, torch.full_like(logits, float("-inf")))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,10 +323,16 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
                                            num_draft_tokens=None, seed, offset=None, cu_num_draft_tokens=None,
                                            max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
                                            final_uniforms=None, draft_to_target=None, accepted_independently=None,
-                                           coupling="rejection"):
+                                           coupling="rejection", top_k=None, top_p=None, min_p=None):
     """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
     (so acceptance can differ from the kernels' float32 where u * q is within rounding of p); greedy below
-    MIN_TEMPERATURE."""
+    MIN_TEMPERATURE; top_k, top_p, min_p by filter_logits (a draft row over its own columns)."""
+    if cu_num_draft_tokens is None:
+        target_logits = filter_logits(target_logits, temperature, top_k, top_p, min_p)
+        if draft_logits is not None:
+            draft_logits = filter_logits(draft_logits, temperature, top_k, top_p, min_p)
+    elif any(c is not None for c in (top_k, top_p, min_p)):
+        raise NotImplementedError("the reference processes padded rows; pad flat ones first")
     draft_token_ids, target_logits, draft_logits, num_draft_tokens, layout = _chain_inputs(
         draft_token_ids, target_logits, draft_logits, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
         bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits=True)
@@ -463,12 +515,16 @@ def tree_speculative_sampling(parents, candidate_token_ids, target_probs, draft_
 def tree_speculative_sampling_from_logits(parents, candidate_token_ids, target_logits, draft_logits=None, *,
                                           temperature, num_nodes=None, seed, offset=None, uniforms=None,
                                           final_uniforms=None, draft_to_target=None, cu_num_draft_tokens=None,
-                                          max_draft_tokens=None, coupling="rejection"):
+                                          max_draft_tokens=None, coupling="rejection", top_k=None, top_p=None,
+                                          min_p=None):
     """Reference of specdec_ext.tree_speculative_sampling_from_logits: softmax(logits / temperature) in float64;
-    greedy below MIN_TEMPERATURE."""
+    greedy below MIN_TEMPERATURE; top_k, top_p, min_p by filter_logits."""
     if cu_num_draft_tokens is not None:
         parents, candidate_token_ids, target_logits, draft_logits, uniforms, num_nodes = _pad_flat_trees(
             cu_num_draft_tokens, max_draft_tokens, parents, candidate_token_ids, target_logits, draft_logits, uniforms)
+    target_logits = filter_logits(target_logits, temperature, top_k, top_p, min_p)
+    if draft_logits is not None:
+        draft_logits = filter_logits(draft_logits, temperature, top_k, top_p, min_p)
     batch = parents.shape[0]
     num_nodes, seed, offset = _defaults(parents, num_nodes, seed, offset)
     t, greedy = _temperature(temperature, batch, parents.device)

@@ -1,4 +1,5 @@
-"""specdec_ext.decoding.generate_autoregressive (plain decoding) and specdec_ext.sampling.mask_top_k_top_p:
+"""specdec_ext.engine.generate_autoregressive (plain decoding) and specdec_ext.reference.filter_logits (the readable
+version of the kernels' top-k / top-p / min-p processing):
 greedy equals transformers' argmax step by step, seeded sampling is reproducible and independent of the rest of
 the batch, the sampled tokens follow softmax(logits / T) under transformers' top-k / top-p masks, EOS and
 max_new_tokens are per request, bad arguments are refused. Fixed seeds throughout."""
@@ -6,10 +7,10 @@ import pytest
 import torch
 from helpers import VOCAB, exact_distribution, random_prompts, shared_hf, tiny_model
 from scipy import stats
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec_ext.engine import generate_autoregressive
-from specdec_ext.sampling import mask_top_k_top_p
+from specdec_ext.reference import filter_logits
 
 
 @pytest.fixture(scope="module")
@@ -210,19 +211,21 @@ def test_bad_arguments_raise_value_error(models, what):
         generate_autoregressive(model, *args, **kwargs)
 
 
-# -------------------------------------------------------------------------------------------- mask_top_k_top_p
+# -------------------------------------------------------------------------------------------- filter_logits
 
-def hf_mask(row: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Where transformers' Temperature -> TopK -> TopP warpers put -inf, for one row of logits."""
-    scores = TemperatureLogitsWarper(temperature)(None, row.unsqueeze(0).clone())
+def hf_mask(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Where transformers' Temperature -> TopK -> TopP -> MinP warpers put -inf, for one row of logits."""
+    scores = TemperatureLogitsWarper(temperature)(None, row.unsqueeze(0).double().clone())
     if top_k > 0:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1.0:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p > 0.0:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     return torch.isneginf(scores[0])
 
 
-def test_mask_top_k_top_p_equals_transformers_warpers():
+def test_filter_logits_equals_transformers_warpers():
     g = torch.Generator().manual_seed(2024)
     v = 50
     params = [  # (temperature, top_k, top_p), one per row
@@ -235,7 +238,7 @@ def test_mask_top_k_top_p_equals_transformers_warpers():
     temperature = torch.tensor([p[0] for p in params])
     top_k = torch.tensor([p[1] for p in params])
     top_p = torch.tensor([p[2] for p in params])
-    got = mask_top_k_top_p(logits, temperature, top_k, top_p)
+    got = filter_logits(logits, temperature, top_k, top_p)
     assert got.shape == logits.shape and got.dtype == torch.float32
     for r, (t, k, p) in enumerate(params):
         want = hf_mask(logits[r], t, k, p)
@@ -246,17 +249,24 @@ def test_mask_top_k_top_p_equals_transformers_warpers():
 
     # [B, K, V] logits (a verify block): each request's parameters on all its rows.
     block = torch.randn(b, 3, v, generator=g)
-    got = mask_top_k_top_p(block, temperature, top_k, top_p)
+    got = filter_logits(block, temperature, top_k, top_p)
     for r, (t, k, p) in enumerate(params):
         for i in range(3):
             assert torch.equal(torch.isneginf(got[r, i]), hf_mask(block[r, i], t, k, p)), (r, i)
 
     # Ties at the top-k boundary are kept, as transformers keeps them.
     tied = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 2.0]])
-    got = mask_top_k_top_p(tied, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
+    got = filter_logits(tied, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
     assert torch.equal(torch.isneginf(got[0]), hf_mask(tied[0], 1.0, 2, 1.0))
     assert int(torch.isfinite(got).sum()) == 5
 
     # Greedy rows (temperature 0) are left alone whatever top-k / top-p say.
-    got = mask_top_k_top_p(logits[:3], torch.zeros(3), torch.tensor([1, 2, 0]), torch.tensor([0.1, 1.0, 0.3]))
+    got = filter_logits(logits[:3], torch.zeros(3), torch.tensor([1, 2, 0]), torch.tensor([0.1, 1.0, 0.3]))
     assert torch.equal(got, logits[:3])
+
+    # min-p after top-k and top-p (transformers' order), alone and combined with them.
+    min_ps = [0.0, 0.05, 0.2, 0.5, 0.01, 0.9, 0.1, 0.3, 0.02, 0.4, 0.15, 0.6]
+    got = filter_logits(logits, temperature, top_k, top_p, torch.tensor(min_ps))
+    for r, ((t, k, p), mp) in enumerate(zip(params, min_ps)):
+        assert torch.equal(torch.isneginf(got[r]), hf_mask(logits[r], t, k, p, mp)), (r, mp)
+    assert int(torch.isneginf(got).sum()) > int(torch.isneginf(filter_logits(logits, temperature, top_k, top_p)).sum())

@@ -280,20 +280,3 @@ def test_op_wrappers_refuse_python_scalars_while_capturing(monkeypatch):
         specdec_ext.philox_uniform(torch.arange(2), 5, 4)
     with pytest.raises(ValueError, match="num_kept is a Python"):
         specdec_ext.truncate_kv_cache(torch.zeros(2, dtype=torch.int32), 1)
-
-
-def test_masks_with_host_known_parameters_equal_the_read_back_ones():
-    """The decoder passes max_top_k / any_top_p from the host (nothing read back under a CUDA graph): the same
-    masks as when mask_top_k_top_p reads them, for a batch mixing greedy, top-k, top-p and unmasked rows."""
-    from specdec_ext.sampling import mask_top_k_top_p
-
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 3, 50, generator=g) * 3
-    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.9])
-    top_k = torch.tensor([4, 7, 0, 60, 2])
-    top_p = torch.tensor([0.5, 1.0, 0.8, 1.0, 0.9])
-    want = mask_top_k_top_p(logits, temperature, top_k, top_p)
-    assert torch.equal(mask_top_k_top_p(logits, temperature, top_k, top_p, max_top_k=60, any_top_p=True), want)
-    kept = (~want.isneginf()).sum(-1)
-    assert kept[0].eq(50).all() and kept[1].eq(7).all() and kept[4].le(2).all() and kept[2].lt(50).all()
-    assert kept[3].eq(50).all()  # top_k 60 > V and top_p 1: nothing masked

@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -144,11 +145,11 @@ SPECDEC_CPU_CLONES int32_t argmax_row(const T* row, int64_t vocab, bool logits, 
 }
 
 // Gumbel coupling: the first index of the largest key log2 p + noise at `position` (gumbel_key: the same bits as the
-// CUDA kernel's); `base` is the row's max logit or log2 of its max probability. Chunks of 64 entries with none
+// CUDA kernel's); `base` is the row's max logit or log2 of its max probability, `lo` the row's threshold. Chunks of 64 entries with none
 // in reach of the max draw no noise; the others run each step as its own loop over the chunk, which vectorises
 // (Philox's 32 x 32-bit products as 64-bit lanes, the logarithms with selects).
 template <typename T>
-SPECDEC_CPU_CLONES int32_t gumbel_argmax_row(const T* row, int64_t vocab, bool logits, float scale, float base,
+SPECDEC_CPU_CLONES int32_t gumbel_argmax_row(const T* row, int64_t vocab, bool logits, float scale, float base, float lo,
                                              uint64_t seed, uint64_t position) {
   constexpr int kChunk = 64;
   float lp[kChunk], key[kChunk];
@@ -158,7 +159,7 @@ SPECDEC_CPU_CLONES int32_t gumbel_argmax_row(const T* row, int64_t vocab, bool l
     const int n = static_cast<int>(std::min<int64_t>(kChunk, vocab - c0));
     int in_reach = 0;
     for (int i = 0; i < kChunk; ++i) {
-      lp[i] = i < n ? gumbel_log2p(static_cast<float>(row[c0 + i]), base, logits, scale) : kNegInf;
+      lp[i] = i < n ? gumbel_log2p(filtered(static_cast<float>(row[c0 + i]), lo), base, logits, scale) : kNegInf;
       in_reach |= static_cast<int>(lp[i] >= -kGumbelReach);
     }
     if (!in_reach) continue;
@@ -178,6 +179,132 @@ SPECDEC_CPU_CLONES int32_t gumbel_argmax_row(const T* row, int64_t vocab, bool l
   return best.index < vocab ? best.index : -1;
 }
 
+// ----- Row filters (row_filter.h) ------------------------------------------------------------------------------
+// A row to process, as floats x [n] padded with -inf to whole tiles, and its numerators w(x) (0 in the padding).
+
+// Converts a raw row (n entries in its own order) to floats; returns whether an entry is invalid.
+template <typename T>
+SPECDEC_CPU_CLONES bool convert_row(const T* row, int64_t n, int64_t padded, float* x) {
+  int bad = 0;
+  for (int64_t v = 0; v < n; ++v) {
+    x[v] = static_cast<float>(row[v]);
+    bad |= static_cast<int>(invalid_entry(x[v], true));
+  }
+  for (int64_t v = n; v < padded; ++v) x[v] = kNegInf;
+  return bad != 0;
+}
+
+SPECDEC_CPU_CLONES float row_max(const float* x, int64_t n) {
+  float m = kNegInf;
+  for (int64_t v = 0; v < n; ++v) m = x[v] > m ? x[v] : m;  // NaN never wins
+  return m;
+}
+
+// w(x) = det_exp2(scaled_gap(x, m, scale)) for x >= lo, else 0 (NaN: 0).
+SPECDEC_CPU_CLONES void row_numerators(const float* x, int64_t n, float m, float scale, float lo, float* w) {
+  for (int64_t v = 0; v < n; ++v) {
+    const float e = det_exp2(scaled_gap(x[v], m, scale));
+    w[v] = x[v] >= lo ? e : 0.0f;
+  }
+}
+
+// S(t): the sum of w over the entries with x >= t, in the canonical order of the sampling masses (lane blocks, the
+// pairwise tree over each group's lanes, groups in order, tiles in order), the sum the CUDA kernel computes.
+SPECDEC_CPU_CLONES float mass_at_least_row(const float* x, const float* w, int64_t tiles, float t) {
+  float sums[kLanes], groups[kGroups];
+  float total = 0.0f;
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const float* xt = x + tile * kTile;
+    const float* wt = w + tile * kTile;
+    for (int l = 0; l < kLanes; ++l) {
+      const float* xb = xt + l * kLaneEntries;
+      const float* wb = wt + l * kLaneEntries;
+      const auto m = [&](int j) __attribute__((always_inline)) { return xb[j] >= t ? wb[j] : 0.0f; };
+      sums[l] = fadd(fadd(fadd(m(0), m(1)), fadd(m(2), m(3))), fadd(fadd(m(4), m(5)), fadd(m(6), m(7))));
+    }
+    group_totals_of_lanes(sums, groups);
+    float tile_total = 0.0f;
+    for (int g = 0; g < kGroups; ++g) tile_total = fadd(tile_total, groups[g]);
+    total = fadd(total, tile_total);
+  }
+  return total;
+}
+
+// The CPU's row for row_threshold: a materialised row, its numerators computed once (at the first S), and searches
+// that use the whole row at once: a histogram by value, then a selection inside one bucket.
+struct CpuFilterRow {
+  const float* x;
+  float* w;
+  int64_t n, tiles;
+  std::vector<uint32_t>& keys;
+  std::vector<std::pair<float, float>>& pairs;
+  bool have_w = false;
+
+  int64_t size() const { return n; }
+  float max() const { return row_max(x, n); }
+
+  // The k-th largest value: counts per bucket of the 11 high bits of the ordered key, then nth_element inside the
+  // bucket that holds it.
+  float kth_largest(int32_t k, float) {
+    constexpr int kBuckets = 2048;
+    int64_t count[kBuckets] = {};
+    for (int64_t v = 0; v < n; ++v) {
+      if (x[v] == x[v]) ++count[ordered_key(x[v]) >> 21];
+    }
+    int64_t above = 0;
+    int bucket = kBuckets - 1;
+    for (; bucket >= 0 && above + count[bucket] < k; --bucket) above += count[bucket];
+    if (bucket < 0) return kNegInf;  // fewer than k entries are numbers
+    keys.clear();
+    for (int64_t v = 0; v < n; ++v) {
+      if (x[v] == x[v] && static_cast<int>(ordered_key(x[v]) >> 21) == bucket) keys.push_back(ordered_key(x[v]));
+    }
+    const int64_t rank = k - above - 1;  // from the top of the bucket
+    std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
+    return key_value(keys[rank]);
+  }
+
+  float mass_at_least(float m, float scale, float t) {
+    if (!have_w) {  // the first S is S(lo_k): the numerators of the entries top-k keeps
+      row_numerators(x, n, m, scale, t, w);
+      std::fill(w + n, w + tiles * kTile, 0.0f);
+      have_w = true;
+    }
+    return mass_at_least_row(x, w, tiles, t);
+  }
+
+  // Where the sum of w over the largest values reaches target, in double precision: the mass per bucket of w's
+  // exponent and 3 high mantissa bits (a factor 2^(1/8) per bucket), then the crossing bucket's entries in order.
+  float top_p_guess(float, float, float, float target) {
+    constexpr int kBuckets = 1024;  // w in (0, 1]: its bits >> 20 are at most 0x3f8
+    double mass[kBuckets] = {};
+    for (int64_t v = 0; v < n; ++v) mass[float_as_bits(w[v]) >> 20] += w[v];
+    double above = 0.0;
+    int bucket = kBuckets - 1;
+    for (; bucket > 0 && above + mass[bucket] < target; --bucket) above += mass[bucket];
+    if (bucket <= 0) return quiet_nan();
+    pairs.clear();
+    for (int64_t v = 0; v < n; ++v) {
+      if (static_cast<int>(float_as_bits(w[v]) >> 20) == bucket) pairs.emplace_back(x[v], w[v]);
+    }
+    std::sort(pairs.begin(), pairs.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& [value, mass_v] : pairs) {
+      above += mass_v;
+      if (above >= target) return value;
+    }
+    return quiet_nan();
+  }
+
+  float min_at_gap(float m, float scale, float g) const {
+    float lo = m;
+    for (int64_t v = 0; v < n; ++v) {
+      if (scaled_gap(x[v], m, scale) >= g && x[v] < lo) lo = x[v];
+    }
+    return lo;
+  }
+};
+
+
 template <typename T>
 struct CpuSamplingEngine {
   const ChainSamplingParams& P;
@@ -185,6 +312,11 @@ struct CpuSamplingEngine {
   // Per-request scratch, reused across rows: tiles as floats, lane states, totals.
   std::vector<float> tile_p, tile_q, lane_a, lane_b, lane_c, lane_d;
   std::vector<float> group_totals, tile_totals;  // [tiles * kGroups], [tiles]
+  // Row filters: the thresholds of the target and draft rows being read (-inf: none), and the scratch to find them.
+  float lo_p = kNegInf, lo_q = kNegInf;
+  std::vector<float> filter_x, filter_w;
+  std::vector<uint32_t> filter_keys;
+  std::vector<std::pair<float, float>> filter_pairs;
 
   explicit CpuSamplingEngine(const ChainSamplingParams& p)
       : P(p), tile_p(kTile), tile_q(kTile), lane_a(kLanes), lane_b(kLanes), lane_c(kLanes), lane_d(kLanes),
@@ -199,13 +331,34 @@ struct CpuSamplingEngine {
     if (v < 0) return P.logits ? kNegInf : 0.0f;  // a target id the reduced draft vocabulary lacks: q = 0
     const float x = static_cast<float>(row[v]);
     if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
-    return x;
+    return filtered(x, target ? lo_p : lo_q);
   }
   int64_t tiles() const { return (P.vocab + kTile - 1) / kTile; }
   void load_tile(const T* row, int64_t t, float absent, bool target, float* x) {
     const bool bad = !target && P.target_to_draft != nullptr ? gather_tile(row, P, t, absent, x)
                                                              : convert_tile(row, P.vocab, t, absent, P.logits, x);
     if (bad) errors |= bad_bit(target);
+    const float lo = target ? lo_p : lo_q;
+    if (lo > kNegInf) {
+      for (int i = 0; i < kTile; ++i) x[i] = filtered(x[i], lo);
+    }
+  }
+
+  // The thresholds of the rows about to be read (row_filter.h): a target row over its V entries, a draft row over
+  // its own columns (Vd with a reduced vocabulary), so that a drafter sampling its own row finds the same one.
+  void filter_rows(const T* row_p, const T* row_q, const RowFilter& f, float scale) {
+    lo_p = row_p != nullptr ? row_threshold_of(row_p, P.vocab, true, f, scale) : kNegInf;
+    lo_q = row_q != nullptr ? row_threshold_of(row_q, P.target_to_draft != nullptr ? P.draft_vocab : P.vocab, false, f, scale)
+                            : kNegInf;
+  }
+  float row_threshold_of(const T* row, int64_t n, bool target, const RowFilter& f, float scale) {
+    if (row_filter_off(f, n)) return kNegInf;
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    filter_x.resize(tiles * kTile);
+    filter_w.resize(tiles * kTile);
+    if (convert_row(row, n, tiles * kTile, filter_x.data())) errors |= bad_bit(target);
+    CpuFilterRow r{filter_x.data(), filter_w.data(), n, tiles, filter_keys, filter_pairs};
+    return row_threshold(r, f, scale);
   }
 
   int32_t argmax(const T* row) {
@@ -219,7 +372,7 @@ struct CpuSamplingEngine {
     const int32_t top = argmax(row);
     if (top < 0) return -1;
     const float m = static_cast<float>(row[top]);
-    return gumbel_argmax_row(row, P.vocab, P.logits, scale, P.logits ? m : det_log2(m), seed, position);
+    return gumbel_argmax_row(row, P.vocab, P.logits, scale, P.logits ? m : det_log2(m), lo_p, seed, position);
   }
 
   // The pairwise tree over the lane states, one level at a time (adjacent pairs).
@@ -413,49 +566,85 @@ void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_to
   }
 }
 
-template <bool kLogits>
 void tree_sampling_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
-                          const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
+                          const at::Tensor& target, const Opt& draft, const at::Tensor& greedy,
                           const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
                           const Opt& cu_num_draft_tokens, c10::string_view coupling) {
-  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature, seed, offset,
+  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, greedy, seed, offset,
                     output_token_ids, accepted_nodes, num_accepted, error_flags,
-                    cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, kLogits);
+                    cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, false);
 }
 
-template <bool kLogits>
-void chain_sampling_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
-                           const Opt& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
-                           const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                           const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
-                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                           const Opt& accepted_independently, c10::string_view coupling) {
+void tree_sampling_from_logits_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids,
+                                      const Opt& num_nodes, const at::Tensor& target, const Opt& draft,
+                                      const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
+                                      const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
+                                      const at::Tensor& num_accepted, const Opt& error_flags, const Opt& uniforms,
+                                      const Opt& final_uniforms, const Opt& target_to_draft,
+                                      const Opt& cu_num_draft_tokens, c10::string_view coupling, const Opt& top_k,
+                                      const Opt& top_p, const Opt& min_p) {
+  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, temperature, seed, offset, output_token_ids,
+                    accepted_nodes, num_accepted, error_flags, cu_num_draft_tokens,
+                    EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p}, true);
+}
+
+void chain_sampling_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
+                        const Opt& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
+                        const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
+                        const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
+                        const EngineLayoutArgs& E, const Opt& accepted_independently, bool logits) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
-                        output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, accepted_independently, kLogits);
+                        output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids, E,
+                        accepted_independently, logits);
   // Counts, ids and temperatures of every request first: they raise before anything is sampled or written.
   int32_t errors = 0;
   for (int64_t b = 0; b < P.batch; ++b) errors |= check_request_controls(P, b);
   if (errors == 0) {
-    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), kLogits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling",
+    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling",
                                                           [&](auto tag) { errors = run<typename decltype(tag)::type>(P); });
   }
   if (errors != 0) {
     if (P.error_flags != nullptr) *P.error_flags |= errors;
-    TORCH_CHECK_VALUE(false, sampling_error_message(errors, kLogits));
+    TORCH_CHECK_VALUE(false, sampling_error_message(errors, logits));
   }
+}
+
+void chain_sampling_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
+                           const Opt& num_draft_tokens, const at::Tensor& greedy, const at::Tensor& seed,
+                           const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
+                           const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
+                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
+                           const Opt& accepted_independently, c10::string_view coupling) {
+  chain_sampling_cpu(draft_token_ids, target, draft, num_draft_tokens, greedy, seed, offset, output_token_ids,
+                     num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
+                     EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, accepted_independently, false);
+}
+
+void chain_sampling_from_logits_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
+                                       const Opt& num_draft_tokens, const at::Tensor& temperature,
+                                       const at::Tensor& seed, const at::Tensor& offset,
+                                       const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
+                                       const Opt& error_flags, const Opt& cu_num_draft_tokens,
+                                       const Opt& bonus_token_ids, const Opt& uniforms, const Opt& final_uniforms,
+                                       const Opt& target_to_draft, const Opt& accepted_independently,
+                                       c10::string_view coupling, const Opt& top_k, const Opt& top_p,
+                                       const Opt& min_p) {
+  chain_sampling_cpu(draft_token_ids, target, draft, num_draft_tokens, temperature, seed, offset, output_token_ids,
+                     num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
+                     EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p},
+                     accepted_independently, true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("chain_speculative_sampling", &chain_sampling_op_cpu<false>);
-  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_op_cpu<true>);
-  m.impl("tree_speculative_sampling", &tree_sampling_op_cpu<false>);
-  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_op_cpu<true>);
+  m.impl("chain_speculative_sampling", &chain_sampling_op_cpu);
+  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_from_logits_op_cpu);
+  m.impl("tree_speculative_sampling", &tree_sampling_op_cpu);
+  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_from_logits_op_cpu);
 }
 
 }  // namespace specdec

@@ -72,11 +72,13 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
                            const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
                            const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                            const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                           const Opt& accepted_independently, c10::string_view coupling) {
+                           const Opt& accepted_independently, c10::string_view coupling, const Opt& top_k = std::nullopt,
+                           const Opt& top_p = std::nullopt, const Opt& min_p = std::nullopt) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
                         output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, accepted_independently, kLogits);
+                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p},
+                        accepted_independently, kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "chain sampling: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
@@ -97,11 +99,12 @@ void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate
                           const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                          const Opt& cu_num_draft_tokens, c10::string_view coupling) {
-  const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
-                                                 seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling},
-                                                 kLogits);
+                          const Opt& cu_num_draft_tokens, c10::string_view coupling, const Opt& top_k = std::nullopt,
+                          const Opt& top_p = std::nullopt, const Opt& min_p = std::nullopt) {
+  const TreeSamplingParams TP = make_tree_params(
+      parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature, seed, offset, output_token_ids,
+      accepted_nodes, num_accepted, error_flags, cu_num_draft_tokens,
+      EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p}, kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "tree sampling: tensors must be on ", kLauncherDevice);
   if (TP.rows.batch == 0) return;
   const LauncherGuard guard(target);
@@ -115,12 +118,34 @@ void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate
   });
 }
 
+// The registered signatures: the probability ops take no logits processing.
+void chain_sampling_probs(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
+                          const Opt& num_draft_tokens, const at::Tensor& greedy, const at::Tensor& seed,
+                          const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
+                          const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
+                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
+                          const Opt& accepted_independently, c10::string_view coupling) {
+  chain_sampling_launch<false>(draft_token_ids, target, draft, num_draft_tokens, greedy, seed, offset, output_token_ids,
+                               num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms,
+                               target_to_draft, accepted_independently, coupling);
+}
+void tree_sampling_probs(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
+                         const at::Tensor& target, const Opt& draft, const at::Tensor& greedy, const at::Tensor& seed,
+                         const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
+                         const at::Tensor& num_accepted, const Opt& error_flags, const Opt& uniforms,
+                         const Opt& final_uniforms, const Opt& target_to_draft, const Opt& cu_num_draft_tokens,
+                         c10::string_view coupling) {
+  tree_sampling_launch<false>(parents, candidate_token_ids, num_nodes, target, draft, greedy, seed, offset,
+                              output_token_ids, accepted_nodes, num_accepted, error_flags, uniforms, final_uniforms,
+                              target_to_draft, cu_num_draft_tokens, coupling);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(SPECDEC_LIB, SPECDEC_LAUNCHER_KEY, m) {
-  m.impl("chain_speculative_sampling", &chain_sampling_launch<false>);
+  m.impl("chain_speculative_sampling", &chain_sampling_probs);
   m.impl("chain_speculative_sampling_from_logits", &chain_sampling_launch<true>);
-  m.impl("tree_speculative_sampling", &tree_sampling_launch<false>);
+  m.impl("tree_speculative_sampling", &tree_sampling_probs);
   m.impl("tree_speculative_sampling_from_logits", &tree_sampling_launch<true>);
 }
 

@@ -54,6 +54,7 @@ struct ClusterSamplingEngine {
   int32_t* int_scratch;  // [2]
   float* float_scratch;  // [2]
   int32_t errors;       // this thread's error bits, published once at the end
+  float lo_p = kNegInf, lo_q = kNegInf;  // the thresholds of the target and draft rows being read (row_filter.h)
 
   // A barrier for everything the blocks of the cluster share; with one block, the block barrier.
   SPECDEC_DEVICE void sync_all() {
@@ -86,7 +87,7 @@ struct ClusterSamplingEngine {
     if (v < 0) return P.logits ? kNegInf : 0.0f;  // a target id the reduced draft vocabulary lacks: q = 0
     const float x = to_float(row[v]);
     if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
-    return x;
+    return filtered(x, target ? lo_p : lo_q);
   }
   SPECDEC_DEVICE int tiles() const { return static_cast<int>((P.vocab + kTile - 1) / kTile); }
   // Entry indices within a row fit in 32 bits (vocab <= kMaxVocab), which saves registers.
@@ -145,6 +146,117 @@ struct ClusterSamplingEngine {
 #pragma unroll
     for (int j = 0; j < kLaneEntries; ++j) a[j] = P.logits || x[j] >= 0.0f ? x[j] : -x[j];
     if (!(block_max(a) < -kNegInf)) errors |= bad_bit(target);
+    const float lo = target ? lo_p : lo_q;
+#pragma unroll
+    for (int j = 0; j < kLaneEntries; ++j) x[j] = filtered(x[j], lo);
+  }
+
+  // ----- Row filters (row_filter.h). Each block of a cluster finds a row's thresholds on its own, its threads
+  // covering all 1024 lanes (lane = round * kThreads + thread, so a warp is a group), and every block finds the same:
+  // no cluster barrier. The passes read the raw row in its own order (a draft row over its own columns); group_totals
+  // is their scratch (free until the row's statistics are computed).
+  //
+  // Simplest correct first: top-k and top-p are found by bisection on the float order, one pass per step (at most
+  // 32 each, fewer when a bracket is narrow); a histogram guess (as the CPU kernel makes) would save most passes.
+
+  // Calls f(x, lane) with the block x[8] of tile t of each of this thread's lanes (-inf past the row's n entries).
+  template <typename F>
+  SPECDEC_DEVICE void for_each_filter_block(const T* row, int n, int t, F&& f) const {
+    for (int k = 0; k < kClusterBlocks; ++k) {
+      const int lane = k * kThreads + static_cast<int>(threadIdx.x);
+      const int v0 = t * kTile + lane * kLaneEntries;
+      float x[kLaneEntries];
+#pragma unroll
+      for (int j = 0; j < kLaneEntries; ++j) x[j] = v0 + j < n ? to_float(row[v0 + j]) : kNegInf;
+      f(x, lane);
+    }
+  }
+  struct FloatMax {
+    SPECDEC_DEVICE float operator()(float a, float b) const { return b > a ? b : a; }
+  };
+  struct FloatMin {
+    SPECDEC_DEVICE float operator()(float a, float b) const { return b < a ? b : a; }
+  };
+  SPECDEC_DEVICE static int tiles_of(int n) { return (n + kTile - 1) / kTile; }
+
+  SPECDEC_DEVICE_NOINLINE float filter_max(const T* row, int n) {
+    float m = kNegInf;
+    for (int t = 0; t < tiles_of(n); ++t) {
+      for_each_filter_block(row, n, t, [&](const float* x, int) {
+#pragma unroll
+        for (int j = 0; j < kLaneEntries; ++j) m = x[j] > m ? x[j] : m;  // NaN never wins
+      });
+    }
+    return block_reduce<kThreads>(m, FloatMax{}, group_totals);
+  }
+  // How many entries are >= t (a float: exact, as counts stay below 2^24).
+  SPECDEC_DEVICE_NOINLINE float filter_count(const T* row, int n, float t0) {
+    float c = 0.0f;
+    for (int t = 0; t < tiles_of(n); ++t) {
+      for_each_filter_block(row, n, t, [&](const float* x, int lane) {
+#pragma unroll
+        for (int j = 0; j < kLaneEntries; ++j) c += t * kTile + lane * kLaneEntries + j < n && x[j] >= t0 ? 1.0f : 0.0f;
+      });
+    }
+    return block_reduce<kThreads>(c, FloatSum{}, group_totals);
+  }
+  SPECDEC_DEVICE_NOINLINE float filter_min_at_gap(const T* row, int n, float m, float scale, float g) {
+    float lo = m;
+    for (int t = 0; t < tiles_of(n); ++t) {
+      for_each_filter_block(row, n, t, [&](const float* x, int) {
+#pragma unroll
+        for (int j = 0; j < kLaneEntries; ++j) lo = scaled_gap(x[j], m, scale) >= g && x[j] < lo ? x[j] : lo;
+      });
+    }
+    return block_reduce<kThreads>(lo, FloatMin{}, group_totals);
+  }
+  // S(t0) in the canonical order (the CPU kernel's mass_at_least_row): every thread returns it.
+  SPECDEC_DEVICE_NOINLINE float filter_mass(const T* row, int n, float m, float scale, float t0) {
+    float total = 0.0f;
+    for (int t = 0; t < tiles_of(n); ++t) {
+      for_each_filter_block(row, n, t, [&](const float* x, int lane) {
+        float w[kLaneEntries];
+#pragma unroll
+        for (int j = 0; j < kLaneEntries; ++j) w[j] = x[j] >= t0 ? det_exp2(scaled_gap(x[j], m, scale)) : 0.0f;
+        const float g = group_reduce<kGroup>(block_sum(w), FloatSum{});
+        if (lane_id() == 0) group_totals[lane / kGroup] = g;
+      });
+      sync_threads();
+      float tile_total = 0.0f;
+      for (int g = 0; g < kGroups; ++g) tile_total = fadd(tile_total, group_totals[g]);
+      total = fadd(total, tile_total);
+      sync_threads();
+    }
+    return total;
+  }
+
+  struct FilterRow {
+    ClusterSamplingEngine& e;
+    const T* row;
+    int n;
+    SPECDEC_DEVICE int64_t size() const { return n; }
+    SPECDEC_DEVICE float max() { return e.filter_max(row, n); }
+    SPECDEC_DEVICE float kth_largest(int32_t k, float m) {
+      const float want = static_cast<float>(k);
+      if (e.filter_count(row, n, kNegInf) < want) return kNegInf;  // fewer than k entries are numbers
+      return last_true([&](float t) { return e.filter_count(row, n, t) >= want; }, kNegInf, next_up(m));
+    }
+    SPECDEC_DEVICE float mass_at_least(float m, float scale, float t) { return e.filter_mass(row, n, m, scale, t); }
+    SPECDEC_DEVICE float top_p_guess(float, float, float, float) { return quiet_nan(); }
+    SPECDEC_DEVICE float min_at_gap(float m, float scale, float g) { return e.filter_min_at_gap(row, n, m, scale, g); }
+  };
+
+  // The thresholds of the rows about to be read: a target row over its V entries, a draft row over its own columns.
+  SPECDEC_DEVICE_NOINLINE void filter_rows(const T* row_p, const T* row_q, const RowFilter& f, float scale) {
+    lo_p = lo_q = kNegInf;  // the passes below read raw rows
+    if (row_p != nullptr) {
+      FilterRow r{*this, row_p, vocab()};
+      lo_p = row_threshold(r, f, scale);
+    }
+    if (row_q != nullptr) {
+      FilterRow r{*this, row_q, P.target_to_draft != nullptr ? static_cast<int>(P.draft_vocab) : vocab()};
+      lo_q = row_threshold(r, f, scale);
+    }
   }
 
   // Combines the 1024 lane values by the pairwise tree: within each warp, then over the 32 warps of the

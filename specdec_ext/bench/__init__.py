@@ -3,7 +3,7 @@ decoding benchmark, shipped with the package so that an installed wheel runs the
 import importlib
 
 BENCHMARKS = ("attention", "compat_flashinfer", "compat_sglang", "compat_transformers", "compat_vllm", "e2e",
-              "flat_sampling", "philox", "sampling", "tree_sampling")
+              "flat_sampling", "philox", "row_filters", "sampling", "tree_sampling")
 
 
 def run(args) -> int:

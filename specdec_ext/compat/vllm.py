@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from . import backend
 from ..ops import LIMITS, MIN_TEMPERATURE
-from ..sampling import mask_top_k_top_p
+from ..reference import filter_logits
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +207,9 @@ def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata
     temperature = torch.where(greedy, 0.0, temperature)  # vLLM's -1 marker counts as 0 for the masks
     top_k, top_p = getattr(sampling_metadata, "top_k", None), getattr(sampling_metadata, "top_p", None)
     if top_k is not None or top_p is not None:
-        # On a device, topk over the whole row avoids reading the largest k back to the host.
-        logits = mask_top_k_top_p(logits, temperature, per_token(top_k, 0).long(), per_token(top_p, 1.0).float(),
-                                  max_top_k=0 if top_k is None else vocab if logits.is_cuda else None,
-                                  any_top_p=top_p is not None)
+        # vLLM's probabilities are materialised here (its draft probabilities are), so the readable masks serve.
+        logits = filter_logits(logits, temperature, per_token(top_k, 0).long().clamp(max=vocab),
+                               per_token(top_p, 1.0).float())
     return (logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)).softmax(-1)
 
 

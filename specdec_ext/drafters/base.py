@@ -36,7 +36,7 @@ import torch
 
 from ..graphs import StepGraphs
 from ..host import upload
-from ..sampling import mask_top_k_top_p, sample_from_logits
+from ..sampling import sample_from_logits
 
 # A draft model's or head's Philox key is the request's seed XOR this (the golden-ratio constant as a signed
 # int64), so its draws never reuse the target's; its counter is the position of the drafted token. Under Gumbel
@@ -50,13 +50,11 @@ class RoundInputs:
     batch: int
     num_tokens: list        # [batch] ints: how many tokens to propose for each row (0 for idle rows)
     histories: list         # [batch] token lists (prompt + generated; None for idle rows)
-    temperature: torch.Tensor  # [batch] float32 on the device, and top_k [batch] int64, top_p [batch] float32
-    top_k: torch.Tensor
+    temperature: torch.Tensor  # [batch] float32 on the device, and top_k [batch] int32, top_p [batch] float32: the
+    top_k: torch.Tensor        # sampling kernels process every row with them (draft rows as the target's)
     top_p: torch.Tensor
     seed: torch.Tensor      # [batch] int64: the requests' seeds
     steps: torch.Tensor     # [batch] int64: tokens generated so far (the Philox counter of this round)
-    max_top_k: int = 0      # the largest top_k of a sampled request (0: none), and whether one has top_p < 1
-    any_top_p: bool = False
     coupling: str = "rejection"  # the sampling ops' coupling: "gumbel" under sampling="invariant"
 
 
@@ -64,7 +62,8 @@ class RoundInputs:
 class Proposal:
     draft_token_ids: torch.Tensor  # [batch, K] int64
     num_draft_tokens: list         # [batch] ints, each <= K and <= what was asked
-    draft_logits: torch.Tensor | None = None  # [batch, K, V] float32, or None: point proposals
+    draft_logits: torch.Tensor | None = None  # [batch, K, V or Vd] float32 as drawn from (unprocessed), or None: point
+    draft_to_target: torch.Tensor | None = None  # [Vd] int32: the target id of each column of a reduced vocabulary
 
 
 class Drafter(ABC):
@@ -154,20 +153,35 @@ def padded(rows: list, fill, dtype: torch.dtype, device) -> torch.Tensor:
     return upload([list(row) + [fill] * (width - len(row)) for row in rows], dtype, device).reshape(len(rows), width)
 
 
-def draw_draft(masked: torch.Tensor, r: RoundInputs, offset: torch.Tensor) -> torch.Tensor:
-    """A sampled draft token per row [batch] int64 from processed logits [batch, V], drafting the tokens at positions
-    `offset` (tokens generated): with the draft's own Philox key (rejection coupling, q reported with the drafts), or
-    with the target's Gumbel noise at that position (gumbel coupling: the draft is the target's own token wherever
-    the two argmaxes of log-probability plus noise agree)."""
+def draw_draft(logits: torch.Tensor, r: RoundInputs, offset: torch.Tensor) -> torch.Tensor:
+    """A sampled draft token per row [batch] int64 from unprocessed logits [batch, V or Vd] (a column of them), drafting
+    the tokens at positions `offset` (tokens generated), processed inside the kernel with the requests' top-k and
+    top-p: with the draft's own Philox key (rejection coupling; the verifier processes the reported rows the same
+    way), or with the target's Gumbel noise at that position (gumbel coupling: the draft is the target's own token
+    wherever the two argmaxes of log-probability plus noise agree; the noise is indexed by target id, so the columns
+    must be target ids)."""
     seed = r.seed if r.coupling == "gumbel" else r.seed ^ DRAFT_KEY
-    return sample_from_logits(masked, r.temperature, seed, offset, r.coupling).long()
+    return sample_from_logits(logits, r.temperature, seed, offset, r.coupling, top_k=r.top_k, top_p=r.top_p).long()
 
 
 def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, r: RoundInputs,
                           offset: torch.Tensor):
-    """Logits over a draft vocabulary [B, Vd] -> (processed logits over the full vocabulary [B, V], -inf outside
-    the draft vocabulary, and the token drawn from them [B] int64): q is zero outside it."""
+    """A draft per row from logits over a draft vocabulary [B, Vd] (draft_vocab [Vd] its target ids): (the target ids
+    [B] int64, the row to report). Rejection coupling samples the Vd columns themselves and reports them as they are
+    (with draft_to_target, the verifier reads q over the same columns); gumbel coupling needs the target's noise, which
+    is indexed by target id, so it draws over the full vocabulary (-inf off the draft vocabulary) and reports nothing
+    (the verifier reads no draft rows then)."""
+    if r.coupling != "gumbel":
+        return draft_vocab[draw_draft(logits, r, offset)], logits
     full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
     full[:, draft_vocab] = logits
-    masked = mask_top_k_top_p(full, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k, any_top_p=r.any_top_p)
-    return masked, draw_draft(masked, r, offset)
+    return draw_draft(full, r, offset), None
+
+
+def draft_proposal(draft_ids: torch.Tensor, asked: list, rows: list, draft_to_target: torch.Tensor) -> Proposal:
+    """A proposal of drafts drawn over a draft vocabulary: the rows [B, Vd] of each step stacked, with their column map
+    draft_to_target [Vd] int32 (one tensor kept by the drafter: a CUDA graph of the verify step reads it), or no rows
+    (gumbel coupling, or nothing drafted)."""
+    if not rows or rows[0] is None:
+        return Proposal(draft_ids, asked)
+    return Proposal(draft_ids, asked, torch.stack(rows, 1), draft_to_target)

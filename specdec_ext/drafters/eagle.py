@@ -3,7 +3,7 @@ import torch
 
 from ..host import upload
 from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
-from .base import DraftCache, Drafter, Proposal, RoundInputs, draw_from_draft_vocab
+from .base import DraftCache, Drafter, Proposal, RoundInputs, draft_proposal, draw_from_draft_vocab
 
 
 class EagleDrafter(Drafter):
@@ -23,6 +23,7 @@ class EagleDrafter(Drafter):
 
         check_target(head.target_config, target, "EagleDrafter")
         self.target, self.head = target, head
+        self.draft_to_target = head.draft_vocab.int()  # the verify step's column map of the draft rows
         self.state = DraftCache()
 
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
@@ -124,16 +125,17 @@ class EagleDrafter(Drafter):
         asked, logits, feature = self.feed_pending(r, max(r.num_tokens))
         kmax = max(asked)
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
-        draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
+        drawn = []  # the draft rows [B, Vd] drawn from, unprocessed (none under gumbel coupling)
         wants = upload(asked, torch.int32, device)
         for i in range(kmax):
-            masked, token = draw_from_draft_vocab(logits, self.head.draft_vocab, vocab, r, r.steps + i)
-            draft_ids[:, i], draft_logits[:, i] = token, masked
+            token, row = draw_from_draft_vocab(logits, self.head.draft_vocab, vocab, r, r.steps + i)
+            draft_ids[:, i] = token
+            drawn.append(row)
             if i + 1 < kmax:
                 logits, feature = self.head(token.unsqueeze(1), feature, self.cache, cache_rows=rows)
                 logits = logits[:, 0]
                 self.cache.advance((wants > i + 1).int(), rows)  # dropped at rollback
-        return Proposal(draft_ids, asked, draft_logits)
+        return draft_proposal(draft_ids, asked, drawn, self.draft_to_target)
 
     @torch.no_grad()
     def propose_tree(self, r: RoundInputs, budget: int, branching: int):

@@ -3,7 +3,7 @@ import torch
 
 from ..host import upload
 from ..trees import Candidates, last_tokens
-from .base import Drafter, Proposal, RoundInputs, draw_from_draft_vocab
+from .base import Drafter, Proposal, RoundInputs, draft_proposal, draw_from_draft_vocab
 
 
 class MedusaDrafter(Drafter):
@@ -19,6 +19,7 @@ class MedusaDrafter(Drafter):
 
         check_target(heads.target_config, target, "MedusaDrafter")
         self.target, self.heads = target, heads
+        self.draft_to_target = heads.draft_vocab.int()  # the verify step's column map of the draft rows
 
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
              cuda_graphs: bool = False) -> None:
@@ -65,11 +66,11 @@ class MedusaDrafter(Drafter):
         asked, logits = self.head_logits(r)  # [B, heads, Vd]
         kmax = max(asked)
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
-        draft_logits = torch.empty(r.batch, kmax, vocab, dtype=torch.float32, device=device)
+        drawn = []
         for i in range(kmax):
-            masked, token = draw_from_draft_vocab(logits[:, i], self.heads.draft_vocab, vocab, r, r.steps + i)
-            draft_ids[:, i], draft_logits[:, i] = token, masked
-        return Proposal(draft_ids, asked, draft_logits)
+            draft_ids[:, i], row = draw_from_draft_vocab(logits[:, i], self.heads.draft_vocab, vocab, r, r.steps + i)
+            drawn.append(row)
+        return draft_proposal(draft_ids, asked, drawn, self.draft_to_target)
 
     @torch.no_grad()
     def propose_tree(self, r: RoundInputs, budget: int, branching: int):

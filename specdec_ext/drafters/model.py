@@ -2,7 +2,6 @@
 import torch
 
 from ..host import upload
-from ..sampling import mask_top_k_top_p
 from .base import DraftCache, Drafter, Proposal, RoundInputs, draw_draft, padded
 
 
@@ -67,24 +66,22 @@ class ModelDrafter(Drafter):
         wants = upload(r.num_tokens, torch.int32, device)
 
         def step(logits, offset, grow, feed: bool):
-            """Draws a token per row from the processed logits; feeds it (next logits) unless it is the last."""
-            masked = mask_top_k_top_p(logits, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k,
-                                      any_top_p=r.any_top_p)
-            token = draw_draft(masked, r, offset)
+            """Draws a token per row from the logits (processed in the kernel); feeds it (next logits) unless it is
+            the last."""
+            token = draw_draft(logits, r, offset)
             if not feed:
-                return masked, token, logits
+                return token, logits
             logits = self.model(token.unsqueeze(1), self.cache, cache_rows=rows)[:, 0]
             self.cache.advance(grow, rows)  # device counts: the host mirror is restored at rollback
-            return masked, token, logits
+            return token, logits
 
         for i in range(kmax):
             feed = i + 1 < kmax
             grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
-            key = ("draft", r.batch, r.max_top_k, r.any_top_p, r.coupling, feed)
-            masked, token, next_logits = self.state.graphs.run(key, lambda l, o, g: step(l, o, g, feed),
-                                                               (logits, r.steps + i, grow),
-                                                               state=[self.cache.cache_seqlens])
-            draft_ids[:, i], draft_logits[:, i] = token, masked
+            key = ("draft", r.batch, r.coupling, feed)
+            token, next_logits = self.state.graphs.run(key, lambda l, o, g: step(l, o, g, feed),
+                                                       (logits, r.steps + i, grow), state=[self.cache.cache_seqlens])
+            draft_ids[:, i], draft_logits[:, i] = token, logits
             logits = next_logits.clone() if feed else logits
         self.round = list(r.num_tokens)
         return Proposal(draft_ids, list(r.num_tokens), draft_logits)

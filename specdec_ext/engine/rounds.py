@@ -22,7 +22,6 @@ import torch
 from ..drafters.base import RoundInputs
 from ..host import read, upload
 from ..ops import chain_speculative_sampling_from_logits, tree_speculative_sampling_from_logits
-from ..sampling import mask_top_k_top_p
 
 
 @dataclass
@@ -45,7 +44,7 @@ class SlotParams:
     def __init__(self, slots: int, device, coupling: str = "rejection"):
         self.coupling = coupling
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.int32, device=device)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
         self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
         self.steps = torch.zeros(slots, dtype=torch.int64, device=device)
@@ -58,12 +57,9 @@ class SlotParams:
         running = slots[:batch]
         self.steps[:batch].copy_(upload([len(r.generated) if r is not None else 0 for r in running], torch.int64,
                                         self.steps.device), non_blocking=True)
-        # The masks' shape is known on the host, so they read nothing back (and a graph is captured per combination).
-        sampled = [r for r in running if r is not None and r.temperature > 0]
         return RoundInputs(batch, ks, [r.tokens if r is not None else None for r in running],
                            self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
-                           self.steps[:batch], max((r.top_k for r in sampled), default=0),
-                           any(r.top_p < 1 for r in sampled), self.coupling)
+                           self.steps[:batch], self.coupling)
 
 
 class Verifier:
@@ -79,37 +75,39 @@ class Verifier:
         self.cache, self.params = cache, params
 
     def __call__(self, r: RoundInputs, ids, live, draft_logits, *, num_draft=None, tree=None,
-                 hidden_states: bool = False):
+                 hidden_states: bool = False, draft_to_target=None):
         """ids [batch, Q]; live [batch] int32 (0: an idle row, which keeps nothing); chain: num_draft [batch] int32
-        (Q - 1 = the widest); tree: the DraftTree (its token_ids are ids). Returns (packed [batch, W] int32: chain
+        (Q - 1 = the widest), draft_logits [batch, Q - 1, V or Vd] unprocessed (draft_to_target [Vd] with a draft
+        vocabulary); tree: the DraftTree (its token_ids are ids). Every row is processed with the requests' top-k and
+        top-p inside the sampling op. Returns (packed [batch, W] int32: chain
         output_token_ids [Q], num_accepted; tree also accepted_nodes [Q], num_nodes, depth; the target's hidden
         states of the accepted tokens in order when asked, else None; the time the forward ended, eager only)."""
         batch, width = ids.shape
         p, cache, rows = self.params, self.cache, slice(0, r.batch)
         if r.coupling == "gumbel":  # each row decides by its own Gumbel-max token: the draft rows are not read
-            draft_logits = None
+            draft_logits = draft_to_target = None
         forward_done = [0.0]
 
         def step(ids, live, draft_logits, num_draft, parents, tree_mask, num_nodes, depths):
             logits = self.target(ids, cache, tree_mask=tree_mask, cache_rows=rows, output_hidden_states=hidden_states)
             logits, hidden = logits if hidden_states else (logits, None)  # [batch, Q, V] float32, [batch, Q, H]
             forward_done[0] = time.perf_counter()
-            target_logits = mask_top_k_top_p(logits, r.temperature, r.top_k, r.top_p, max_top_k=r.max_top_k,
-                                             any_top_p=r.any_top_p)
             if parents is None:
                 if width > 1:
-                    drafts, target = ids[:, 1:].contiguous(), target_logits
+                    drafts, target = ids[:, 1:].contiguous(), logits
                 else:  # no drafts: K = 1 with none proposed, the bonus token drawn from row 0 (stride 0, no copy)
-                    drafts, target = torch.zeros_like(ids), target_logits.expand(batch, 2, target_logits.shape[-1])
+                    drafts, target = torch.zeros_like(ids), logits.expand(batch, 2, logits.shape[-1])
                 out = chain_speculative_sampling_from_logits(drafts, target, draft_logits, temperature=r.temperature,
                                                              num_draft_tokens=num_draft, seed=r.seed, offset=r.steps,
-                                                             coupling=r.coupling)
+                                                             coupling=r.coupling, draft_to_target=draft_to_target,
+                                                             top_k=r.top_k, top_p=r.top_p)
                 cache.truncate((out.num_accepted + 1) * live, rows, free_pages=False)
                 packed = torch.cat([out.output_token_ids, out.num_accepted.unsqueeze(1)], 1)
                 return packed, hidden
-            out = tree_speculative_sampling_from_logits(parents, ids, target_logits, draft_logits,
+            out = tree_speculative_sampling_from_logits(parents, ids, logits, draft_logits,
                                                         temperature=r.temperature, num_nodes=num_nodes, seed=r.seed,
-                                                        offset=r.steps, coupling=r.coupling)
+                                                        offset=r.steps, coupling=r.coupling, top_k=r.top_k,
+                                                        top_p=r.top_p)
             cache.truncate((out.num_accepted + 1) * live, rows, kept_indices=out.accepted_nodes, free_pages=False)
             if hidden is not None:  # the path's features in path order: a chain of num_accepted drafts to the drafter
                 path = out.accepted_nodes.long().clamp_min(0)
@@ -119,7 +117,7 @@ class Verifier:
             return packed, hidden
 
         kind = "chain" if tree is None else "tree"
-        key = (kind, batch, width, r.max_top_k, r.any_top_p, r.coupling, draft_logits is not None, hidden_states)
+        key = (kind, batch, width, r.coupling, draft_logits is not None, hidden_states)
         inputs = (ids, live, draft_logits, num_draft) + ((None,) * 4 if tree is None else
                                                          (tree.parents, tree.tree_mask, tree.num_nodes, tree.depths))
         packed, hidden = self.graphs.run(key, step, inputs, state=[cache.cache_seqlens])
@@ -148,7 +146,8 @@ class ChainRound:
         hidden_states = self.drafter is not None and self.drafter.needs_hidden_states
         packed, hidden, t2 = self.verifier(r, ids, upload(live, torch.int32, device),
                                            proposal.draft_logits if proposal is not None else None,
-                                           num_draft=upload(ks, torch.int32, device), hidden_states=hidden_states)
+                                           num_draft=upload(ks, torch.int32, device), hidden_states=hidden_states,
+                                           draft_to_target=proposal.draft_to_target if proposal is not None else None)
         rows = read(packed)  # the round's one host read
         t3 = time.perf_counter()
         accepted = [row[-1] for row in rows]  # after output_token_ids [max(width, 1) + 1]

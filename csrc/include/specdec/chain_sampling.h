@@ -4,15 +4,11 @@
 // sampling_math.h, so that every backend takes the same decisions and emits the same tokens.
 //
 // Row i of request b is read only while the round is still going at position i: the flow stops at the
-// first rejection, and the rows after it are never touched.
+// first rejection, and the rows after it are never touched. With top_k / top_p / min_p (row_filter.h) each row of a
+// sampled request is processed as the flow reaches it (filter_rows): its threshold found, then applied by every read.
 #pragma once
+#include "row_filter.h"
 #include "sampling_math.h"
-
-#if defined(__CUDACC__)
-#define SPECDEC_FLOW __host__ __device__ __forceinline__
-#else
-#define SPECDEC_FLOW inline
-#endif
 
 namespace specdec {
 
@@ -41,6 +37,10 @@ struct ChainSamplingParams {
   // the request's position offset[b] + the row's depth; a draft is accepted when it equals it. No draft row or
   // uniform is read. The emitted tokens are then the ones plain decoding with the same noise draws.
   bool gumbel;
+  // Logits processing (row_filter.h), per request, or nullptr (off): applied to target and draft rows alike.
+  const int32_t* top_k;         // [B], 0: off
+  const float* top_p;           // [B], 1: off
+  const float* min_p;           // [B], 0: off
   const bool* greedy;           // [B] (probabilities); nullptr with logits
   const float* temperature;     // [B] (logits); nullptr with probabilities
   const int64_t* seed;          // [B]
@@ -156,6 +156,33 @@ SPECDEC_HD int first_crossing(const float* parts, int n, float base, float thres
   return fallback;
 }
 
+// Whether the op processes rows (top_k, top_p or min_p given).
+SPECDEC_HD bool row_filters_given(const ChainSamplingParams& P) {
+  return P.top_k != nullptr || P.top_p != nullptr || P.min_p != nullptr;
+}
+SPECDEC_HD RowFilter given_row_filter(const ChainSamplingParams& P, int64_t b) {
+  return RowFilter{P.top_k != nullptr ? P.top_k[b] : 0, P.top_p != nullptr ? P.top_p[b] : 1.0f,
+                   P.min_p != nullptr ? P.min_p[b] : 0.0f};
+}
+SPECDEC_HD int32_t check_row_filter(const ChainSamplingParams& P, int64_t b) {
+  return row_filters_given(P) && !row_filter_valid(given_row_filter(P, b)) ? kErrRowFilter : 0;
+}
+// What request b's rows are processed with: its controls, or none for greedy requests and invalid controls.
+SPECDEC_HD RowFilter request_row_filter(const ChainSamplingParams& P, int64_t b, bool greedy) {
+  const RowFilter f = given_row_filter(P, b);
+  return greedy || !row_filter_valid(f) ? RowFilter{0, 1.0f, 0.0f} : f;
+}
+
+// Sets the engine's thresholds for the rows about to be read (row_q may be null), when the op processes rows.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine, typename Row>
+SPECDEC_FLOW void filter_rows(Engine& e, const ChainSamplingParams& P, int64_t b, bool greedy, const Row* row_p,
+                              const Row* row_q, float scale) {
+  if (row_filters_given(P)) e.filter_rows(row_p, row_q, request_row_filter(P, b, greedy), scale);
+}
+
 // The inputs of request b other than its rows: the draft count, every draft id it covers, the temperature.
 // Checked in full before any row is read, so that whether an input is reported does not depend on where
 // the round happens to end. Returns SamplingError bits.
@@ -181,7 +208,7 @@ SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t 
     const float t = P.temperature[b];
     if (!(t >= 0.0f) || !is_finite(t)) bits |= kErrTemperature;
   }
-  return bits;
+  return bits | check_row_filter(P, b);
 }
 
 // Request b's sampling mode: whether it is greedy (greedy[b], or a temperature below kMinTemperature, 0
@@ -208,6 +235,7 @@ SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, 
   if (x < 0 || x >= P.vocab) x = -1;  // rejected: an id that is not in the vocabulary has no probability
   const auto* row_p = e.row_target(b, i);
   const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
+  filter_rows(e, P, b, greedy, row_p, row_q, scale);
   if (greedy || P.gumbel) {
     *best = greedy ? e.argmax(row_p) : e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(i));
     return *best >= 0 && x == *best;
@@ -290,6 +318,7 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
       token = x >= 0 && x < P.vocab ? static_cast<int32_t>(x) : -1;
     } else {
       const auto* row_p = e.row_target(b, k);
+      filter_rows(e, P, b, greedy, row_p, static_cast<decltype(row_p)>(nullptr), scale);
       if (greedy) {
         token = e.argmax(row_p);
       } else if (P.gumbel) {

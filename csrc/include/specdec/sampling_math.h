@@ -84,6 +84,7 @@ enum SamplingError : int32_t {
   kErrBonusTokenId = 1024,       // bonus_token_ids outside [0, V)
   kErrCuNumDraftTokens = 2048,   // cu_num_draft_tokens not an inclusive cumsum in [0, T] with steps <= max_draft_tokens
   kErrDraftToTarget = 4096,      // draft_to_target holds an id outside [0, V) or one id twice
+  kErrRowFilter = 8192,          // top_k < 0, top_p outside (0, 1] or min_p outside [0, 1) (row_filter.h)
 };
 
 // ----- correctly rounded primitives, never contracted ----------------------------------------------

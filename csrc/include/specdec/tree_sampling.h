@@ -35,6 +35,9 @@
 // the same tokens. A caller's uniforms replace them: uniforms[b, c] for node c (column 0, the root, unused) and
 // final_uniforms[b] for the last token.
 //
+// Logits processing (top_k, top_p, min_p; row_filter.h): a sampled request's node rows, target and draft, are processed
+// when the walk reaches the node, before anything reads them; p_n and q_n above are the processed distributions.
+//
 // Rounding. R_j and the mass left in q (Q_j) are kept by subtraction in float32; the residual's mass after a
 // rejected sample, S_{j+1}, is a pass over the row in the canonical order (sampling_math.h), made only when
 // another child is to be tested (the draw needs no normaliser). Where rounding leaves a residual without mass
@@ -110,7 +113,7 @@ SPECDEC_HD int32_t check_tree_request(const TreeSamplingParams& T, int64_t b) {
     const float t = T.rows.temperature[b];
     if (!(t >= 0.0f) || !is_finite(t)) bits |= kErrTemperature;
   }
-  return bits;
+  return bits | check_row_filter(T.rows, b);
 }
 
 // What is wrong with node c (0 < c < num_nodes), from accessors parent(i) and token(i) of the request's nodes:
@@ -230,6 +233,7 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
     const bool node_q = has_q && child >= 0;  // a node without children never reads its draft row
     const auto* row_p = e.row_target(b, node);
     const auto* row_q = node_q ? e.row_draft(b, node) : nullptr;
+    filter_rows(e, P, b, greedy, row_p, row_q, scale);
     if (greedy || P.gumbel) {  // the target's token at this depth; the child carrying it, if any, is accepted
       const int32_t best = greedy ? e.argmax(row_p) : e.gumbel_argmax(row_p, scale, seed, offset + depth);
       while (child >= 0 && e.token(child) != best) child = next_child(node, child);

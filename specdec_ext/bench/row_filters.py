@@ -1,0 +1,64 @@
+"""`specdec bench row_filters`: top-k / top-p inside the from-logits sampling ops against applying them in Python first,
+as the decoder did before (sort-based masks over every row in float32: reference.filter_logits(dtype=float32)), then
+the same op on the masked rows. Both process the target rows [B, K+1, V] and draft rows [B, K, V] of a round at T = 0.7;
+the fused op processes only the rows it reads (up to the first rejection) and sorts nothing (row_filter.h)."""
+import torch
+
+import specdec_ext
+from specdec_ext import reference
+
+from ..factory import choose_device
+from .common import median_us, report, save
+from .sampling import make_case
+
+CONTROLS = {"top-p 0.9": (0, 0.9), "top-k 50, top-p 0.9": (50, 0.9)}
+TEMPERATURE = 0.7
+
+
+def measure(case, controls, batch, k, vocab, device, repeats):
+    top_k, top_p = CONTROLS[controls]
+    ids, seed, tl, dl = case["ids"], case["seed"], case["target_logits"], case["draft_logits"]
+    t = torch.full((batch,), TEMPERATURE, device=device)
+    kk = torch.full((batch,), top_k, dtype=torch.int32, device=device)
+    pp = torch.full((batch,), top_p, device=device)
+
+    def fused():
+        return specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed, top_k=kk,
+                                                                  top_p=pp)
+
+    def masked():
+        mt = reference.filter_logits(tl, t, kk, pp, dtype=torch.float32)
+        md = reference.filter_logits(dl, t, kk, pp, dtype=torch.float32)
+        return specdec_ext.chain_speculative_sampling_from_logits(ids, mt, md, temperature=t, seed=seed)
+
+    plain = lambda: specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed)  # noqa
+    fused_us = median_us(fused, device, repeats)
+    masked_us = median_us(masked, device, max(3, repeats // 5), warmup=1)
+    plain_us = median_us(plain, device, repeats)
+    out = fused()
+    return {"controls": controls, "B": batch, "K": k, "V": vocab, "accepted": float(out.num_accepted.float().mean()),
+            "fused_us": fused_us, "masks_then_op_us": masked_us, "speedup": masked_us / fused_us,
+            "unprocessed_op_us": plain_us, "processing_cost": fused_us / plain_us}
+
+
+def main(args) -> int:
+    device = choose_device(args.device)
+    batches = [int(x) for x in args.batch.split(",")] if args.batch else [8, 64]
+    ks = [int(x) for x in args.k.split(",")] if args.k else [4]
+    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [49152, 128256]
+    rows = []
+    for vocab in vocabs:
+        for batch in batches:
+            for k in ks:
+                case = make_case(batch, k, vocab, torch.float32, device, torch.Generator().manual_seed(batch + vocab))
+                for controls in CONTROLS:
+                    rows.append(measure(case, controls, batch, k, vocab, device, args.repeats))
+                    print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
+                                   for key, val in rows[-1].items()), flush=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    columns = ["controls", "B", "K", "V", "accepted", "fused_us", "masks_then_op_us", "speedup", "unprocessed_op_us",
+               "processing_cost"]
+    report(f"top-k / top-p fused into chain sampling from logits vs Python masks + the op, T = {TEMPERATURE}, on "
+           f"{name}", rows, columns)
+    save(args, {"title": f"fused top-k / top-p, {name}", "device": name}, rows, ["controls", "B", "K", "V"])
+    return 0
