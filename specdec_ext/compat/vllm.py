@@ -207,9 +207,10 @@ def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata
     temperature = torch.where(greedy, 0.0, temperature)  # vLLM's -1 marker counts as 0 for the masks
     top_k, top_p = getattr(sampling_metadata, "top_k", None), getattr(sampling_metadata, "top_p", None)
     if top_k is not None or top_p is not None:
-        # vLLM's probabilities are materialised here (its draft probabilities are), so the readable masks serve.
+        # vLLM's probabilities are materialised here (its draft probabilities are), so sort-based masks serve, in
+        # float32 as vLLM's own apply_top_k_top_p.
         logits = filter_logits(logits, temperature, per_token(top_k, 0).long().clamp(max=vocab),
-                               per_token(top_p, 1.0).float())
+                               per_token(top_p, 1.0).float(), dtype=torch.float32)
     return (logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)).softmax(-1)
 
 
