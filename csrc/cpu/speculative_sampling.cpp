@@ -274,15 +274,16 @@ struct CpuFilterRow {
   }
 
   // Where the sum of w over the largest values reaches target, in double precision: the mass per bucket of w's
-  // exponent and 3 high mantissa bits (a factor 2^(1/8) per bucket), then the crossing bucket's entries in order.
-  float top_p_guess(float, float, float, float target) {
+  // exponent and 3 high mantissa bits (a factor 2^(1/8) per bucket), then the crossing bucket's entries in order. The
+  // bracket is [that value, the next float).
+  void top_p_bracket(float, float, float, float target, float* g_lo, float* g_hi) {
     constexpr int kBuckets = 1024;  // w in (0, 1]: its bits >> 20 are at most 0x3f8
     double mass[kBuckets] = {};
     for (int64_t v = 0; v < n; ++v) mass[float_as_bits(w[v]) >> 20] += w[v];
     double above = 0.0;
     int bucket = kBuckets - 1;
     for (; bucket > 0 && above + mass[bucket] < target; --bucket) above += mass[bucket];
-    if (bucket <= 0) return quiet_nan();
+    if (bucket <= 0) return;
     pairs.clear();
     for (int64_t v = 0; v < n; ++v) {
       if (static_cast<int>(float_as_bits(w[v]) >> 20) == bucket) pairs.emplace_back(x[v], w[v]);
@@ -290,9 +291,12 @@ struct CpuFilterRow {
     std::sort(pairs.begin(), pairs.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     for (const auto& [value, mass_v] : pairs) {
       above += mass_v;
-      if (above >= target) return value;
+      if (above >= target) {
+        *g_lo = value;
+        *g_hi = next_up(value);
+        return;
+      }
     }
-    return quiet_nan();
   }
 
   float min_at_gap(float m, float scale, float g) const {

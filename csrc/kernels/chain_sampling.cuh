@@ -156,8 +156,10 @@ struct ClusterSamplingEngine {
   // no cluster barrier. The passes read the raw row in its own order (a draft row over its own columns); group_totals
   // is their scratch (free until the row's statistics are computed).
   //
-  // Simplest correct first: top-k and top-p are found by bisection on the float order, one pass per step (at most
-  // 32 each, fewer when a bracket is narrow); a histogram guess (as the CPU kernel makes) would save most passes.
+  // Top-k by radix select (three passes counting 11-, 11- and 10-bit digits of the ordered keys in shared memory: exact
+  // counts, whatever the order of the atomics); top-p from a bracket guessed by two levels of a histogram of the
+  // numerators by their bits (10 each; float atomics, so the guess may vary, never the threshold, which S confirms),
+  // then a few bisection steps inside it. tile_totals (kMaxTiles floats) holds the histograms.
 
   // Calls f(x, lane) with the block x[8] of tile t of each of this thread's lanes (-inf past the row's n entries).
   template <typename F>
@@ -230,19 +232,101 @@ struct ClusterSamplingEngine {
     return total;
   }
 
+  // Counts (or masses) per bin of `bins` (a power of two <= kMaxTiles) into tile_totals: bin_of(x) for each entry
+  // (-1: none), atomics in shared memory. Then one thread walks the bins from the top: the bin where the running total
+  // reaches `want` (0 if none does), and the total above it. Every thread returns both.
+  template <typename BinOf>
+  SPECDEC_DEVICE_NOINLINE int histogram_crossing(const T* row, int n, int bins, float want, BinOf&& bin_of, float* above) {
+    float* hist = tile_totals;
+    for (int i = static_cast<int>(threadIdx.x); i < bins; i += kThreads) hist[i] = 0.0f;
+    sync_threads();
+    for (int t = 0; t < tiles_of(n); ++t) {
+      for_each_filter_block(row, n, t, [&](const float* x, int lane) {
+#pragma unroll
+        for (int j = 0; j < kLaneEntries; ++j) {
+          float weight = 0.0f;
+          const int bin = t * kTile + lane * kLaneEntries + j < n ? bin_of(x[j], &weight) : -1;
+          if (bin >= 0) atomic_add(&hist[bin], weight);
+        }
+      });
+    }
+    sync_threads();
+    if (threadIdx.x == 0) {
+      float total = 0.0f;
+      int bin = bins - 1;
+      for (; bin > 0 && total + hist[bin] < want; --bin) total += hist[bin];
+      int_scratch[0] = bin;
+      float_scratch[0] = total;
+    }
+    sync_threads();
+    const int bin = int_scratch[0];
+    *above = float_scratch[0];
+    sync_threads();
+    return bin;
+  }
+
   struct FilterRow {
     ClusterSamplingEngine& e;
     const T* row;
     int n;
     SPECDEC_DEVICE int64_t size() const { return n; }
     SPECDEC_DEVICE float max() { return e.filter_max(row, n); }
-    SPECDEC_DEVICE float kth_largest(int32_t k, float m) {
-      const float want = static_cast<float>(k);
-      if (e.filter_count(row, n, kNegInf) < want) return kNegInf;  // fewer than k entries are numbers
-      return last_true([&](float t) { return e.filter_count(row, n, t) >= want; }, kNegInf, next_up(m));
+    // The k-th largest by radix select on the ordered keys, 11 + 11 + 10 bits, counts exact (floats below 2^24).
+    SPECDEC_DEVICE float kth_largest(int32_t k, float) {
+      float remaining = static_cast<float>(k), above;
+      if (e.filter_count(row, n, kNegInf) < remaining) return kNegInf;  // fewer than k entries are numbers
+      uint32_t prefix = 0, mask = 0;
+      const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+      for (int level = 0; level < 3; ++level) {
+        const int shift = shifts[level], bins = 1 << widths[level];
+        const int digit = e.histogram_crossing(row, n, bins, remaining, [&](float x, float* weight) {
+          const uint32_t key = ordered_key(x);
+          *weight = 1.0f;
+          return x == x && (key & mask) == prefix ? static_cast<int>((key >> shift) & static_cast<uint32_t>(bins - 1)) : -1;
+        }, &above);
+        remaining -= above;
+        prefix |= static_cast<uint32_t>(digit) << shift;
+        mask |= static_cast<uint32_t>(bins - 1) << shift;
+      }
+      return key_value(prefix);
     }
     SPECDEC_DEVICE float mass_at_least(float m, float scale, float t) { return e.filter_mass(row, n, m, scale, t); }
-    SPECDEC_DEVICE float top_p_guess(float, float, float, float) { return quiet_nan(); }
+    // Two levels of 10 bits of the numerators' bits (w in (0, 1]: bits >> 20 <= 0x3f8), then the bracket of the values
+    // in the crossing bin: [its smallest value, the float after its largest).
+    SPECDEC_DEVICE void top_p_bracket(float m, float scale, float lo_k, float target, float* g_lo, float* g_hi) {
+      float above1, above2;
+      const auto numerator = [&](float x) { return x >= lo_k ? det_exp2(scaled_gap(x, m, scale)) : 0.0f; };
+      const int b1 = e.histogram_crossing(row, n, 1024, target, [&](float x, float* weight) {
+        *weight = numerator(x);
+        return *weight > 0.0f ? static_cast<int>(float_as_bits(*weight) >> 20) : -1;
+      }, &above1);
+      if (b1 == 0) return;
+      const int b2 = e.histogram_crossing(row, n, 1024, target - above1, [&](float x, float* weight) {
+        *weight = numerator(x);
+        const uint32_t bits = float_as_bits(*weight);
+        return *weight > 0.0f && static_cast<int>(bits >> 20) == b1 ? static_cast<int>((bits >> 10) & 1023u) : -1;
+      }, &above2);
+      const uint32_t bin = (static_cast<uint32_t>(b1) << 10) | static_cast<uint32_t>(b2);
+      float lo = kFloatMax, hi = -kFloatMax;
+      for (int t = 0; t < tiles_of(n); ++t) {
+        e.for_each_filter_block(row, n, t, [&](const float* x, int lane) {
+#pragma unroll
+          for (int j = 0; j < kLaneEntries; ++j) {
+            const float w = numerator(x[j]);
+            if (t * kTile + lane * kLaneEntries + j < n && w > 0.0f && (float_as_bits(w) >> 10) == bin) {
+              lo = x[j] < lo ? x[j] : lo;
+              hi = x[j] > hi ? x[j] : hi;
+            }
+          }
+        });
+      }
+      lo = block_reduce<kThreads>(lo, FloatMin{}, e.group_totals);
+      hi = block_reduce<kThreads>(hi, FloatMax{}, e.group_totals);
+      if (lo <= hi) {
+        *g_lo = lo;
+        *g_hi = next_up(hi);
+      }
+    }
     SPECDEC_DEVICE float min_at_gap(float m, float scale, float g) { return e.filter_min_at_gap(row, n, m, scale, g); }
   };
 

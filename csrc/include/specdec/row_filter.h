@@ -75,21 +75,23 @@ SPECDEC_FLOW float last_true(Pred&& pred, float lo, float hi) {
   return key_value(a);
 }
 
-// Top-p's threshold: the largest t in [lo, hi) with S(t) >= target, where S(lo) >= target > S(hi). A backend's
-// guess (NaN: none) is tried first: when it is the threshold, two evaluations of S say so.
-#if defined(__CUDACC__)
-#pragma nv_exec_check_disable  // instantiated with device (CUDA) or host (CPU) callables
-#endif
+// Top-p's threshold: the largest t in [lo, hi) with S(t) >= target, where S(lo) >= target > S(hi). A backend's guess of
+// a bracket [g_lo, g_hi) around it (NaN: none) is checked first: when g_hi is the next float above g_lo and the
+// threshold is g_lo, two evaluations of S say so; a narrow bracket leaves few bisection steps.
 template <typename Mass>
-SPECDEC_FLOW float top_p_threshold(Mass&& S, float lo, float hi, float target, float guess) {
-  if (guess > lo && guess < hi) {
-    if (S(guess) >= target) {
-      lo = guess;
-      const float up = next_up(guess);
-      if (!(up < hi) || S(up) < target) return lo;
-      lo = up;
+SPECDEC_FLOW float top_p_threshold(Mass&& S, float lo, float hi, float target, float g_lo, float g_hi) {
+  if (g_lo > lo && g_lo < hi) {
+    if (S(g_lo) >= target) {
+      lo = g_lo;
     } else {
-      hi = guess;
+      hi = g_lo;
+    }
+  }
+  if (g_hi > lo && g_hi < hi) {
+    if (S(g_hi) < target) {
+      hi = g_hi;
+    } else {
+      lo = g_hi;
     }
   }
   return last_true([&](float t) { return S(t) >= target; }, lo, hi);
@@ -97,7 +99,8 @@ SPECDEC_FLOW float top_p_threshold(Mass&& S, float lo, float hi, float target, f
 
 // A row's threshold lo (above). Row supplies, over the row's n entries: size(); max() (NaN ignored; -inf if none);
 // kth_largest(k, m) for 0 < k < n (-inf if fewer than k entries are not NaN); mass_at_least(m, scale, t) = S(t) for
-// t >= lo_k, in the canonical order; top_p_guess(m, scale, lo_k, target), any value or NaN; min_at_gap(m, scale, g),
+// t >= lo_k, in the canonical order; top_p_bracket(m, scale, lo_k, target, &g_lo, &g_hi), any guess of a bracket [g_lo,
+// g_hi) around top-p's threshold or NaN; min_at_gap(m, scale, g),
 // the smallest x with scaled_gap(x, m, scale) >= g (g <= 0). Returns -inf when nothing is removed.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // instantiated with device (CUDA) or host (CPU) callables
@@ -112,7 +115,9 @@ SPECDEC_FLOW float row_threshold(Row& row, const RowFilter& f, float scale) {
   if (f.top_p < 1.0f) {
     const auto S = [&](float t) { return row.mass_at_least(m, scale, t > lo_k ? t : lo_k); };
     const float target = fmul(f.top_p, S(lo_k));  // > 0: the max's own term is 1
-    const float lo_p = top_p_threshold(S, lo_k, next_up(m), target, row.top_p_guess(m, scale, lo_k, target));
+    float g_lo = quiet_nan(), g_hi = quiet_nan();
+    row.top_p_bracket(m, scale, lo_k, target, &g_lo, &g_hi);
+    const float lo_p = top_p_threshold(S, lo_k, next_up(m), target, g_lo, g_hi);
     lo = lo_p > lo ? lo_p : lo;
   }
   if (f.min_p > 0.0f) {
