@@ -244,7 +244,9 @@ def test_flat_form_equals_padded(gen):
 def test_flat_trees_equal_padded(backend, gen):
     batch, n, vocab = 7, 12, 500
     padded, flat = padded_and_flat_trees(gen, batch, n, vocab)
-    t = temperatures(gen, batch)
+    # Temperatures up to 0.85: each node's favoured child then carries most of the mass (its logit is 9 above the
+    # row's noise), so that some path goes deep whatever the run seed (at 1.7 it carried ~0.17 and a run found none).
+    t = temperatures(gen, batch) * 0.5
     seed, offset = torch.randint(0, 2**62, (batch,), generator=gen), torch.randint(0, 2**40, (batch,), generator=gen)
     ops = BACKENDS[backend]
     common = dict(temperature=t, seed=seed, offset=offset, coupling="gumbel")
