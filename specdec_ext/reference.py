@@ -271,13 +271,19 @@ def _pad_flat(cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_row
 
 
 def _chain_inputs(draft_token_ids, target_rows, draft_rows, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
-                  bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits: bool):
-    """Both chain references' inputs in the padded form with full-vocabulary draft rows, and the _EngineLayout."""
+                  bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits: bool,
+                  process=None):
+    """Both chain references' inputs in the padded form with full-vocabulary draft rows, and the _EngineLayout.
+    process(rows [B, R, V or Vd]), when given, is applied to the padded target and draft rows (a draft row over its own
+    columns, before it is expanded)."""
     if cu_num_draft_tokens is not None:
         draft_token_ids, target_rows, draft_rows, uniforms, num_draft_tokens = _pad_flat(
             cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus_token_ids)
     elif bonus_token_ids is not None and target_rows.shape[1] == draft_token_ids.shape[1]:
         target_rows = torch.cat([target_rows, torch.ones_like(target_rows[:, :1])], 1)  # the bonus row, never used
+    if process is not None:
+        target_rows = process(target_rows)
+        draft_rows = None if draft_rows is None else process(draft_rows)
     draft_rows = _full_draft_rows(draft_rows, draft_to_target, target_rows.shape[-1], logits)
     if uniforms is not None and ((uniforms < 0) | ~(uniforms < 1)).any() or \
             final_uniforms is not None and ((final_uniforms < 0) | ~(final_uniforms < 1)).any():
@@ -327,15 +333,10 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
     (so acceptance can differ from the kernels' float32 where u * q is within rounding of p); greedy below
     MIN_TEMPERATURE; top_k, top_p, min_p by filter_logits (a draft row over its own columns)."""
-    if cu_num_draft_tokens is None:
-        target_logits = filter_logits(target_logits, temperature, top_k, top_p, min_p)
-        if draft_logits is not None:
-            draft_logits = filter_logits(draft_logits, temperature, top_k, top_p, min_p)
-    elif any(c is not None for c in (top_k, top_p, min_p)):
-        raise NotImplementedError("the reference processes padded rows; pad flat ones first")
     draft_token_ids, target_logits, draft_logits, num_draft_tokens, layout = _chain_inputs(
         draft_token_ids, target_logits, draft_logits, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
-        bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits=True)
+        bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits=True,
+        process=lambda rows: filter_logits(rows, temperature, top_k, top_p, min_p))
     batch, k = draft_token_ids.shape
     num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
     t, greedy = _temperature(temperature, batch, draft_token_ids.device)

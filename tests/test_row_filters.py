@@ -194,6 +194,10 @@ def test_flat_form_equals_padded():
         inp["ids"][take], inp["target_logits"][target_take], inp["draft_logits"][take],
         cu_num_draft_tokens=counts.cumsum(0).int(), max_draft_tokens=k_max, **kw)
     assert torch.equal(padded.output_token_ids, flat.output_token_ids)
+    want = reference.chain_speculative_sampling_from_logits(
+        inp["ids"][take], inp["target_logits"][target_take], inp["draft_logits"][take],
+        cu_num_draft_tokens=counts.cumsum(0).int(), max_draft_tokens=k_max, **kw)
+    assert torch.equal(flat.output_token_ids, want[0])
 
 
 # The law: first emitted token over LAW_SAMPLES requests sharing one target row and one draft row; the drafts are drawn
