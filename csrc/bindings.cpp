@@ -109,6 +109,23 @@ PyObject* constants(PyObject*, PyObject*) {
   return d;
 }
 
+#if !defined(SPECDEC_SIM)
+}  // namespace
+namespace specdec {
+const char* cpu_isa_name();  // cpu/linear.cpp
+}
+namespace {
+// The instruction set the CPU GEMM kernels use now (SPECDEC_CPU_ISA, or the best the CPU has).
+PyObject* cpu_isa(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(specdec::cpu_isa_name());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+#endif
+
 #if defined(SPECDEC_SIM)
 // The shape of the last kernel launch on the calling thread, for tests of the launchers' choices.
 PyObject* last_launch(PyObject*, PyObject*) {
@@ -123,6 +140,8 @@ PyMethodDef methods[] = {
     {"constants", constants, METH_NOARGS, "The ops' limits and the meaning of their error bits."},
 #if defined(SPECDEC_SIM)
     {"last_launch", last_launch, METH_NOARGS, "The shape of the last kernel launch on this thread."},
+#else
+    {"cpu_isa", cpu_isa, METH_NOARGS, "The instruction set the CPU GEMM kernels use now."},
 #endif
     {nullptr, nullptr, 0, nullptr},
 };

@@ -78,6 +78,12 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // bound by reading the weight once, which the CPU kernel does with every core. float32 or bfloat16.
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 
+  // The same product with the weight kept as GGUF blocks: qweight [N, row_bytes] uint8, format a GGML type id
+  // (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14); x [M, K] float32 or bfloat16 (any M), accumulated in float32, the
+  // weights decoded in registers or cache, never in memory. dequantize: the blocks as float32 [N, K].
+  m.def("quantized_linear(Tensor x, Tensor qweight, int format, Tensor? bias) -> Tensor");
+  m.def("dequantize(Tensor qweight, int format) -> Tensor");
+
   // Attention of the new tokens of each request against its KV cache (DESIGN.md §3.2, §3.4; layouts in
   // specdec/attention.h); k_new/v_new, when given, are written into the cache at positions length_b + i first.
   // Writes out (q's shape and dtype) and, when given, lse (q's shape without D, float32). q is padded

@@ -898,6 +898,52 @@ def skinny_linear(x, weight, bias=None) -> torch.Tensor:
     return torch.ops.specdec.skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
+# GGUF block formats the quantised GEMM reads (GGML type ids) -> (weights, bytes) per block.
+QUANTIZED_FORMATS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+
+
+def _check_blocks(op: str, qweight, format) -> int:
+    """K of a [N, row_bytes] uint8 block tensor in `format`; raises naming the argument."""
+    if isinstance(format, bool) or not isinstance(format, int) or format not in QUANTIZED_FORMATS:
+        raise ValueError(f"{op}: format must be a GGUF block type id (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14), "
+                         f"got {format!r}")
+    weights, nbytes = QUANTIZED_FORMATS[format]
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.uint8 or qweight.dim() != 2 or \
+            qweight.shape[1] == 0 or qweight.shape[1] % nbytes:
+        shape = tuple(qweight.shape) if isinstance(qweight, torch.Tensor) else type(qweight).__name__
+        raise ValueError(f"{op}: qweight must be a uint8 [N, row_bytes] tensor with row_bytes a multiple of {nbytes} "
+                         f"(format {format}'s block), got {shape}")
+    return qweight.shape[1] // nbytes * weights
+
+
+def quantized_linear(x, qweight, format: int, bias=None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias [N]) with W [N, K] kept as GGUF blocks: qweight [N, row_bytes] uint8 in `format`
+    (QUANTIZED_FORMATS). Any number of rows; x float32 or bfloat16, accumulated in float32 with the weights
+    decoded in registers or cache; the result in x's dtype."""
+    k = _check_blocks("quantized_linear", qweight, format)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"quantized_linear: x must be [..., {k}] (qweight's columns), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    _check_devices("quantized_linear", x.device, "x", qweight=qweight, bias=bias)
+    rows = x.reshape(-1, k)
+    if rows.shape[0] == 0:
+        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+    return torch.ops.specdec.quantized_linear(rows, qweight.contiguous(), format, bias).reshape(*x.shape[:-1],
+                                                                                                qweight.shape[0])
+
+
+def dequantize(qweight, format: int) -> torch.Tensor:
+    """GGUF blocks qweight [N, row_bytes] uint8 in `format` -> float32 [N, K]."""
+    _check_blocks("dequantize", qweight, format)
+    return torch.ops.specdec.dequantize(qweight.contiguous(), format)
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU GEMM kernels (skinny_linear, quantized_linear) use now: avx512, avx2 or sse2;
+    the best the CPU has, or the environment variable SPECDEC_CPU_ISA when set (read on every call)."""
+    return _C.cpu_isa()
+
+
 def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::philox_uniform")
     def _(seed, offset, n, stream=0):
@@ -909,6 +955,15 @@ def _register_fakes(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::skinny_linear")
     def _(x, weight, bias):
         return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @torch.library.register_fake(f"{namespace}::quantized_linear")
+    def _(x, qweight, format, bias):
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+    @torch.library.register_fake(f"{namespace}::dequantize")
+    def _(qweight, format):
+        weights, nbytes = QUANTIZED_FORMATS.get(format, (1, 1))
+        return qweight.new_empty((qweight.shape[0], qweight.shape[1] // nbytes * weights), dtype=torch.float32)
 
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "tree_speculative_sampling",
                  "tree_speculative_sampling_from_logits", "truncate_kv_cache"):

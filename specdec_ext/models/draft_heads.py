@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
-from .llama import LlamaForCausalLM, linear, rms_norm
+from .llama import LlamaForCausalLM, embed, linear, rms_norm
 
 
 def check_draft_vocab(draft_vocab: torch.Tensor, vocab_size: int, what: str) -> torch.Tensor:
@@ -54,7 +54,7 @@ class EagleHead(nn.Module):
     def share_target_weights(self, target: LlamaForCausalLM) -> None:
         """The target's embedding (for token j+1), final norm and restricted LM head: views, frozen."""
         check_target(self.target_config, target, "EagleHead")
-        self.embed = target.embed_tokens.detach()  # a plain tensor: not one of the head's parameters
+        self.embed = target.embed_tokens.detach()  # not one of the head's parameters (a tensor, or GGUF blocks)
         with torch.no_grad():
             self.decoder.norm.copy_(target.norm)
             self.decoder.embed_tokens.copy_(target.lm_head[self.draft_vocab])
@@ -80,7 +80,7 @@ class EagleHead(nn.Module):
         normed = rms_norm(features, self.feature_norm, self.target_config.rms_norm_eps)
         if noise:
             normed = normed + (torch.rand_like(normed) - 0.5) * (2 * noise)
-        return linear(torch.cat((F.embedding(next_tokens, self.embed), normed), dim=-1), self.fc.weight, self.fc.bias)
+        return linear(torch.cat((embed(next_tokens, self.embed), normed), dim=-1), self.fc.weight, self.fc.bias)
 
     def forward(self, next_tokens, features, kv_cache, *, cache_rows=slice(None), logits_indices=None, tree_mask=None):
         """Returns (logits over the draft vocabulary [B, P or n, Vd] float32, predicted features [B, P, H]).

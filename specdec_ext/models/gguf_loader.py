@@ -1,8 +1,9 @@
 """Read Llama / Qwen2 checkpoints from GGUF files (llama.cpp's format) into Hugging Face form.
 
 `load_gguf(path)` returns a `config.json`-style dict and an iterator over (Hugging Face tensor name, float32
-array) pairs, so a GGUF file can feed the same model code as a safetensors checkpoint. Dequantization is
-the `gguf` package's own (the reference implementation maintained with llama.cpp), never re-implemented here.
+array) pairs, so a GGUF file can feed the same model code as a safetensors checkpoint. Dequantization at load
+is the `gguf` package's own (the reference implementation maintained with llama.cpp); with keep_quantized the
+block formats the kernels read (KEPT_TYPES) come through as stored instead.
 """
 from __future__ import annotations
 
@@ -168,8 +169,15 @@ def _undo_rotary_permutation(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, half_head, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def read_gguf_tensors(reader: GGUFReader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the file as (Hugging Face name, float32 array in Hugging Face layout), lazily.
+# The block formats that can stay quantised in the model (ops.quantized_linear reads them as stored).
+KEPT_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                        GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+
+
+def read_gguf_tensors(reader: GGUFReader, config: dict, keep_quantized: bool = False):
+    """Every tensor of the file as (Hugging Face name, float32 array in Hugging Face layout), lazily; with
+    keep_quantized, a 2-D tensor of a KEPT_TYPES format comes as (name, (GGML type id, uint8 array [rows,
+    row_bytes])) instead: its blocks as stored, rows in Hugging Face order.
 
     Names and types are all checked before this returns, so a file this loader cannot read fails before any
     weight is dequantized; the dequantization itself happens one tensor at a time as the iterator advances.
@@ -190,8 +198,14 @@ def read_gguf_tensors(reader: GGUFReader, config: dict) -> Iterator[tuple[str, n
             # tensor.data is already in numpy (row-major) order, GGUF's reversed shape undone: a 2-D weight is
             # [rows, cols] = Hugging Face's [out_features, in_features]. Quantized data is [rows, bytes per
             # row] and dequantize expands it to [rows, cols].
-            weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
             n_head = heads_to_unpermute.get(tensor.name.split(".")[-2])
+            if keep_quantized and tensor.tensor_type in KEPT_TYPES and tensor.data.ndim == 2:
+                blocks = tensor.data  # [rows, row_bytes]: the permutation of q/k rows moves whole rows of blocks
+                if n_head is not None:
+                    blocks = _undo_rotary_permutation(blocks, n_head)
+                yield hf_name, (int(tensor.tensor_type), np.array(blocks, dtype=np.uint8, copy=True))
+                continue
+            weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
             if n_head is not None:
                 weights = _undo_rotary_permutation(weights, n_head)
             if not weights.flags.writeable:
@@ -215,14 +229,15 @@ class _CheckedReader(GGUFReader):
         return super()._get(offset, dtype, count, override_order)
 
 
-def load_gguf(path: str | PathLike) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
-    """Open a GGUF file (memory-mapped) and return (Hugging Face config dict, iterator of named tensors)."""
+def load_gguf(path: str | PathLike, keep_quantized: bool = False) -> tuple[dict, Iterator]:
+    """Open a GGUF file (memory-mapped) and return (Hugging Face config dict, iterator of named tensors; see
+    read_gguf_tensors for keep_quantized)."""
     try:
         reader = _CheckedReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as error:  # a bad magic, truncation, corrupt fields
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {error}") from error
     try:
         config = read_gguf_config(reader)
-        return config, read_gguf_tensors(reader, config)
+        return config, read_gguf_tensors(reader, config, keep_quantized)
     except ValueError as error:
         raise ValueError(f"{str(path)!r}: {error}") from error

@@ -15,6 +15,7 @@ from .. import ops as native_ops
 from ..host import upload
 from ..ops import LIMITS, is_strict, skinny_linear
 from .config import LlamaConfig
+from .quantized import is_quantized
 
 MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
 
@@ -39,10 +40,13 @@ def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). On the CPU, up to 16 rows (decode and verify steps): skinny_linear, which reads the
-    weight once with every core (MKL's sgemv uses one). More rows (prefill): weight @ x.T, the orientation MKL
-    runs 2.5-4x faster than F.linear's for few rows and never slower up to 64 (bench/RESULTS.md)."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). A weight kept as GGUF blocks (quantized.py): quantized_linear. On the CPU, up to 16
+    rows (decode and verify steps): skinny_linear, which reads the weight once with every core (MKL's sgemv uses
+    one). More rows (prefill): weight @ x.T, the orientation MKL runs 2.5-4x faster than F.linear's for few rows
+    and never slower up to 64 (bench/RESULTS.md)."""
+    if is_quantized(weight):
+        return weight.linear(x, bias)
     if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)  # (training: skinny_linear has no backward)
     rows = x.reshape(-1, x.shape[-1])
@@ -53,6 +57,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def embed(ids: torch.Tensor, table) -> torch.Tensor:
+    """The rows of an embedding table (a tensor, or GGUF blocks dequantised row by row) for token ids."""
+    return table[ids] if is_quantized(table) else F.embedding(ids, table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -230,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         (set_strict(True); the check is a host read)."""
         c = self.config
         self.check_input(input_ids, inputs_embeds, kv_cache, cache_rows, tree_mask)
-        x = F.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
+        x = embed(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
         b, n = x.shape[:2]
         seqlens = kv_cache.attention_args(0, cache_rows)[2] if kv_cache is not None else \
             torch.zeros(b, dtype=torch.int32, device=x.device)
@@ -281,11 +290,13 @@ class LlamaForCausalLM(nn.Module):
 
     # Loaders (loaders.py); here so that they read as the class's constructors.
     @classmethod
-    def from_pretrained(cls, path, *, dtype=torch.float32, device="cpu") -> "LlamaForCausalLM":
-        """A Hugging Face directory (config.json + *.safetensors, sharded or not) or a .gguf file."""
+    def from_pretrained(cls, path, *, dtype=torch.float32, device="cpu", keep_quantized=False) -> "LlamaForCausalLM":
+        """A Hugging Face directory (config.json + *.safetensors, sharded or not) or a .gguf file. keep_quantized
+        (GGUF): the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights stay as stored (quantized.py), the activations and
+        the other weights are `dtype`."""
         from .loaders import load_pretrained
 
-        return load_pretrained(path, dtype=dtype, device=device)
+        return load_pretrained(path, dtype=dtype, device=device, keep_quantized=keep_quantized)
 
     @classmethod
     def from_hf(cls, hf_model, *, dtype=None, device=None) -> "LlamaForCausalLM":

@@ -8,27 +8,62 @@ from tqdm.auto import tqdm
 
 from .config import LlamaConfig, read_json
 from .llama import LlamaForCausalLM
+from .quantized import QuantizedWeight, stack_rows
 
 
 def fill_weights(model: LlamaForCausalLM, tensors, total: int, what: str) -> LlamaForCausalLM:
-    """Copies (name, tensor) pairs into the model's slots; every weight must come exactly once."""
+    """Copies (name, tensor) pairs into the model's slots; every weight must come exactly once. A QuantizedWeight
+    value replaces its slot (place_quantized) instead of being copied."""
     needed = set(model.weight_names())
     missing = set(needed)
+    quantized = {}
     for name, value in tqdm(tensors, total=total, desc=f"loading {what}", unit="tensor", leave=False, disable=None):
         if (name == "lm_head.weight" and model.config.tie_word_embeddings) or name.endswith("rotary_emb.inv_freq"):
             continue  # a tied head stored anyway; rotary tables are recomputed
         if name in needed and name not in missing:
             raise ValueError(f"{what}: weight {name!r} appears twice")
         slot = model.slot(name)  # raises for a weight this architecture does not have
-        value = torch.as_tensor(value)
+        value = value if isinstance(value, QuantizedWeight) else torch.as_tensor(value)
         if tuple(value.shape) != tuple(slot.shape):
             raise ValueError(f"{what}: {name} has shape {tuple(value.shape)}, the config says {tuple(slot.shape)}")
-        with torch.no_grad():
-            slot.copy_(value)
+        if isinstance(value, QuantizedWeight):
+            quantized[name] = value
+        else:
+            with torch.no_grad():
+                slot.copy_(value)
         missing.discard(name)
     if missing:
         raise ValueError(f"{what}: missing weights, e.g. {sorted(missing)[:3]}")
+    place_quantized(model, quantized)
     return model
+
+
+def place_quantized(model: LlamaForCausalLM, weights: dict) -> None:
+    """Puts weights kept as GGUF blocks (Hugging Face name -> QuantizedWeight) in place of the model's float
+    tensors. A fused projection (q/k/v, gate/up) is kept quantised when all its parts are; if only some are, those
+    are dequantised into the float tensor instead (a file that mixes float and block parts of one projection)."""
+    groups = [(model, "embed_tokens", ["model.embed_tokens.weight"])]
+    if not model.config.tie_word_embeddings:
+        groups.append((model, "lm_head", ["lm_head.weight"]))
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        groups += [(layer, "qkv_proj", [p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                   (layer, "o_proj", [p + "self_attn.o_proj.weight"]),
+                   (layer, "gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                   (layer, "down_proj", [p + "mlp.down_proj.weight"])]
+    for module, attr, names in groups:
+        kept = [weights[n] for n in names if n in weights]
+        if len(kept) == len(names):
+            module._parameters.pop(attr, None)  # a plain attribute from here on, not an nn.Parameter
+            setattr(module, attr, stack_rows(kept))
+        else:
+            with torch.no_grad():
+                for n in names:
+                    if n in weights:
+                        model.slot(n).copy_(weights[n].dequantize())
+    if model.config.tie_word_embeddings and "model.embed_tokens.weight" in weights:
+        model._parameters.pop("lm_head", None)
+        model.lm_head = model.embed_tokens
 
 
 def load_from_hf(hf_model, *, dtype=None, device=None) -> LlamaForCausalLM:
@@ -39,14 +74,17 @@ def load_from_hf(hf_model, *, dtype=None, device=None) -> LlamaForCausalLM:
     return fill_weights(model, state.items(), len(state), type(hf_model).__name__)
 
 
-def load_pretrained(path, *, dtype=torch.float32, device="cpu") -> LlamaForCausalLM:
+def load_pretrained(path, *, dtype=torch.float32, device="cpu", keep_quantized: bool = False) -> LlamaForCausalLM:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_model(path, dtype=dtype, device=device)
+        return load_gguf_model(path, dtype=dtype, device=device, keep_quantized=keep_quantized)
     if path.is_dir() and (path / "config.json").is_file():
+        if keep_quantized:
+            raise ValueError(f"from_pretrained: keep_quantized needs a .gguf file (block formats); {str(path)!r} is a "
+                             "Hugging Face directory")
         return load_safetensors_dir(path, dtype=dtype, device=device)
     if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        return load_gguf_model(ggufs[0], dtype=dtype, device=device)
+        return load_gguf_model(ggufs[0], dtype=dtype, device=device, keep_quantized=keep_quantized)
     raise ValueError(f"from_pretrained: {str(path)!r} is neither a Hugging Face model directory (config.json and "
                      "*.safetensors) nor a .gguf file")
 
@@ -81,11 +119,23 @@ def load_safetensors_dir(path: Path, *, dtype, device) -> LlamaForCausalLM:
     return fill_weights(model, ((k, h.get_tensor(k)) for h, k in names), len(names), path.name)
 
 
-def load_gguf_model(path: Path, *, dtype, device) -> LlamaForCausalLM:
+def load_gguf_model(path: Path, *, dtype, device, keep_quantized: bool = False) -> LlamaForCausalLM:
     from .gguf_loader import load_gguf
 
-    config_dict, tensors = load_gguf(str(path))
+    if keep_quantized and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"from_pretrained: keep_quantized runs float32 or bfloat16 activations, got dtype {dtype}")
+    config_dict, tensors = load_gguf(str(path), keep_quantized=keep_quantized)
     config = LlamaConfig.from_dict(config_dict, str(path))
+    # The float tensors that quantised weights replace are allocated but never written: untouched pages cost no
+    # memory.
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
     total = len(model.weight_names())
-    return fill_weights(model, ((name, torch.from_numpy(value)) for name, value in tensors), total, path.name)
+
+    def values():
+        for name, value in tensors:
+            if isinstance(value, tuple):  # (GGML type id, blocks)
+                yield name, QuantizedWeight(torch.from_numpy(value[1]), value[0], dtype).to(device)
+            else:
+                yield name, torch.from_numpy(value)
+
+    return fill_weights(model, values(), total, path.name)

@@ -1,0 +1,224 @@
+// The CPU GEMM ops (cpu/linear_kernels.h has the plan and the byte/flop counts):
+// - skinny_linear: y [M, N] = x [M, K] @ weight [N, K]^T (+ bias) for the 1-16 rows of a decode or verify step,
+//   float32 or bfloat16 weights, accumulated in float32;
+// - quantized_linear: the same with weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), any M (in chunks);
+// - dequantize: GGUF blocks -> float32 rows (embedding lookups of a quantised table).
+// One kernel per ISA (AVX-512, AVX2 + FMA + F16C, SSE2), compiled from one source and chosen at run time: the best
+// the CPU has, or SPECDEC_CPU_ISA (avx512, avx2, sse2) when set.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/linear_kernels.h"
+
+// Dot products need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the sampling kernels:
+// every function below may fuse its multiply-adds (one rounding instead of two, half the instructions).
+#pragma GCC optimize("fp-contract=fast")
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+namespace specdec::linear::avx512 {
+#define SPECDEC_LINEAR_VW 16
+#include "cpu/linear_isa.inc"
+#undef SPECDEC_LINEAR_VW
+}  // namespace specdec::linear::avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace specdec::linear::avx2 {
+#define SPECDEC_LINEAR_VW 8
+#include "cpu/linear_isa.inc"
+#undef SPECDEC_LINEAR_VW
+}  // namespace specdec::linear::avx2
+#pragma GCC pop_options
+
+namespace specdec::linear::sse2 {
+#define SPECDEC_LINEAR_VW 4
+#include "cpu/linear_isa.inc"
+#undef SPECDEC_LINEAR_VW
+}  // namespace specdec::linear::sse2
+
+namespace specdec {
+
+namespace {
+
+using linear::Problem;
+
+struct IsaKernels {
+  const char* name;
+  void (*product_rows)(const Problem&, int64_t, int64_t, float*);
+  void (*dequantize_rows)(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+};
+
+constexpr IsaKernels kIsas[] = {
+    {"avx512", linear::avx512::product_rows, linear::avx512::dequantize_rows},
+    {"avx2", linear::avx2::product_rows, linear::avx2::dequantize_rows},
+    {"sse2", linear::sse2::product_rows, linear::sse2::dequantize_rows},
+};
+
+bool cpu_has(const IsaKernels& isa) {
+  const std::string name = isa.name;
+  if (name == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+  if (name == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }
+  return true;  // SSE2 is x86-64's baseline
+}
+
+// The kernels for this call: SPECDEC_CPU_ISA if set (read on every call, so a test or a benchmark can switch),
+// else the best this CPU has.
+const IsaKernels& isa_kernels() {
+  const char* wanted = std::getenv("SPECDEC_CPU_ISA");
+  if (wanted != nullptr && *wanted != '\0') {
+    for (const IsaKernels& isa : kIsas) {
+      if (std::string(wanted) == isa.name) {
+        TORCH_CHECK_VALUE(cpu_has(isa), "SPECDEC_CPU_ISA=", wanted, ": this CPU lacks the instructions it needs");
+        return isa;
+      }
+    }
+    TORCH_CHECK_VALUE(false, "SPECDEC_CPU_ISA must be avx512, avx2 or sse2 (or unset), got '", wanted, "'");
+  }
+  for (const IsaKernels& isa : kIsas) {
+    if (cpu_has(isa)) return isa;
+  }
+  return kIsas[2];
+}
+
+// Weight rows per parallel task: whole panels, about an even share per thread (each thread streams one contiguous
+// part of the weight).
+int64_t rows_per_task(int64_t N) {
+  const int64_t panels = (N + linear::kPanelRows - 1) / linear::kPanelRows;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(1, (panels + threads - 1) / threads) * linear::kPanelRows;
+}
+
+// y [M, N] float32 = x [M, K] float32 @ W^T, W given by p (format, pointer, row bytes).
+void product(const IsaKernels& isa, Problem p) {
+  const int64_t chunk = rows_per_task(p.N);
+  const bool blocks = linear::block_shape(p.format).weights != 0;
+  at::parallel_for(0, (p.N + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(blocks ? linear::kPanelRows * p.K : 0);
+    isa.product_rows(p, begin * chunk, std::min(p.N, end * chunk), scratch.data());
+  });
+}
+
+void check_bias(const char* op, const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias) {
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type() &&
+                          bias->device() == x.device(),
+                      op, ": bias must be [N] = [", N, "] of x's dtype and device, got ", bias->sizes(), " ",
+                      bias->scalar_type());
+  }
+}
+
+at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "skinny_linear";
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxSkinnyRows, op, ": x must be [M, K] with M in [1, ",
+                    kMaxSkinnyRows, "], got ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.is_contiguous(), op,
+                    ": weight must be a contiguous [N, K] tensor with K = ", x.size(1), ", got ", weight.sizes());
+  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), op, ": x and weight must have the same dtype, got ",
+                    x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK_VALUE(x.device() == weight.device(), op, ": weight is on ", weight.device(), " but x is on ", x.device());
+  check_bias(op, x, weight.size(0), bias);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  int format = linear::kF32;
+  dispatch_float_types<float, void, c10::BFloat16>(x.scalar_type(), op, [&](auto tag) {
+    format = std::is_same_v<typename decltype(tag)::type, float> ? linear::kF32 : linear::kBF16;
+  });
+  const IsaKernels& isa = isa_kernels();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  product(isa, Problem{xf.data_ptr<float>(), M, K, weight.data_ptr(), K * static_cast<int64_t>(weight.element_size()),
+                       format, y.data_ptr<float>(), N});
+  if (bias.has_value()) y.add_(*bias);
+  return y.to(x.scalar_type());
+}
+
+// K of a [N, row_bytes] block tensor in `format`, checked.
+int64_t block_columns(const char* op, const at::Tensor& qweight, int64_t format) {
+  const linear::BlockShape s = linear::block_shape(static_cast<int>(format));
+  TORCH_CHECK_VALUE(s.weights != 0, op, ": format must be a GGUF block type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, ",
+                    "Q6_K = 14), got ", format);
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                        qweight.size(1) > 0 && qweight.size(1) % s.bytes == 0,
+                    op, ": qweight must be a contiguous uint8 [N, row_bytes] tensor with row_bytes a multiple of ",
+                    s.bytes, " (the block of format ", format, "), got ", qweight.scalar_type(), " ", qweight.sizes());
+  return qweight.size(1) / s.bytes * s.weights;
+}
+
+at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                                const std::optional<at::Tensor>& bias) {
+  const char* op = "quantized_linear";
+  const int64_t K = block_columns(op, qweight, format);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, op, ": x must be [M, K] with M >= 1 and K = ",
+                    K, " (qweight's columns), got ", x.sizes());
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+                    ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.device() == qweight.device(), op, ": qweight is on ", qweight.device(), " but x is on ",
+                    x.device());
+  const int64_t M = x.size(0), N = qweight.size(0);
+  check_bias(op, x, N, bias);
+  const IsaKernels& isa = isa_kernels();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  // Inputs in chunks whose float32 rows stay in L2 (~256 KB) while every weight panel passes over them; each chunk
+  // decodes the weight once.
+  const int64_t chunk = std::max<int64_t>(16, (int64_t{1} << 16) / K);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    at::Tensor yc = rows == M ? y : at::empty({rows, N}, y.options());
+    product(isa, Problem{xf.data_ptr<float>() + m0 * K, rows, K, qweight.data_ptr(), qweight.size(1),
+                         static_cast<int>(format), yc.data_ptr<float>(), N});
+    if (rows != M) y.narrow(0, m0, rows).copy_(yc);
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y.to(x.scalar_type());
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& qweight, int64_t format) {
+  const int64_t K = block_columns("dequantize", qweight, format);
+  const int64_t N = qweight.size(0);
+  at::Tensor out = at::empty({N, K}, qweight.options().dtype(at::kFloat));
+  const IsaKernels& isa = isa_kernels();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    isa.dequantize_rows(static_cast<int>(format), qweight.data_ptr<uint8_t>(), qweight.size(1), K, begin, end,
+                        out.data_ptr<float>() + begin * K);
+  });
+  return out;
+}
+
+}  // namespace
+
+// The ISA the CPU kernels use now (for build_info and the benchmarks).
+const char* cpu_isa_name() { return isa_kernels().name; }
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear_cpu);
+  m.impl("quantized_linear", &quantized_linear_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+}
+
+#if defined(SPECDEC_WITH_CUDA)
+// On a GPU cuBLAS already serves skinny products near the bandwidth bound: the op is at::linear there, so that
+// callers need no device branch.
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("skinny_linear", [](const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    return at::linear(x, weight, bias);
+  });
+}
+#endif
+
+}  // namespace specdec

@@ -1,0 +1,112 @@
+"""Weights kept as GGUF blocks (llama.cpp's Q8_0, Q4_0, Q4_1, Q4_K, Q6_K): a model loaded with
+keep_quantized=True holds its projections, LM head and embedding table this way and multiplies with them through
+ops.quantized_linear, so a decode step reads the file's bytes (Q4_1: 0.625 bytes a weight), not float32.
+
+A QuantizedWeight stands where a [N, K] weight tensor stands in LlamaForCausalLM: `linear` (llama.py) and
+`embed` dispatch on it; `weight[ids]` gives dequantised rows (an embedding lookup, a draft head's copy of LM-head
+rows). Projections that are fused in the model (q/k/v, gate/up) but stored in different formats in the file
+(Q4_K_M files keep v and down in Q6_K) become a QuantizedRowStack: one product per part, concatenated.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+
+FORMAT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+
+
+class QuantizedWeight:
+    """A [N, K] weight as GGUF blocks: `blocks` uint8 [N, row_bytes] in `format` (a GGML type id); `dtype` is the
+    dtype of the activations it multiplies and of the rows it hands out (the model's)."""
+
+    def __init__(self, blocks: torch.Tensor, format: int, dtype: torch.dtype = torch.float32):
+        k = ops._check_blocks("QuantizedWeight", blocks, format)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"QuantizedWeight: dtype must be float32 or bfloat16, got {dtype}")
+        self.blocks, self.format, self.dtype = blocks.contiguous(), format, dtype
+        self.shape = torch.Size((blocks.shape[0], k))
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({FORMAT_NAMES[self.format]}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.quantized_linear(x, self.blocks, self.format, bias)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        """Rows `index` (ids of any shape, a slice) dequantised: [..., K] in self.dtype."""
+        rows = self.blocks[index]
+        flat = rows.reshape(-1, rows.shape[-1])
+        return ops.dequantize(flat, self.format).to(self.dtype).reshape(*rows.shape[:-1], self.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as a [N, K] tensor of self.dtype."""
+        return self[:]
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Rows [start, stop) as a QuantizedWeight (a view of the blocks)."""
+        return QuantizedWeight(self.blocks[start:stop], self.format, self.dtype)
+
+    def to(self, device) -> QuantizedWeight:
+        return QuantizedWeight(self.blocks.to(device), self.format, self.dtype)
+
+    def detach(self) -> QuantizedWeight:
+        return self
+
+
+class QuantizedRowStack:
+    """Row blocks of one [N, K] weight in different formats (parts stacked along N)."""
+
+    def __init__(self, parts: list[QuantizedWeight]):
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+        self.offsets = [0]
+        for p in parts:
+            self.offsets.append(self.offsets[-1] + p.shape[0])
+
+    def __repr__(self) -> str:
+        return f"QuantizedRowStack({', '.join(map(repr, self.parts))})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ys = [p.linear(x, None if bias is None else bias[a:b])
+              for p, a, b in zip(self.parts, self.offsets, self.offsets[1:])]
+        return torch.cat(ys, dim=-1)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def to(self, device) -> QuantizedRowStack:
+        return QuantizedRowStack([p.to(device) for p in self.parts])
+
+    def detach(self) -> QuantizedRowStack:
+        return self
+
+
+def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedRowStack:
+    """One weight from row blocks: their blocks concatenated when they share a format, else a QuantizedRowStack."""
+    if len(parts) == 1:
+        return parts[0]
+    if all(p.format == parts[0].format for p in parts):
+        return QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].format, parts[0].dtype)
+    return QuantizedRowStack(parts)
+
+
+def is_quantized(weight) -> bool:
+    return isinstance(weight, (QuantizedWeight, QuantizedRowStack))
