@@ -337,6 +337,26 @@ def test_shipped_model_greedy_tokens_match_transformers(shipped):
     assert got == want, [(tokenizer.decode(g), tokenizer.decode(w)) for g, w in zip(got, want)]
 
 
+def test_shipped_model_kept_quantized_greedy_equals_dequantized(shipped):
+    """keep_quantized=True: the Q4_1 projections and the Q8_0 embedding / LM head stay as stored; the products
+    differ from the dequantised model's only in float32 summation order, so the 32 greedy tokens are the same."""
+    from specdec_ext.engine import generate_autoregressive
+    from specdec_ext.models.quantized import QuantizedWeight
+
+    ours, _, tokenizer, prompts = shipped
+    kept = LlamaForCausalLM.from_pretrained(default_model_path(), keep_quantized=True)
+    assert isinstance(kept.layers[0].gate_up_proj, QuantizedWeight) and kept.layers[0].gate_up_proj.format == 3
+    assert isinstance(kept.lm_head, QuantizedWeight) and kept.lm_head.format == 8 and kept.lm_head is kept.embed_tokens
+    x = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        want = ours(x, ours.new_kv_cache(1, len(prompts[0])))
+        got = kept(x, kept.new_kv_cache(1, len(prompts[0])))
+    assert rel_err(got, want) <= 1e-5
+    eos = tokenizer.eos_token_id
+    assert generate_autoregressive(kept, prompts, 32, eos_token_id=eos).sequences == \
+        generate_autoregressive(ours, prompts, 32, eos_token_id=eos).sequences
+
+
 def test_shipped_model_speculative_greedy_equals_plain(shipped):
     """The shipped model, greedy, n-gram speculation (adaptive k up to 6): token for token plain decoding's
     output; both prompts through one slot (the second admitted when the first finishes at EOS), paged."""

@@ -44,6 +44,7 @@ constexpr BlockShape block_shape(int format) {
   }
 }
 
+constexpr int kMaxFusedRows = 4;  // block formats: up to this many inputs decode in registers, more through a scratch
 constexpr int kPanelRows = 12;  // weight rows decoded (or read) together: divisible by every NR below
 
 // IEEE half -> float, exact (subnormals included); scalar, used once per block.

@@ -100,12 +100,17 @@ class QuantizedRowStack:
 
 
 def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedRowStack:
-    """One weight from row blocks: their blocks concatenated when they share a format, else a QuantizedRowStack."""
-    if len(parts) == 1:
-        return parts[0]
-    if all(p.format == parts[0].format for p in parts):
-        return QuantizedWeight(torch.cat([p.blocks for p in parts]), parts[0].format, parts[0].dtype)
-    return QuantizedRowStack(parts)
+    """One weight from row blocks: consecutive parts of one format concatenated (one product), a QuantizedRowStack
+    of those runs when formats differ."""
+    runs = [[parts[0]]]
+    for p in parts[1:]:
+        if p.format == runs[-1][-1].format:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    merged = [r[0] if len(r) == 1 else QuantizedWeight(torch.cat([p.blocks for p in r]), r[0].format, r[0].dtype)
+              for r in runs]
+    return merged[0] if len(merged) == 1 else QuantizedRowStack(merged)
 
 
 def is_quantized(weight) -> bool:

@@ -1,0 +1,193 @@
+"""Weights kept as GGUF blocks: ops.dequantize equals the gguf package's dequantize (llama.cpp's reference) bit
+for bit, ops.quantized_linear equals float64 products with those weights, for every block format, instruction set
+(forced through SPECDEC_CPU_ISA; AVX-512 only on a CPU that has it), thread count and row count (1-16 in registers
+or through the scratch, and a prefill's rows in chunks); and a model loaded with keep_quantized=True computes
+what the same file dequantised at load computes."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize as gguf_dequantize
+from helpers import SMALL, random_model, write_gguf
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlama
+
+from specdec_ext import ops
+from specdec_ext.models import LlamaForCausalLM
+from specdec_ext.models.quantized import QuantizedRowStack, QuantizedWeight
+
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+# Byte offsets of each block's fp16 scale fields (d, and m / dmin where the format has one).
+HALF_FIELDS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}
+
+
+def random_blocks(gen, format, n, k):
+    """[n, row_bytes] blocks: every quant bit pattern random; the fp16 scales finite, of both signs and a spread
+    of magnitudes, with zeros and subnormals among them (random bits would make some inf or NaN)."""
+    weights, nbytes = ops.QUANTIZED_FORMATS[format]
+    blocks = torch.randint(0, 256, (n, k // weights, nbytes), generator=gen, dtype=torch.uint8)
+    for offset in HALF_FIELDS[format]:
+        scales = torch.randn(n, k // weights, generator=gen) * 0.02
+        scales[torch.rand(scales.shape, generator=gen) < 0.05] = 0.0
+        scales[torch.rand(scales.shape, generator=gen) < 0.05] = 3e-6  # fp16 subnormal
+        blocks[:, :, offset:offset + 2] = scales.half().view(torch.uint8).reshape(n, k // weights, 2)
+    return blocks.reshape(n, -1)
+
+
+def reference_weight(blocks, format) -> torch.Tensor:
+    return torch.from_numpy(gguf_dequantize(blocks.numpy(), QType(format)).astype(np.float32))
+
+
+@pytest.fixture(params=["sse2", "avx2", "avx512"])
+def isa(request, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_ISA", request.param)
+    try:
+        assert ops.cpu_isa() == request.param
+    except ValueError as error:
+        assert "lacks" in str(error)
+        pytest.skip(f"this CPU has no {request.param}")
+    return request.param
+
+
+def columns(format):
+    return [256, 512] if ops.QUANTIZED_FORMATS[format][0] == 256 else [64, 576]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantize_equals_gguf(name, isa, gen):
+    format = FORMATS[name]
+    for k in columns(format):
+        blocks = random_blocks(gen, format, 29, k)
+        want = reference_weight(blocks, format)
+        got = ops.dequantize(blocks, format)
+        assert got.dtype == torch.float32 and got.shape == (29, k)
+        # Each weight is one rounding of an exact product (fp16 scale x small integer) either way: equal bits.
+        assert torch.equal(got, want), (name, isa, k, float((got - want).abs().max()))
+        ids = torch.tensor([[3, 0], [28, 3]])
+        assert torch.equal(QuantizedWeight(blocks, format)[ids], want[ids])
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=lambda t: f"threads{t}")
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantized_linear_matches_float64(name, isa, threads, gen):
+    format = FORMATS[name]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in columns(format):
+            n = 37  # not a multiple of any tile or panel
+            blocks = random_blocks(gen, format, n, k)
+            w = reference_weight(blocks, format).double()
+            bias = torch.randn(n, generator=gen)
+            # 1-16: decode steps and verify blocks (1-4 decode in registers, more through the scratch); 150: a
+            # prefill, in chunks of rows.
+            for m in [*range(1, 17), 150]:
+                x = torch.randn(m, k, generator=gen)
+                for b in (None, bias):
+                    want = x.double() @ w.T + (0 if b is None else b.double())
+                    got = ops.quantized_linear(x, blocks, format, b)
+                    assert got.dtype == torch.float32 and got.shape == (m, n)
+                    err = float((got.double() - want).norm() / want.norm())
+                    assert err <= 2e-6, (name, isa, threads, k, m, err)  # float32 accumulation
+            # every element, not just the norm
+            x = torch.randn(3, k, generator=gen)
+            assert torch.allclose(ops.quantized_linear(x, blocks, format).double(), x.double() @ w.T, rtol=1e-4,
+                                  atol=1e-4 * float(w.abs().max()) * k ** 0.5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_bfloat16_activations(name, gen):
+    format = FORMATS[name]
+    blocks = random_blocks(gen, format, 37, 256)
+    w = reference_weight(blocks, format).double()
+    for m in (1, 5, 40):
+        x = torch.randn(m, 256, generator=gen).bfloat16()
+        got = ops.quantized_linear(x, blocks, format)
+        assert got.dtype == torch.bfloat16
+        want = x.double() @ w.T
+        assert float((got.double() - want).norm() / want.norm()) <= 8e-3  # the output rounded to bfloat16
+
+
+def test_leading_dims_and_bad_inputs(gen):
+    blocks = random_blocks(gen, 3, 10, 64)
+    x = torch.randn(2, 3, 64, generator=gen)
+    w = reference_weight(blocks, 3)
+    assert torch.allclose(ops.quantized_linear(x, blocks, 3), x @ w.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="format must be a GGUF block type"):
+        ops.quantized_linear(x, blocks, 0)
+    with pytest.raises(ValueError, match="format must be a GGUF block type"):
+        ops.dequantize(blocks, 7)
+    with pytest.raises(ValueError, match="row_bytes a multiple of 20"):
+        ops.quantized_linear(x, blocks[:, :30], 3)
+    with pytest.raises(ValueError, match="qweight must be a uint8"):
+        ops.quantized_linear(x, blocks.to(torch.int8), 3)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        ops.quantized_linear(torch.randn(2, 65), blocks, 3)
+    with pytest.raises(ValueError, match="x must be float32 or bfloat16"):
+        ops.quantized_linear(torch.randn(2, 64).half(), blocks, 3)
+    with pytest.raises(ValueError, match="bias must be"):
+        ops.quantized_linear(torch.randn(2, 64), blocks, 3, torch.randn(9))
+    with pytest.raises(ValueError, match="qweight is on meta"):
+        ops.quantized_linear(torch.randn(2, 64), blocks.to("meta"), 3)
+    with pytest.raises(ValueError, match="QuantizedWeight: dtype"):
+        QuantizedWeight(blocks, 3, torch.float16)
+
+
+def test_opcheck(gen):
+    blocks = random_blocks(gen, 8, 10, 64)
+    x, b = torch.randn(3, 64, generator=gen), torch.randn(10, generator=gen)
+    torch.library.opcheck(torch.ops.specdec.quantized_linear.default, (x, blocks, 8, b))
+    torch.library.opcheck(torch.ops.specdec.quantized_linear.default, (x, blocks, 8, None))
+    torch.library.opcheck(torch.ops.specdec.dequantize.default, (blocks, 8))
+
+
+# ------------------------------------------------------------------------------------------ models kept quantised
+
+def write_mixed_gguf(tmp_path, tied):
+    """A llama GGUF whose projections mix formats as real files do: q/k Q4_0 with v Q8_0 (a row stack), gate F32
+    with up Q4_1 (dequantised at load: a fused projection with a float part), o Q4_1, down Q8_0, embedding Q8_0."""
+    model = random_model(HFLlama, LlamaConfig(**SMALL, tie_word_embeddings=tied))
+    types = {"token_embd.weight": QType.Q8_0, "output.weight": QType.Q4_1}
+    for i in range(SMALL["num_hidden_layers"]):
+        types.update({f"blk.{i}.attn_q.weight": QType.Q4_0, f"blk.{i}.attn_k.weight": QType.Q4_0,
+                      f"blk.{i}.attn_v.weight": QType.Q8_0, f"blk.{i}.attn_output.weight": QType.Q4_1,
+                      f"blk.{i}.ffn_gate.weight": QType.F32, f"blk.{i}.ffn_up.weight": QType.Q4_1,
+                      f"blk.{i}.ffn_down.weight": QType.Q8_0})
+    return write_gguf(tmp_path / "mixed.gguf", model, "llama", tensor_types=types)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_kept_model_equals_dequantised_model(tmp_path, tied):
+    path = write_mixed_gguf(tmp_path, tied)
+    plain = LlamaForCausalLM.from_pretrained(path)
+    kept = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
+    layer = kept.layers[0]
+    assert isinstance(layer.qkv_proj, QuantizedRowStack) and [p.format for p in layer.qkv_proj.parts] == [2, 8]
+    assert isinstance(layer.o_proj, QuantizedWeight) and layer.o_proj.format == 3
+    assert isinstance(layer.down_proj, QuantizedWeight) and layer.down_proj.format == 8
+    assert isinstance(layer.gate_up_proj, torch.Tensor)  # F32 gate + Q4_1 up: dequantised into one tensor
+    assert torch.equal(layer.gate_up_proj, plain.layers[0].gate_up_proj)
+    assert isinstance(kept.embed_tokens, QuantizedWeight) and kept.embed_tokens.format == 8
+    assert (kept.lm_head is kept.embed_tokens) == tied
+    assert kept.dtype == torch.float32
+    for name in ("qkv_proj", "o_proj", "down_proj"):  # the same weights, rows in Hugging Face order (q/k unpermuted)
+        assert torch.equal(getattr(layer, name).dequantize(), getattr(plain.layers[0], name)), name
+    ids = torch.tensor([[1, 5, 9, 33, 2, 63, 17, 40, 8, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    for q in (1, 4, 19):  # decode, a verify block in registers, a prefill through the scratch
+        caches = [m.new_kv_cache(1, 64) for m in (plain, kept)]
+        with torch.no_grad():
+            want = plain(ids[:, :q], caches[0])
+            got = kept(ids[:, :q], caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_keep_quantized_refuses_what_it_cannot_keep(tmp_path):
+    path = write_mixed_gguf(tmp_path, tied=True)
+    with pytest.raises(ValueError, match="keep_quantized runs float32 or bfloat16"):
+        LlamaForCausalLM.from_pretrained(path, keep_quantized=True, dtype=torch.float16)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="keep_quantized needs a .gguf file"):
+        LlamaForCausalLM.from_pretrained(tmp_path / "hf", keep_quantized=True)
