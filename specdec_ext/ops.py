@@ -640,6 +640,24 @@ def _verify_attention(ops, q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, 
     return (out, lse) if return_lse else out
 
 
+# GGUF block formats the quantised GEMM reads (GGML type ids) -> (weights, bytes) per block.
+QUANTIZED_FORMATS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+
+
+def _check_blocks(op: str, qweight, format) -> int:
+    """K of a [N, row_bytes] uint8 block tensor in `format`; raises naming the argument."""
+    if isinstance(format, bool) or not isinstance(format, int) or format not in QUANTIZED_FORMATS:
+        raise ValueError(f"{op}: format must be a GGUF block type id (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14), "
+                         f"got {format!r}")
+    weights, nbytes = QUANTIZED_FORMATS[format]
+    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.uint8 or qweight.dim() != 2 or \
+            qweight.shape[1] == 0 or qweight.shape[1] % nbytes:
+        shape = tuple(qweight.shape) if isinstance(qweight, torch.Tensor) else type(qweight).__name__
+        raise ValueError(f"{op}: qweight must be a uint8 [N, row_bytes] tensor with row_bytes a multiple of {nbytes} "
+                         f"(format {format}'s block), got {shape}")
+    return qweight.shape[1] // nbytes * weights
+
+
 class Ops:
     """The ops of DESIGN.md §3 on one backend, each defined once: `namespace` is torch.ops.specdec (the CPU and
     CUDA kernels; the module-level functions of specdec_ext) or torch.ops.specdec_sim (the CUDA kernels' source
@@ -875,6 +893,28 @@ class Ops:
                                  kv_indices=kv_indices, kv_last_page_len=kv_last_page_len, window_left=window_left,
                                  logits_soft_cap=logits_soft_cap, out=out, records_errors=self.records_errors(q))
 
+    def quantized_linear(self, x, qweight, format: int, bias=None) -> torch.Tensor:
+        """x [..., K] @ W^T (+ bias [N]) with W [N, K] kept as GGUF blocks: qweight [N, row_bytes] uint8 in `format`
+        (QUANTIZED_FORMATS: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14). Any number of rows; x float32 or bfloat16
+        (and float16 on CUDA), accumulated in float32 with the weights decoded in registers or cache, never in
+        memory; the result in x's dtype."""
+        k = _check_blocks("quantized_linear", qweight, format)
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k:
+            raise ValueError(f"quantized_linear: x must be [..., {k}] (qweight's columns), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        _check_devices("quantized_linear", x.device, "x", qweight=qweight, bias=bias)
+        rows = x.reshape(-1, k)
+        if rows.shape[0] == 0:
+            return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+        return self.namespace.quantized_linear(rows, qweight.contiguous(), format, bias).reshape(*x.shape[:-1],
+                                                                                                 qweight.shape[0])
+
+    def dequantize(self, qweight, format: int) -> torch.Tensor:
+        """GGUF blocks qweight [N, row_bytes] uint8 in `format` -> float32 [N, K]: the same weights the products use,
+        equal to the gguf package's dequantize bit for bit."""
+        _check_blocks("dequantize", qweight, format)
+        return self.namespace.dequantize(qweight.contiguous(), format)
+
 
 NATIVE = Ops(torch.ops.specdec, records_errors=_on_device)
 philox_uniform = NATIVE.philox_uniform
@@ -885,6 +925,8 @@ gumbel_sample = NATIVE.gumbel_sample
 tree_speculative_sampling_from_logits = NATIVE.tree_speculative_sampling_from_logits
 truncate_kv_cache = NATIVE.truncate_kv_cache
 verify_attention = NATIVE.verify_attention
+quantized_linear = NATIVE.quantized_linear
+dequantize = NATIVE.dequantize
 
 
 def skinny_linear(x, weight, bias=None) -> torch.Tensor:
@@ -896,46 +938,6 @@ def skinny_linear(x, weight, bias=None) -> torch.Tensor:
         raise ValueError(f"skinny_linear: at most {LIMITS['max_skinny_rows']} rows, got {rows.shape[0]} (use F.linear)")
     _check_devices("skinny_linear", x.device, "x", weight=weight, bias=bias)
     return torch.ops.specdec.skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
-
-
-# GGUF block formats the quantised GEMM reads (GGML type ids) -> (weights, bytes) per block.
-QUANTIZED_FORMATS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
-
-
-def _check_blocks(op: str, qweight, format) -> int:
-    """K of a [N, row_bytes] uint8 block tensor in `format`; raises naming the argument."""
-    if isinstance(format, bool) or not isinstance(format, int) or format not in QUANTIZED_FORMATS:
-        raise ValueError(f"{op}: format must be a GGUF block type id (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14), "
-                         f"got {format!r}")
-    weights, nbytes = QUANTIZED_FORMATS[format]
-    if not isinstance(qweight, torch.Tensor) or qweight.dtype != torch.uint8 or qweight.dim() != 2 or \
-            qweight.shape[1] == 0 or qweight.shape[1] % nbytes:
-        shape = tuple(qweight.shape) if isinstance(qweight, torch.Tensor) else type(qweight).__name__
-        raise ValueError(f"{op}: qweight must be a uint8 [N, row_bytes] tensor with row_bytes a multiple of {nbytes} "
-                         f"(format {format}'s block), got {shape}")
-    return qweight.shape[1] // nbytes * weights
-
-
-def quantized_linear(x, qweight, format: int, bias=None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias [N]) with W [N, K] kept as GGUF blocks: qweight [N, row_bytes] uint8 in `format`
-    (QUANTIZED_FORMATS). Any number of rows; x float32 or bfloat16, accumulated in float32 with the weights
-    decoded in registers or cache; the result in x's dtype."""
-    k = _check_blocks("quantized_linear", qweight, format)
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"quantized_linear: x must be [..., {k}] (qweight's columns), got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-    _check_devices("quantized_linear", x.device, "x", qweight=qweight, bias=bias)
-    rows = x.reshape(-1, k)
-    if rows.shape[0] == 0:
-        return x.new_empty((*x.shape[:-1], qweight.shape[0]))
-    return torch.ops.specdec.quantized_linear(rows, qweight.contiguous(), format, bias).reshape(*x.shape[:-1],
-                                                                                                qweight.shape[0])
-
-
-def dequantize(qweight, format: int) -> torch.Tensor:
-    """GGUF blocks qweight [N, row_bytes] uint8 in `format` -> float32 [N, K]."""
-    _check_blocks("dequantize", qweight, format)
-    return torch.ops.specdec.dequantize(qweight.contiguous(), format)
 
 
 def cpu_isa() -> str:

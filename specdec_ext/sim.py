@@ -32,3 +32,5 @@ gumbel_sample = EMULATED.gumbel_sample
 tree_speculative_sampling_from_logits = EMULATED.tree_speculative_sampling_from_logits
 truncate_kv_cache = EMULATED.truncate_kv_cache
 verify_attention = EMULATED.verify_attention
+quantized_linear = EMULATED.quantized_linear
+dequantize = EMULATED.dequantize

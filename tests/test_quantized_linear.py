@@ -143,6 +143,51 @@ def test_opcheck(gen):
     torch.library.opcheck(torch.ops.specdec.dequantize.default, (blocks, 8))
 
 
+# ------------------------------------------------------------------------- the CUDA kernel under the emulator
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_emulated_cuda_kernel_matches_cpu_and_float64(name, gen):
+    """The W4/W8 x A16 CUDA kernel's source under the emulator: its weights are decode_unit's, so dequantize equals
+    gguf's bit for bit; products equal float64 within float32 accumulation and the CPU kernel within twice that,
+    for 1-20 rows (a tile of 16 and a second one), float32, bfloat16 and float16 activations, with a bias."""
+    from specdec_ext import sim
+
+    format = FORMATS[name]
+    k = columns(format)[0]
+    n = 13  # 4 warps a block: a last block with one row
+    blocks = random_blocks(gen, format, n, k)
+    w = reference_weight(blocks, format)
+    assert torch.equal(sim.dequantize(blocks, format), w)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 3, 16, 20):
+        x = torch.randn(m, k, generator=gen)
+        want = x.double() @ w.double().T + bias.double()
+        got = sim.quantized_linear(x, blocks, format, bias)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert float((got.double() - want).norm() / want.norm()) <= 2e-6, (name, m)
+        cpu = ops.quantized_linear(x, blocks, format, bias)
+        assert float((got - cpu).double().norm() / want.norm()) <= 4e-6, (name, m)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(5, k, generator=gen).to(dtype)
+        got = sim.quantized_linear(x, blocks, format)
+        want = x.double() @ w.double().T
+        assert got.dtype == dtype and float((got.double() - want).norm() / want.norm()) <= 8e-3, (name, dtype)
+
+
+def test_emulated_bad_inputs(gen):
+    from specdec_ext import sim
+
+    blocks = random_blocks(gen, 3, 4, 64)
+    with pytest.raises(ValueError, match="format must be a GGUF block type"):
+        sim.quantized_linear(torch.randn(2, 64), blocks, 7)
+    with pytest.raises(ValueError, match="row_bytes a multiple of 144"):
+        sim.quantized_linear(torch.randn(2, 64), blocks, 12)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        sim.quantized_linear(torch.randn(2, 32), blocks, 3)
+    with pytest.raises(ValueError, match="bias must be"):
+        torch.ops.specdec_sim.quantized_linear(torch.randn(2, 64), blocks, 3, torch.randn(4).double())
+
+
 # ------------------------------------------------------------------------------------------ models kept quantised
 
 def write_mixed_gguf(tmp_path, tied):

@@ -107,7 +107,7 @@ int64_t rows_per_task(int64_t N) {
 // y [M, N] float32 = x [M, K] float32 @ W^T, W given by p (format, pointer, row bytes).
 void product(const IsaKernels& isa, Problem p) {
   const int64_t chunk = rows_per_task(p.N);
-  const bool blocks = linear::block_shape(p.format).weights != 0;
+  const bool blocks = block_shape(p.format).weights != 0;
   at::parallel_for(0, (p.N + chunk - 1) / chunk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(blocks ? linear::kPanelRows * p.K : 0);
     isa.product_rows(p, begin * chunk, std::min(p.N, end * chunk), scratch.data());
@@ -134,9 +134,9 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   TORCH_CHECK_VALUE(x.device() == weight.device(), op, ": weight is on ", weight.device(), " but x is on ", x.device());
   check_bias(op, x, weight.size(0), bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  int format = linear::kF32;
+  int format = kF32;
   dispatch_float_types<float, void, c10::BFloat16>(x.scalar_type(), op, [&](auto tag) {
-    format = std::is_same_v<typename decltype(tag)::type, float> ? linear::kF32 : linear::kBF16;
+    format = std::is_same_v<typename decltype(tag)::type, float> ? kF32 : kBF16;
   });
   const IsaKernels& isa = isa_kernels();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -149,7 +149,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
 
 // K of a [N, row_bytes] block tensor in `format`, checked.
 int64_t block_columns(const char* op, const at::Tensor& qweight, int64_t format) {
-  const linear::BlockShape s = linear::block_shape(static_cast<int>(format));
+  const BlockShape s = block_shape(static_cast<int>(format));
   TORCH_CHECK_VALUE(s.weights != 0, op, ": format must be a GGUF block type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, ",
                     "Q6_K = 14), got ", format);
   TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&

@@ -11,3 +11,4 @@
 #include "../cuda/philox_uniform.cu"
 #include "../cuda/truncate_kv_cache.cu"
 #include "../cuda/verify_attention.cu"
+#include "../cuda/quantized_linear.cu"

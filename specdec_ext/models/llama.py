@@ -13,11 +13,12 @@ from torch import nn
 
 from .. import ops as native_ops
 from ..host import upload
-from ..ops import LIMITS, is_strict, skinny_linear
+from ..ops import LIMITS, is_strict
 from .config import LlamaConfig
 from .quantized import is_quantized
 
-MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
+MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]
+MAX_SKINNY_ROWS = LIMITS["max_skinny_rows"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
@@ -50,9 +51,10 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         return F.linear(x, weight, bias)  # (training: skinny_linear has no backward)
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= LIMITS["max_skinny_rows"] and weight.dtype in (torch.float32, torch.bfloat16) and \
+    if rows.shape[0] <= MAX_SKINNY_ROWS and weight.dtype in (torch.float32, torch.bfloat16) and \
             rows.dtype == weight.dtype:
-        return skinny_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        # the op itself: shapes, dtypes and devices are the model's own (ops.skinny_linear checks callers')
+        return torch.ops.specdec.skinny_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
     y = torch.mm(weight, rows.t()).t().contiguous()  # callers (the sampling kernels) need contiguous rows
     if bias is not None:
         y = y + bias
@@ -65,17 +67,19 @@ def embed(ids: torch.Tensor, table) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers computes it: in float32, then scaled by the weight in the input's dtype."""
+    """As transformers computes it: in float32, then scaled by the weight in the input's dtype (for float32, torch's
+    rms_norm computes exactly that in one call)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, Q, H, D] rotated by the angles of its positions (cos/sin [B, Q, 1, D]); halves, not interleaved."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, H, D] rotated by the angles of its positions (cos [B, Q, 1, D]; signed_sin: sin with its first half
+    negated); halves, not interleaved. transformers' x cos + cat(-x2, x1) sin, bit for bit: x2 (-sin) = (-x2) sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaForCausalLM(nn.Module):
@@ -247,6 +251,7 @@ class LlamaForCausalLM(nn.Module):
         angles = pos.unsqueeze(-1).float() * self.inv_freq  # [B, Q, D/2], float32 as transformers computes them
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        sin[..., :sin.shape[-1] // 2].neg_()  # apply_rope's signed sin
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
