@@ -14,14 +14,15 @@ def choose_device(name: str | None = None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def load(path, device, dtype: torch.dtype = torch.float32):
-    """A model and its tokenizer from an HF directory or a .gguf file, with a progress bar."""
+def load(path, device, dtype: torch.dtype = torch.float32, keep_quantized: bool = False):
+    """A model and its tokenizer from an HF directory or a .gguf file, with a progress bar; keep_quantized: the
+    GGUF block weights stay as stored (LlamaForCausalLM.from_pretrained)."""
     from tqdm import tqdm
 
     from .models import LlamaForCausalLM, load_tokenizer
 
     with tqdm(total=2, desc=f"loading {path}", unit="part", file=sys.stderr, leave=False) as bar:
-        model = LlamaForCausalLM.from_pretrained(path, device=device, dtype=dtype)
+        model = LlamaForCausalLM.from_pretrained(path, device=device, dtype=dtype, keep_quantized=keep_quantized)
         bar.update()
         tokenizer = load_tokenizer(path)
         bar.update()
@@ -59,9 +60,10 @@ def check_drafter(spec: str, model_path=None) -> None:
         raise heads_only_for_the_default_model(kind)
 
 
-def make_drafter(spec: str, target, model_path=None):
-    """'ngram', 'model:PATH' (a draft model), 'eagle[:PATH]' or 'medusa[:PATH]' (trained heads for the target;
-    without a PATH, the heads shipped for the default model, when model_path is that model)."""
+def make_drafter(spec: str, target, model_path=None, keep_quantized: bool = False):
+    """'ngram', 'model:PATH' (a draft model; keep_quantized: its GGUF block weights kept as stored, whatever the
+    target's), 'eagle[:PATH]' or 'medusa[:PATH]' (trained heads for the target; without a PATH, the heads shipped
+    for the default model, when model_path is that model)."""
     from .drafters import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
     from .models import LlamaForCausalLM, default_head_path
     from .models.draft_heads import EagleHead, MedusaHeads
@@ -73,7 +75,8 @@ def make_drafter(spec: str, target, model_path=None):
     if spec == "ngram":
         return NgramDrafter()
     if kind == "model":
-        return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype))
+        return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype,
+                                                             keep_quantized=keep_quantized))
     path = path or default_head_path(kind)
     if kind == "eagle":
         return EagleDrafter(target, EagleHead.load(path, target))

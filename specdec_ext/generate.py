@@ -1,6 +1,7 @@
 """`specdec generate`: text in, text out, streamed, through speculative decoding of any supported model."""
 import sys
 import time
+from pathlib import Path
 
 from .cli import tree_settings
 from .engine.decoder import DEFAULT_SAMPLING, SAMPLING_MODES
@@ -15,6 +16,11 @@ def validate(args) -> None:
         raise ValueError("--tree: tree rounds need eagle, medusa or ngram drafting, not a draft model")
     if not args.chat and args.prompt == "":
         raise ValueError("--prompt is empty (without --chat there is nothing to continue)")
+    if args.keep_quantized and args.model and not str(args.model).endswith(".gguf") and \
+            not any(Path(args.model).glob("*.gguf")):
+        raise ValueError("--keep-quantized: --model must be a .gguf file (its block weights are what is kept)")
+    if args.draft_keep_quantized and not drafter.startswith("model:"):
+        raise ValueError("--draft-keep-quantized: the drafter must be model:PATH (a draft model)")
 
 
 def stats_line(s, drafter: str, shape: str, seconds: float, finish_reason=None) -> str:
@@ -35,7 +41,7 @@ def main(args) -> int:
 
     device = choose_device(args.device)
     path = args.model or default_model_path()
-    model, tokenizer = load(path, device)
+    model, tokenizer = load(path, device, keep_quantized=args.keep_quantized)
     drafter = args.drafter or ("ngram" if args.model else "eagle")
     ids = prompt_ids(tokenizer, args.prompt, args.chat)
     if not ids:
@@ -43,7 +49,7 @@ def main(args) -> int:
     context = model.config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"--prompt is {len(ids)} tokens; the model's context is {context} tokens")
-    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), args.k, tree=args.tree,
+    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path, args.draft_keep_quantized), args.k, tree=args.tree,
                              max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive, sampling=args.sampling)
     text = TextStream(tokenizer)
 
@@ -90,5 +96,10 @@ def register(sub) -> None:
     p.add_argument("--tree", default=None, type=tree_settings,
                    help="tree rounds (eagle, medusa, ngram): N (nodes per tree, the last token included) or "
                         "nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights stay as stored (4-8 bits a weight read per "
+                        "step instead of 32); activations float32")
+    p.add_argument("--draft-keep-quantized", action="store_true",
+                   help="the same for a model:PATH draft model (set apart from the target's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(fn=main, validate=validate)

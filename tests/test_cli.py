@@ -158,6 +158,7 @@ BAD_ARGUMENTS = [
     (["generate", "--prompt", "Hi", "--device", "tpu"], "--device 'tpu' is not a device"),
     (["generate", "--prompt", "Hi", "--seed", str(2**64)], "--seed must fit in a signed 64-bit integer"),
     (["generate", "--prompt", ""], "--prompt is empty"),
+    (["generate", "--prompt", "Hi", "--draft-keep-quantized"], "--draft-keep-quantized: the drafter must be model:PATH"),
     (["demo", "--device", "gpu"], "--device 'gpu' is not a device"),
     (["bench", "e2e", "--repeats", "0"], "--repeats must be >= 1"),
     (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--epochs", "0"], "--epochs must be >= 1"),

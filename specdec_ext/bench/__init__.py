@@ -2,8 +2,8 @@
 decoding benchmark, shipped with the package so that an installed wheel runs them."""
 import importlib
 
-BENCHMARKS = ("attention", "compat_flashinfer", "compat_sglang", "compat_transformers", "compat_vllm", "e2e",
-              "flat_sampling", "philox", "row_filters", "sampling", "tree_sampling")
+BENCHMARKS = ("attention", "compat_flashinfer", "compat_sglang", "compat_transformers", "compat_vllm", "cpu_forward",
+              "e2e", "flat_sampling", "philox", "row_filters", "sampling", "tree_sampling")
 
 
 def run(args) -> int:
@@ -25,7 +25,8 @@ def register(sub) -> None:
     bench.add_argument("--layouts", action="store_true", help="attention: engine layouts (HND, CSR pages, flat q) "
                                                                "against the padded NHD call, B = 8, context 2048")
     bench.add_argument("--dtype", default=None, help="e2e: comma-separated dtypes (default float32,bfloat16)")
-    bench.add_argument("--new-tokens", type=int, default=None, help="e2e: tokens generated per request (default 128)")
+    bench.add_argument("--new-tokens", type=int, default=None,
+                       help="e2e, cpu_forward: tokens generated per request (default 128)")
     bench.add_argument("--prompts", default=None, help="e2e: comma-separated prompt names (chat,code,summarise, and "
                        "heldout: held-out chat prompts of the shipped prompt set, never trained on)")
     bench.add_argument("--drafters", default=None, help="e2e: comma-separated drafters (default ngram,eagle,medusa: "
