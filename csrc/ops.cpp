@@ -84,6 +84,13 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, int format, Tensor? bias) -> Tensor");
   m.def("dequantize(Tensor qweight, int format) -> Tensor");
 
+  // A Llama decoder layer's elementwise steps in one call each (CPU; models/llama.py uses them there, torch's
+  // expressions elsewhere; cpu/model_glue.cpp says what each computes). add_rms_norm adds delta into x in place.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_split(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+
   // Attention of the new tokens of each request against its KV cache (DESIGN.md §3.2, §3.4; layouts in
   // specdec/attention.h); k_new/v_new, when given, are written into the cache at positions length_b + i first.
   // Writes out (q's shape and dtype) and, when given, lse (q's shape without D, float32). q is padded

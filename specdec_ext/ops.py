@@ -967,6 +967,20 @@ def _register_fakes(namespace: str) -> None:
         weights, nbytes = QUANTIZED_FORMATS.get(format, (1, 1))
         return qweight.new_empty((qweight.shape[0], qweight.shape[1] // nbytes * weights), dtype=torch.float32)
 
+    torch.library.register_fake(f"{namespace}::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
+    torch.library.register_fake(f"{namespace}::add_rms_norm")(lambda x, delta, weight, eps: torch.empty_like(x))
+
+    @torch.library.register_fake(f"{namespace}::rotary_split")
+    def _(qkv, cos, sin, num_q_heads, num_kv_heads):
+        b, q, width = qkv.shape
+        d = width // (num_q_heads + 2 * num_kv_heads)
+        return (qkv.new_empty((b, q, num_q_heads, d)), qkv.new_empty((b, q, num_kv_heads, d)),
+                qkv.new_empty((b, q, num_kv_heads, d)))
+
+    @torch.library.register_fake(f"{namespace}::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
     for name in ("chain_speculative_sampling", "chain_speculative_sampling_from_logits", "tree_speculative_sampling",
                  "tree_speculative_sampling_from_logits", "truncate_kv_cache"):
         # Each writes only its output arguments.
