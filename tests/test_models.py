@@ -165,6 +165,55 @@ def test_long_prefill_is_chunked_correctly(paged):
         assert rel_err(got[:, 0], want[:, 150]) <= FP32_TOL
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_ragged_prefill_is_one_forward_per_chunk(paged):
+    """Prompts of 5, 0, 150 and 1 tokens into cache rows 0, 2, 3 and 5 (rows 1 and 4 hold other requests): one
+    flat forward per chunk of verify_attention's limit (here 3, for the 150), not one per distinct length; each
+    row's K/V and hidden states equal a prefill of that prompt alone, rows 1 and 4 are untouched, and the next
+    token's logits equal transformers'."""
+    from helpers import assert_cache_holds, cache_rows
+
+    from specdec_ext.models.llama import MAX_ATTENTION_QUERIES
+
+    hf = hf_case("qwen2-gqa2")  # q/k/v biases
+    model = LlamaForCausalLM.from_hf(hf)
+    g = torch.Generator().manual_seed(44)
+    prompts = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in (5, 0, 150, 1)]
+    others = [torch.randint(VOCAB, (n,), generator=g).tolist() for n in (7, 3)]
+    cache = model.new_kv_cache(6, 160, paged=paged)
+    with torch.no_grad():
+        model.prefill(cache, [1, 4], others)
+        before = [tuple(t.clone() for t in cache_rows(cache, b, n)) for b, n in ((1, 7), (4, 3))]
+        forwards, hidden = model.prefill(cache, [0, 2, 3, 5], prompts, output_hidden_states=True)
+        assert forwards == -(-150 // MAX_ATTENTION_QUERIES)
+        assert cache.cache_seqlens.tolist() == [5, 7, 0, 150, 3, 1]
+        for (b, n), kv in zip(((1, 7), (4, 3)), before):
+            assert all(torch.equal(a, c) for a, c in zip(cache_rows(cache, b, n), kv))
+        for b, tokens, h in zip((0, 2, 3, 5), prompts, hidden):
+            assert h.shape == (len(tokens), HIDDEN)
+            if not tokens:
+                continue
+            assert_cache_holds(model, cache, b, tokens)
+            alone = model.new_kv_cache(1, 160)
+            _, want = model(torch.tensor([tokens]), alone, output_hidden_states=True)
+            torch.testing.assert_close(h, want[0], rtol=1e-5, atol=1e-5)
+            nxt = torch.randint(VOCAB, (1, 1), generator=g)
+            cache.reserve([1], requests=[b])
+            got = model(nxt, cache, cache_rows=slice(b, b + 1))
+            want = hf_logits(hf, torch.cat([torch.tensor([tokens]), nxt], 1))[:, -1:]
+            assert rel_err(got, want) <= FP32_TOL
+
+
+def test_flat_form_is_checked():
+    model = LlamaForCausalLM.from_hf(hf_case("qwen2-gqa2"))
+    cache = model.new_kv_cache(2, 16)
+    for bad in ([0, 2], [0, 1, 2, 3], [1, 2, 3], [0, 3, 2]):
+        with pytest.raises(ValueError, match="qo_indptr must be a list of 3 ints"):
+            model(torch.tensor([[1, 2, 3]]), cache, qo_indptr=bad)
+    with pytest.raises(ValueError, match="takes input_ids"):
+        model(torch.tensor([[1, 2, 3], [1, 2, 3]]), cache, qo_indptr=[0, 1, 3])
+
+
 def test_logits_indices_and_hidden_states():
     hf = hf_case("qwen2-gqa2")
     model = LlamaForCausalLM.from_hf(hf)

@@ -189,14 +189,18 @@ class LlamaForCausalLM(nn.Module):
             offsets = tree_mask.sum(-1) - 1
         return cache_seqlens.long().unsqueeze(-1) + offsets
 
-    def attention(self, q, k, v, kv_cache, layer: int, rows, tree_mask) -> torch.Tensor:
+    def attention(self, q, k, v, kv_cache, layer: int, rows, tree_mask, qo_indptr=None) -> torch.Tensor:
         """Appends k/v at the cache lengths and attends; blocks longer than verify_attention takes are chunked,
-        each chunk seeing the cache and the chunks before it."""
+        each chunk seeing the cache and the chunks before it. qo_indptr: q, k, v are [1, T, ...], the flat rows
+        of the requests (a ragged prefill step; each request's rows within verify_attention's limit)."""
         if kv_cache is None:  # a whole sequence, causal, differentiable (training a draft head)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=True)
             return out.transpose(1, 2)
         k_cache, v_cache, seqlens, table = kv_cache.attention_args(layer, rows)
+        if qo_indptr is not None:
+            return self.ops.verify_attention(q[0], k_cache, v_cache, seqlens, k[0], v[0], block_table=table,
+                                             qo_indptr=qo_indptr).to(q.dtype)[None]
         n = q.shape[1]
         if n <= MAX_ATTENTION_QUERIES:
             out = self.ops.verify_attention(q, k_cache, v_cache, seqlens, k, v, block_table=table, tree_mask=tree_mask)
@@ -209,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
                                                     block_table=table).to(q.dtype))
         return torch.cat(chunks, dim=1)
 
-    def check_input(self, input_ids, inputs_embeds, kv_cache, rows: slice, tree_mask) -> None:
+    def check_input(self, input_ids, inputs_embeds, kv_cache, rows: slice, tree_mask, qo_indptr=None) -> None:
         if inputs_embeds is not None:
             if input_ids is not None:
                 raise ValueError("LlamaForCausalLM: pass input_ids or inputs_embeds, not both")
@@ -224,6 +228,16 @@ class LlamaForCausalLM(nn.Module):
         else:
             shape = input_ids.shape
         rows_in_cache = len(range(*rows.indices(kv_cache.batch_size))) if kv_cache is not None else shape[0]
+        if qo_indptr is not None:
+            if kv_cache is None or tree_mask is not None or shape[0] != 1:
+                raise ValueError("LlamaForCausalLM: qo_indptr (the flat form) takes input_ids [1, T], a KV cache and "
+                                 "no tree_mask")
+            if not isinstance(qo_indptr, (list, tuple)) or len(qo_indptr) != rows_in_cache + 1 or qo_indptr[0] != 0 \
+                    or qo_indptr[-1] != shape[1] or any(not 0 <= e - s <= MAX_ATTENTION_QUERIES
+                                                        for s, e in zip(qo_indptr, qo_indptr[1:])):
+                raise ValueError(f"LlamaForCausalLM: qo_indptr must be a list of {rows_in_cache + 1} ints from 0 to "
+                                 f"{shape[1]}, each request's count in [0, {MAX_ATTENTION_QUERIES}]")
+            shape = (rows_in_cache, shape[1])
         if shape[0] != rows_in_cache:
             raise ValueError(f"LlamaForCausalLM: input_ids has {shape[0]} requests, the cache rows {rows_in_cache}")
         if shape[1] == 0:
@@ -240,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"LlamaForCausalLM: input_ids holds token ids outside [0, {self.config.vocab_size})")
 
     def forward(self, input_ids, kv_cache, *, tree_mask=None, logits_indices=None, output_hidden_states=False,
-                cache_rows: slice = slice(None), inputs_embeds=None):
+                cache_rows: slice = slice(None), inputs_embeds=None, qo_indptr=None):
         """input_ids [B, Q]: the new tokens of each request, written into the cache at cache_seqlens[b] + i (at
         positions cache_seqlens[b] + i, or + depth with a tree_mask [Q, Q] / [B, Q, Q] bool). cache_seqlens is not
         advanced: the caller advances or truncates. cache_rows: which requests of the cache the B rows are.
@@ -250,19 +264,30 @@ class LlamaForCausalLM(nn.Module):
         instead of input_ids: the first layer's input (a draft head's own input projection). kv_cache None: each
         row is a whole sequence from position 0, attended causally by torch (differentiable, for training).
         Token ids outside the vocabulary raise ValueError: checked on the CPU always, on CUDA in strict mode
-        (set_strict(True); the check is a host read)."""
+        (set_strict(True); the check is a host read).
+        qo_indptr (a host list of B + 1 ints): the flat form of a ragged batch (prefill): input_ids [1, T] holds
+        request b's new tokens at qo_indptr[b] .. qo_indptr[b + 1] (at most verify_attention's limit each, 0 for a
+        request of cache_rows that takes none); logits_indices then index the T rows."""
         c = self.config
-        self.check_input(input_ids, inputs_embeds, kv_cache, cache_rows, tree_mask)
+        self.check_input(input_ids, inputs_embeds, kv_cache, cache_rows, tree_mask, qo_indptr)
         x = embed(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
         b, n = x.shape[:2]
         seqlens = kv_cache.attention_args(0, cache_rows)[2] if kv_cache is not None else \
             torch.zeros(b, dtype=torch.int32, device=x.device)
-        pos = self.positions(seqlens, n, tree_mask)
+        if qo_indptr is None:
+            pos = self.positions(seqlens, n, tree_mask)
+        else:  # token t of request r sits at seqlens[r] + (t - qo_indptr[r])
+            counts = [e - s for s, e in zip(qo_indptr, qo_indptr[1:])]
+            owner = upload([r for r, count in enumerate(counts) for _ in range(count)], torch.long, x.device)
+            offset = upload([t - qo_indptr[r] for r, count in enumerate(counts) for t in range(qo_indptr[r], qo_indptr[r + 1])],
+                            torch.long, x.device)
+            pos = (seqlens.long()[owner] + offset).unsqueeze(0)
+            qo_indptr = upload(qo_indptr, torch.int32, x.device)
         angles = pos.unsqueeze(-1).float() * self.inv_freq  # [B, Q, D/2], float32 as transformers computes them
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         if fused_glue(x, self.parameters()):
-            x = self.fused_layers(x, cos, sin, kv_cache, cache_rows, tree_mask)
+            x = self.fused_layers(x, cos, sin, kv_cache, cache_rows, tree_mask, qo_indptr)
         else:
             sin[..., :sin.shape[-1] // 2].neg_()  # apply_rope's signed sin
             hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -272,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
                 q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
                 q = apply_rope(q.view(b, n, hq, d), cos, sin).contiguous()
                 k = apply_rope(k.view(b, n, hkv, d), cos, sin).contiguous()
-                attn = self.attention(q, k, v.reshape(b, n, hkv, d).contiguous(), kv_cache, i, cache_rows, tree_mask)
+                attn = self.attention(q, k, v.reshape(b, n, hkv, d).contiguous(), kv_cache, i, cache_rows, tree_mask,
+                                      qo_indptr)
                 x = x + linear(attn.reshape(b, n, hq * d), layer.o_proj)
                 h = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
                 gate, up = linear(h, layer.gate_up_proj).chunk(2, dim=-1)
@@ -285,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
         logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
         return (logits, hidden) if output_hidden_states else logits
 
-    def fused_layers(self, x, cos, sin, kv_cache, cache_rows, tree_mask):
+    def fused_layers(self, x, cos, sin, kv_cache, cache_rows, tree_mask, qo_indptr):
         """The decoder layers on the CPU's one-call elementwise ops (cpu/model_glue.cpp): the same steps as
         forward's loop, ~10 calls a layer instead of ~40; a residual add is fused with the norm after it."""
         c, eps = self.config, self.config.rms_norm_eps
@@ -296,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
             q, k, v = torch.ops.specdec.rotary_split(qkv, cos, sin, hq, hkv)
-            attn = self.attention(q, k, v, kv_cache, i, cache_rows, tree_mask)
+            attn = self.attention(q, k, v, kv_cache, i, cache_rows, tree_mask, qo_indptr)
             h = torch.ops.specdec.add_rms_norm(x, linear(attn.reshape(b, n, hq * d), layer.o_proj),
                                                layer.post_attention_layernorm, eps)
             mlp = linear(torch.ops.specdec.silu_mul(linear(h, layer.gate_up_proj)), layer.down_proj)
@@ -307,25 +333,38 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def prefill(self, kv_cache, rows: list, token_lists: list, *, output_hidden_states: bool = False):
-        """Writes token_lists[i] into cache row rows[i] after its current length and advances it: one forward per
-        run of consecutive rows whose lists have one length (empty lists are skipped). Returns the number of
-        forwards run, and with output_hidden_states also each list's last-layer hidden states [n_i, H]."""
-        forwards, i, device = 0, 0, self.device
-        hidden_states = [torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device)] * len(rows)
-        while i < len(rows):
-            j, n = i, len(token_lists[i])
-            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1 and len(token_lists[j + 1]) == n:
-                j += 1
-            if n:
-                kv_cache.reserve([n] * (j - i + 1), requests=rows[i:j + 1])
-                ids = upload(token_lists[i:j + 1], torch.long, device)
-                _, hidden = self(ids, kv_cache, logits_indices=upload([n - 1], torch.long, device),
-                                 cache_rows=slice(rows[i], rows[j] + 1), output_hidden_states=True)
-                hidden_states[i:j + 1] = hidden.unbind(0)
-                kv_cache.advance([n] * (j - i + 1), slice(rows[i], rows[j] + 1))
-                forwards += 1
-            i = j + 1
-        return (forwards, hidden_states) if output_hidden_states else forwards
+        """Writes token_lists[i] into cache row rows[i] after its current length and advances it: every list in
+        one forward (the flat form: a ragged batch), lists longer than verify_attention's limit in chunks of it,
+        one forward per chunk (empty lists are skipped). Returns the number of forwards run, and with
+        output_hidden_states also each list's last-layer hidden states [n_i, H]."""
+        device, chunk = self.device, MAX_ATTENTION_QUERIES
+        hidden_states = [[] for _ in rows]
+        forwards, start = 0, 0
+        while True:
+            step = [(i, token_lists[i][start:start + chunk]) for i in range(len(rows)) if len(token_lists[i]) > start]
+            if not step:
+                break
+            span = range(min(rows[i] for i, _ in step), max(rows[i] for i, _ in step) + 1)
+            counts = {rows[i]: len(tokens) for i, tokens in step}
+            kv_cache.reserve([counts[rows[i]] for i, _ in step], requests=[rows[i] for i, _ in step])
+            qo_indptr = [0]
+            for row in span:
+                qo_indptr.append(qo_indptr[-1] + counts.get(row, 0))
+            order = sorted(step, key=lambda item: rows[item[0]])  # the flat rows go in cache-row order
+            ids = upload([t for _, tokens in order for t in tokens], torch.long, device).unsqueeze(0)
+            rows_span = slice(span.start, span.stop)
+            _, hidden = self(ids, kv_cache, qo_indptr=qo_indptr, cache_rows=rows_span, output_hidden_states=True,
+                             logits_indices=upload([qo_indptr[-1] - 1], torch.long, device))
+            for i, _ in step:
+                first = qo_indptr[rows[i] - span.start]
+                hidden_states[i].append(hidden[0, first:first + counts[rows[i]]])
+            kv_cache.advance([counts.get(row, 0) for row in span], rows_span)
+            forwards += 1
+            start += chunk
+        if not output_hidden_states:
+            return forwards
+        empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device)
+        return forwards, [torch.cat(h) if len(h) > 1 else (h[0] if h else empty) for h in hidden_states]
 
     # Loaders (loaders.py); here so that they read as the class's constructors.
     @classmethod
