@@ -24,6 +24,9 @@ tail -26 "$OUT/bench_sampling.txt"
 python3 -m specdec_ext.cli bench row_filters --device cuda --repeats 30 --json "$OUT/row_filters.json" \
   > "$OUT/bench_row_filters.txt" 2>&1
 tail -12 "$OUT/bench_row_filters.txt"
+python3 -m specdec_ext.cli bench quantized_linear --device cuda --repeats 30 --json "$OUT/quantized_linear.json" \
+  > "$OUT/bench_quantized_linear.txt" 2>&1
+tail -42 "$OUT/bench_quantized_linear.txt"
 python3 -m specdec_ext.cli bench tree_sampling --device cuda --repeats 30 --json "$OUT/tree_sampling.json" \
   > "$OUT/bench_tree_sampling.txt" 2>&1
 tail -40 "$OUT/bench_tree_sampling.txt"

@@ -79,8 +79,8 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 
   // The same product with the weight kept as GGUF blocks: qweight [N, row_bytes] uint8, format a GGML type id
-  // (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14); x [M, K] float32 or bfloat16 (any M), accumulated in float32, the
-  // weights decoded in registers or cache, never in memory. dequantize: the blocks as float32 [N, K].
+  // (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14); x [M, K] float32, bfloat16 or float16 (any M), accumulated in
+  // float32, the weights decoded in registers or cache, never in memory. dequantize: the blocks as float32 [N, K].
   m.def("quantized_linear(Tensor x, Tensor qweight, int format, Tensor? bias) -> Tensor");
   m.def("dequantize(Tensor qweight, int format) -> Tensor");
 

@@ -895,8 +895,8 @@ class Ops:
 
     def quantized_linear(self, x, qweight, format: int, bias=None) -> torch.Tensor:
         """x [..., K] @ W^T (+ bias [N]) with W [N, K] kept as GGUF blocks: qweight [N, row_bytes] uint8 in `format`
-        (QUANTIZED_FORMATS: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14). Any number of rows; x float32 or bfloat16
-        (and float16 on CUDA), accumulated in float32 with the weights decoded in registers or cache, never in
+        (QUANTIZED_FORMATS: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14). Any number of rows; x float32, bfloat16
+        or float16, accumulated in float32 with the weights decoded in registers or cache, never in
         memory; the result in x's dtype."""
         k = _check_blocks("quantized_linear", qweight, format)
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != k:

@@ -86,3 +86,18 @@ def shared_models_stay_unchanged():
     from helpers import assert_shared_models_unchanged  # here: the xdist controller never imports the models
 
     assert_shared_models_unchanged()
+
+
+@pytest.fixture(params=["sse2", "avx2", "avx512"])
+def isa(request, monkeypatch):
+    """The CPU GEMM kernels forced to each instruction set in turn (SPECDEC_CPU_ISA); one the CPU lacks is skipped
+    (AVX-512 runs only on a machine that has it)."""
+    from specdec_ext import ops
+
+    monkeypatch.setenv("SPECDEC_CPU_ISA", request.param)
+    try:
+        assert ops.cpu_isa() == request.param
+    except ValueError as error:
+        assert "lacks" in str(error)
+        pytest.skip(f"this CPU has no {request.param}")
+    return request.param

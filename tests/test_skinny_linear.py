@@ -7,20 +7,8 @@ import torch
 from specdec_ext import ops
 from specdec_ext.ops import skinny_linear
 
-ISAS = ["sse2", "avx2", "avx512"]
 # (N, K): a model's shape, then N not a multiple of the 12-row panel and K not a multiple of 4, 8 or 16.
 SHAPES = [(1000, 576), (37, 13), (64, 8), (3, 1), (25, 100), (13, 1031)]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_ISA", request.param)
-    try:
-        assert ops.cpu_isa() == request.param
-    except ValueError as error:
-        assert "lacks" in str(error)
-        pytest.skip(f"this CPU has no {request.param}")
-    return request.param
 
 
 @pytest.fixture(params=[1, 2], ids=lambda t: f"threads{t}")

@@ -17,6 +17,7 @@
 
 #include "checks.h"
 #include "cpu/linear_kernels.h"
+#include "quantized_checks.h"
 
 // Dot products need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the sampling kernels:
 // every function below may fuse its multiply-adds (one rounding instead of two, half the instructions).
@@ -147,30 +148,10 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return y.to(x.scalar_type());
 }
 
-// K of a [N, row_bytes] block tensor in `format`, checked.
-int64_t block_columns(const char* op, const at::Tensor& qweight, int64_t format) {
-  const BlockShape s = block_shape(static_cast<int>(format));
-  TORCH_CHECK_VALUE(s.weights != 0, op, ": format must be a GGUF block type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, ",
-                    "Q6_K = 14), got ", format);
-  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                        qweight.size(1) > 0 && qweight.size(1) % s.bytes == 0,
-                    op, ": qweight must be a contiguous uint8 [N, row_bytes] tensor with row_bytes a multiple of ",
-                    s.bytes, " (the block of format ", format, "), got ", qweight.scalar_type(), " ", qweight.sizes());
-  return qweight.size(1) / s.bytes * s.weights;
-}
-
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t format,
                                 const std::optional<at::Tensor>& bias) {
-  const char* op = "quantized_linear";
-  const int64_t K = block_columns(op, qweight, format);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, op, ": x must be [M, K] with M >= 1 and K = ",
-                    K, " (qweight's columns), got ", x.sizes());
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-                    ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.device() == qweight.device(), op, ": qweight is on ", qweight.device(), " but x is on ",
-                    x.device());
+  const int64_t K = check_quantized_linear(x, qweight, format, bias);
   const int64_t M = x.size(0), N = qweight.size(0);
-  check_bias(op, x, N, bias);
   const IsaKernels& isa = isa_kernels();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
@@ -189,7 +170,7 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, 
 }
 
 at::Tensor dequantize_cpu(const at::Tensor& qweight, int64_t format) {
-  const int64_t K = block_columns("dequantize", qweight, format);
+  const int64_t K = check_quantized_weight("dequantize", qweight, format);
   const int64_t N = qweight.size(0);
   at::Tensor out = at::empty({N, K}, qweight.options().dtype(at::kFloat));
   const IsaKernels& isa = isa_kernels();

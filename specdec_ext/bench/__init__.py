@@ -3,7 +3,7 @@ decoding benchmark, shipped with the package so that an installed wheel runs the
 import importlib
 
 BENCHMARKS = ("attention", "compat_flashinfer", "compat_sglang", "compat_transformers", "compat_vllm", "cpu_forward",
-              "e2e", "flat_sampling", "philox", "row_filters", "sampling", "tree_sampling")
+              "e2e", "flat_sampling", "philox", "quantized_linear", "row_filters", "sampling", "tree_sampling")
 
 
 def run(args) -> int:
@@ -17,7 +17,8 @@ def register(sub) -> None:
     bench.add_argument("--repeats", type=int, default=50, help="timed repeats after warm-up (median reported)")
     bench.add_argument("--json", default=None, help="write the results to this JSON file")
     bench.add_argument("--plot", default=None, help="write a bar chart of the ratios to this PNG file")
-    bench.add_argument("--batch", default=None, help="comma-separated batch sizes (default: the benchmark's grid)")
+    bench.add_argument("--batch", default=None, help="comma-separated batch sizes (default: the benchmark's grid; "
+                                                     "quantized_linear: rows M)")
     bench.add_argument("--k", default=None, help="comma-separated numbers of draft tokens (attention: queries Q; "
                                                  "e2e: fixed k and 'adaptive'; tree_sampling: tree nodes N)")
     bench.add_argument("--vocab", default=None, help="comma-separated vocabulary sizes (attention: context lengths)")

@@ -9,9 +9,10 @@
    and llama.cpp (llama-cpp-python, when installed, on the same .gguf file and thread count), one repeat of each in
    turn; with the weight-read floor of each of ours.
 4. Peak RSS of a process that loads the model: float32, bfloat16, kept-Q4_1.
-5. Speculative decoding at B = 1, greedy, the shipped EAGLE head with trees (the default TreeSettings), against our
-   plain decoding of the same model: float32 on held-out chat prompts, kept-Q4_1 on the demo's rewrite prompt (and
-   there against llama.cpp's plain decoding too).
+5. Speculative decoding at B = 1, greedy, adaptive, against our plain decoding of the same model: the shipped EAGLE
+   head with trees (the default TreeSettings) on held-out chat prompts, float32; the demo's rewrite prompt on the
+   kept-Q4_1 model with the demo's drafter for it (n-gram prompt lookup, k <= 6) and with EAGLE trees, there also
+   against llama.cpp's plain decoding.
 """
 import statistics
 import subprocess
@@ -218,21 +219,27 @@ def speculative_rows(models, tokenizer, cpp, new_tokens, repeats) -> list[dict]:
     from specdec_ext.trees import TreeSettings
 
     path = default_model_path()
-    cases = [("float32", "held-out chat", heldout_prompts(tokenizer)),
-             ("kept-Q4_1", "demo rewrite", [prompt_ids(tokenizer, QUESTIONS["ngram"], chat=True)])]
+    rewrite = [prompt_ids(tokenizer, QUESTIONS["ngram"], chat=True)]
+    # (weights, prompts, drafter, its settings): the EAGLE head's trees on held-out chat; the demo's rewrite task
+    # with the demo's drafter for it (n-gram prompt lookup, k <= 6) and with EAGLE trees.
+    cases = [("float32", "held-out chat", heldout_prompts(tokenizer), "eagle", dict(tree=TreeSettings())),
+             ("kept-Q4_1", "demo rewrite", rewrite, "ngram", dict(num_speculative_tokens=6)),
+             ("kept-Q4_1", "demo rewrite", rewrite, "eagle", dict(tree=TreeSettings()))]
     rows = []
-    for kind, label, prompts in cases:
+    for kind, label, prompts, drafter, settings in cases:
         model = models[kind]
-        dec = SpeculativeDecoder(model, make_drafter("eagle", model, path), num_speculative_tokens=8,
-                                 max_batch_size=1, tree=TreeSettings())
+        dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), max_batch_size=1,
+                                 **{"num_speculative_tokens": 8, **settings})
+        shape = "tree" if "tree" in settings else "chain"
         for ids in prompts:
-            runs = {"speculative eagle tree": lambda: dec.generate([ids], new_tokens).sequences,
+            runs = {"speculative": lambda: dec.generate([ids], new_tokens).sequences,
                     "plain": lambda: dec.generate_autoregressive([ids], new_tokens).sequences}
             if cpp is not None and kind == "kept-Q4_1":
                 runs["llama.cpp Q4_1 plain"] = lambda: [cpp.generate(ids, new_tokens)]
             result = alternate(runs, repeats)
-            spec_tps, spec_tokens = result["speculative eagle tree"]
-            row = {"weights": kind, "prompt": label, "spec_tok_s": spec_tps, "plain_tok_s": result["plain"][0],
+            spec_tps, spec_tokens = result["speculative"]
+            row = {"weights": kind, "prompt": label, "drafter": f"{drafter} {shape}", "spec_tok_s": spec_tps,
+                   "plain_tok_s": result["plain"][0],
                    "vs_plain": spec_tps / result["plain"][0], "same_as_plain": spec_tokens == result["plain"][1],
                    "vs_llama_cpp": spec_tps / result["llama.cpp Q4_1 plain"][0] if len(result) == 3 else float("nan")}
             rows.append(row)
@@ -266,8 +273,8 @@ def main(args) -> int:
     report(f"plain greedy decoding, B = 1, {new_tokens} tokens", plain,
            ["prompt", "decoder", "tok_s", "vs_transformers", "vs_llama_cpp", "of_floor", "same_tokens_as_ours_f32"])
     spec = speculative_rows(models, tokenizer, cpp, new_tokens, runs)
-    report("speculative decoding (EAGLE trees), B = 1, greedy", spec,
-           ["weights", "prompt", "spec_tok_s", "plain_tok_s", "vs_plain", "vs_llama_cpp", "same_as_plain"])
+    report("speculative decoding, B = 1, greedy, adaptive", spec,
+           ["weights", "prompt", "drafter", "spec_tok_s", "plain_tok_s", "vs_plain", "vs_llama_cpp", "same_as_plain"])
     rows = [{"table": "gemm", **r} for r in gemm] + [{"table": "rss", **r} for r in rss] + \
         [{"table": "forward", **r} for r in forward] + [{"table": "plain", **r} for r in plain] + \
         [{"table": "speculative", **r} for r in spec]

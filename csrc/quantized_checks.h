@@ -1,0 +1,46 @@
+// The argument checks of quantized_linear and dequantize, shared by the CPU kernel (cpu/linear.cpp) and the CUDA
+// launcher (cuda/quantized_linear.cu, also the emulator's).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+
+#include "specdec/gguf_blocks.h"
+
+namespace specdec {
+
+// K of a [N, row_bytes] block tensor in `format`, checked.
+inline int64_t check_quantized_weight(const char* op, const at::Tensor& qweight, int64_t format) {
+  const BlockShape s = block_shape(static_cast<int>(format));
+  TORCH_CHECK_VALUE(s.weights != 0, op, ": format must be a GGUF block type (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, ",
+                    "Q6_K = 14), got ", format);
+  TORCH_CHECK_VALUE(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                        qweight.size(1) > 0 && qweight.size(1) % s.bytes == 0,
+                    op, ": qweight must be a contiguous uint8 [N, row_bytes] tensor with row_bytes a multiple of ",
+                    s.bytes, " (the block of format ", format, "), got ", qweight.scalar_type(), " ", qweight.sizes());
+  return qweight.size(1) / s.bytes * s.weights;
+}
+
+// quantized_linear's arguments; returns K.
+inline int64_t check_quantized_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                                      const std::optional<at::Tensor>& bias) {
+  const char* op = "quantized_linear";
+  const int64_t K = check_quantized_weight(op, qweight, format);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, op, ": x must be [M, K] with M >= 1 and K = ", K,
+                    " (qweight's columns), got ", x.sizes());
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+                    ": x must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK_VALUE(x.device() == qweight.device(), op, ": qweight is on ", qweight.device(), " but x is on ",
+                    x.device());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == qweight.size(0) && bias->scalar_type() == dtype &&
+                          bias->device() == x.device(),
+                      op, ": bias must be [N] = [", qweight.size(0), "] of x's dtype and device, got ", bias->sizes(), " ",
+                      bias->scalar_type());
+  }
+  return K;
+}
+
+}  // namespace specdec
