@@ -2,7 +2,7 @@
 // decode step of a 135M model every op costs ~4-10 us of dispatch against ~0.2 us of arithmetic, and a layer had
 // ~40 of them (bench/RESULTS.md). Each computes what the torch expression in models/llama.py computes, in the same
 // dtype steps (float32 math, rounded to the tensor's dtype where torch rounds), so results differ from torch's
-// only by the order of one sum (rms_norm's mean) and by exp's last bit (silu).
+// only by the order of one sum (rms_norm's mean).
 //   rms_norm(x, w, eps)            w * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)
 //   add_rms_norm(x!, d, w, eps)    x += d (in x's dtype), then rms_norm(x, w, eps)
 //   rotary_split(qkv, cos, sin, hq, hkv)
@@ -126,26 +126,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split_cpu(const at::Tensor
 }
 
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
-  TORCH_CHECK_VALUE(gate_up.dim() >= 1 && gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "silu_mul: gate_up ",
-                    "must be a contiguous [..., 2 I] tensor, got ", gate_up.sizes());
-  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
-  const int64_t I = shape.back() / 2;
-  shape.back() = I;
-  at::Tensor y = at::empty(shape, gate_up.options());
-  const int64_t rows = I == 0 ? 0 : y.numel() / I;
-  dispatch_float_types<float, void, c10::BFloat16>(gate_up.scalar_type(), "silu_mul", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    for_rows(rows, [&](int64_t r) {
-      const T* g = gate_up.data_ptr<T>() + r * 2 * I;
-      T* out = y.data_ptr<T>() + r * I;
-      for (int64_t i = 0; i < I; ++i) {
-        const float x = static_cast<float>(g[i]);
-        const T silu = static_cast<T>(x / (1.0f + std::exp(-x)));
-        out[i] = static_cast<T>(static_cast<float>(silu) * static_cast<float>(g[I + i]));
-      }
-    });
-  });
-  return y;
+  TORCH_CHECK_VALUE(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "silu_mul: gate_up must be a [..., 2 I] tensor, got ",
+                    gate_up.sizes());
+  TORCH_CHECK_VALUE(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
+                    "silu_mul: no kernel for dtype ", gate_up.scalar_type());
+  // ATen's vectorised silu (its exp is the one F.silu uses), rounded to the dtype, then the product in place: torch's
+  // two ops, bit for bit, from one dispatch.
+  const int64_t I = gate_up.size(-1) / 2;
+  return at::silu(gate_up.narrow(-1, 0, I)).mul_(gate_up.narrow(-1, I, I));
 }
 
 }  // namespace
