@@ -260,7 +260,7 @@ def test_generate_passes_batch_size_and_adaptive_and_reports_calibration(monkeyp
     import specdec_ext.engine
     import specdec_ext.factory
 
-    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device: (fake_model(), FakeTokenizer()))
+    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device, **options: (fake_model(), FakeTokenizer()))
     monkeypatch.setattr(specdec_ext.engine, "SpeculativeDecoder", FakeDecoder)
     assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "-k", "3"]) == 0
     made = FakeDecoder.made
@@ -290,7 +290,7 @@ def test_generate_streams_whole_characters(monkeypatch):
         done = len(sum(chunks, []))
         chunks.append(ids[done:done + 1 + len(chunks) % 3])
     printed = []
-    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device: (fake_model(), tokenizer))
+    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device, **options: (fake_model(), tokenizer))
     monkeypatch.setattr(specdec_ext.engine, "SpeculativeDecoder", FakeDecoder)
     monkeypatch.setattr(FakeDecoder, "chunks", tuple(chunks))
     monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append((a, k.get("file"))))
@@ -305,7 +305,7 @@ def test_generate_streams_whole_characters(monkeypatch):
 def test_library_errors_are_one_line(error, monkeypatch, capsys):
     import specdec_ext.factory
 
-    def fail(path, device):
+    def fail(path, device, **options):
         raise error
 
     monkeypatch.setattr(specdec_ext.factory, "load", fail)
@@ -319,7 +319,7 @@ def test_prompt_longer_than_the_context_is_a_usage_error(monkeypatch, capsys):
 
     model = fake_model()
     model.config.max_position_embeddings = 3
-    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device: (model, FakeTokenizer()))
+    monkeypatch.setattr(specdec_ext.factory, "load", lambda path, device, **options: (model, FakeTokenizer()))
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu"])
     assert e.value.code == 2

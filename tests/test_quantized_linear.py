@@ -226,3 +226,20 @@ def test_keep_quantized_refuses_what_it_cannot_keep(tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="keep_quantized needs a .gguf file"):
         LlamaForCausalLM.from_pretrained(tmp_path / "hf", keep_quantized=True)
+
+
+def test_target_and_draft_quantised_independently(tmp_path):
+    """A ModelDrafter over the file kept quantised drafts for the float target, and a float draft for the target
+    kept quantised: greedy speculative output equals each target's plain greedy decoding."""
+    from specdec_ext import ModelDrafter, SpeculativeDecoder
+    from specdec_ext.engine import generate_autoregressive
+
+    path = write_mixed_gguf(tmp_path, tied=False)
+    plain = LlamaForCausalLM.from_pretrained(path)
+    kept = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
+    prompts = [[1, 5, 9, 33, 2], [7, 7, 8, 40, 41, 42, 7, 7]]
+    for target, draft in ((plain, kept), (kept, plain)):
+        dec = SpeculativeDecoder(target, ModelDrafter(draft), 3, max_batch_size=2)
+        out = dec.generate(prompts, 12)
+        assert out.stats.num_draft_tokens > 0
+        assert out.sequences == generate_autoregressive(target, prompts, 12).sequences
