@@ -8,7 +8,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <cstdlib>
 #include <cstring>
@@ -23,6 +25,7 @@
 // every function below may fuse its multiply-adds (one rounding instead of two, half the instructions).
 #pragma GCC optimize("fp-contract=fast")
 
+#if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 namespace specdec::linear::avx512 {
@@ -40,7 +43,9 @@ namespace specdec::linear::avx2 {
 #undef SPECDEC_LINEAR_VW
 }  // namespace specdec::linear::avx2
 #pragma GCC pop_options
+#endif
 
+// x86-64's baseline (SSE2), and the generic build of other CPUs (GCC vector extensions of 4 floats).
 namespace specdec::linear::sse2 {
 #define SPECDEC_LINEAR_VW 4
 #include "cpu/linear_isa.inc"
@@ -60,12 +65,16 @@ struct IsaKernels {
 };
 
 constexpr IsaKernels kIsas[] = {
+#if defined(__x86_64__)
     {"avx512", linear::avx512::product_rows, linear::avx512::dequantize_rows},
     {"avx2", linear::avx2::product_rows, linear::avx2::dequantize_rows},
+#endif
     {"sse2", linear::sse2::product_rows, linear::sse2::dequantize_rows},
 };
+constexpr int kIsaCount = sizeof(kIsas) / sizeof(kIsas[0]);
 
 bool cpu_has(const IsaKernels& isa) {
+#if defined(__x86_64__)
   const std::string name = isa.name;
   if (name == "avx512") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -75,7 +84,8 @@ bool cpu_has(const IsaKernels& isa) {
   if (name == "avx2") {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   }
-  return true;  // SSE2 is x86-64's baseline
+#endif
+  return true;  // SSE2 is x86-64's baseline; elsewhere "sse2" is the generic build, the only one
 }
 
 // The kernels for this call: SPECDEC_CPU_ISA if set (read on every call, so a test or a benchmark can switch),
@@ -94,7 +104,7 @@ const IsaKernels& isa_kernels() {
   for (const IsaKernels& isa : kIsas) {
     if (cpu_has(isa)) return isa;
   }
-  return kIsas[2];
+  return kIsas[kIsaCount - 1];
 }
 
 // Weight rows per parallel task: whole panels, about an even share per thread (each thread streams one contiguous
