@@ -17,8 +17,8 @@ from ..ops import LIMITS, is_strict
 from .config import LlamaConfig
 from .quantized import is_quantized
 
-MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]
-MAX_SKINNY_ROWS = LIMITS["max_skinny_rows"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
+MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
+MAX_SKINNY_ROWS = LIMITS["max_skinny_rows"]
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
@@ -86,10 +86,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [B, Q, H, D] rotated by the angles of its positions (cos [B, Q, 1, D]; signed_sin: sin with its first half
-    negated); halves, not interleaved. transformers' x cos + cat(-x2, x1) sin, bit for bit: x2 (-sin) = (-x2) sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, H, D] rotated by the angles of its positions (cos/sin [B, Q, 1, D]); halves, not interleaved."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# A layer's elementwise steps: one call each on the CPU (cpu/model_glue.cpp) when `fused`, torch's expressions
+# otherwise (CUDA, autograd, other dtypes); the same values either way.
+
+def rotary_split(qkv: torch.Tensor, cos, sin, hq: int, hkv: int, fused: bool):
+    """qkv [B, Q, (hq + 2 hkv) D] -> q [B, Q, hq, D] and k rotated, v; all contiguous."""
+    if fused:
+        return torch.ops.specdec.rotary_split(qkv, cos, sin, hq, hkv)
+    b, n, width = qkv.shape
+    d = width // (hq + 2 * hkv)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q = apply_rope(q.view(b, n, hq, d), cos, sin).contiguous()
+    k = apply_rope(k.view(b, n, hkv, d), cos, sin).contiguous()
+    return q, k, v.reshape(b, n, hkv, d).contiguous()
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool):
+    """The residual stream after adding delta, and its norm: (x + delta, rms_norm(x + delta)). Fused, x (a tensor the
+    forward owns) is added into in place."""
+    if fused:
+        return x, torch.ops.specdec.add_rms_norm(x, delta, weight, eps)
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
+    if fused:
+        return torch.ops.specdec.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class LlamaForCausalLM(nn.Module):
@@ -279,30 +311,28 @@ class LlamaForCausalLM(nn.Module):
         else:  # token t of request r sits at seqlens[r] + (t - qo_indptr[r])
             counts = [e - s for s, e in zip(qo_indptr, qo_indptr[1:])]
             owner = upload([r for r, count in enumerate(counts) for _ in range(count)], torch.long, x.device)
-            offset = upload([t - qo_indptr[r] for r, count in enumerate(counts) for t in range(qo_indptr[r], qo_indptr[r + 1])],
-                            torch.long, x.device)
+            offset = upload([t for count in counts for t in range(count)], torch.long, x.device)
             pos = (seqlens.long()[owner] + offset).unsqueeze(0)
             qo_indptr = upload(qo_indptr, torch.int32, x.device)
         angles = pos.unsqueeze(-1).float() * self.inv_freq  # [B, Q, D/2], float32 as transformers computes them
         angles = torch.cat((angles, angles), dim=-1).unsqueeze(2)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        if fused_glue(x, self.parameters()):
-            x = self.fused_layers(x, cos, sin, kv_cache, cache_rows, tree_mask, qo_indptr)
-        else:
-            sin[..., :sin.shape[-1] // 2].neg_()  # apply_rope's signed sin
-            hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            for i, layer in enumerate(self.layers):
-                h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
-                qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
-                q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-                q = apply_rope(q.view(b, n, hq, d), cos, sin).contiguous()
-                k = apply_rope(k.view(b, n, hkv, d), cos, sin).contiguous()
-                attn = self.attention(q, k, v.reshape(b, n, hkv, d).contiguous(), kv_cache, i, cache_rows, tree_mask,
-                                      qo_indptr)
-                x = x + linear(attn.reshape(b, n, hq * d), layer.o_proj)
-                h = rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps)
-                gate, up = linear(h, layer.gate_up_proj).chunk(2, dim=-1)
-                x = x + linear(F.silu(gate) * up, layer.down_proj)
+        fused = fused_glue(x, self.parameters())
+        if fused:
+            x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, added into in place
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, layers = c.rms_norm_eps, self.layers
+        h = rms_norm(x, layers[0].input_layernorm, eps)
+        for i, layer in enumerate(layers):
+            q, k, v = rotary_split(linear(h, layer.qkv_proj, layer.qkv_bias), cos, sin, hq, hkv, fused)
+            attn = self.attention(q, k, v, kv_cache, i, cache_rows, tree_mask, qo_indptr)
+            x, h = add_rms_norm(x, linear(attn.reshape(b, n, hq * d), layer.o_proj), layer.post_attention_layernorm,
+                                eps, fused)
+            mlp = linear(silu_mul(linear(h, layer.gate_up_proj), fused), layer.down_proj)
+            if i + 1 < len(layers):  # the next layer's input norm, with the residual add
+                x, h = add_rms_norm(x, mlp, layers[i + 1].input_layernorm, eps, fused)
+            else:
+                x = x + mlp
         hidden = x
         if logits_indices is not None:
             idx = logits_indices.to(device=x.device, dtype=torch.long)
@@ -310,27 +340,6 @@ class LlamaForCausalLM(nn.Module):
             x = x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
         return (logits, hidden) if output_hidden_states else logits
-
-    def fused_layers(self, x, cos, sin, kv_cache, cache_rows, tree_mask, qo_indptr):
-        """The decoder layers on the CPU's one-call elementwise ops (cpu/model_glue.cpp): the same steps as
-        forward's loop, ~10 calls a layer instead of ~40; a residual add is fused with the norm after it."""
-        c, eps = self.config, self.config.rms_norm_eps
-        b, n = x.shape[:2]
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, added into in place
-        h = torch.ops.specdec.rms_norm(x, self.layers[0].input_layernorm, eps)
-        for i, layer in enumerate(self.layers):
-            qkv = linear(h, layer.qkv_proj, layer.qkv_bias)
-            q, k, v = torch.ops.specdec.rotary_split(qkv, cos, sin, hq, hkv)
-            attn = self.attention(q, k, v, kv_cache, i, cache_rows, tree_mask, qo_indptr)
-            h = torch.ops.specdec.add_rms_norm(x, linear(attn.reshape(b, n, hq * d), layer.o_proj),
-                                               layer.post_attention_layernorm, eps)
-            mlp = linear(torch.ops.specdec.silu_mul(linear(h, layer.gate_up_proj)), layer.down_proj)
-            if i + 1 < len(self.layers):
-                h = torch.ops.specdec.add_rms_norm(x, mlp, self.layers[i + 1].input_layernorm, eps)
-            else:
-                x += mlp
-        return x
 
     def prefill(self, kv_cache, rows: list, token_lists: list, *, output_hidden_states: bool = False):
         """Writes token_lists[i] into cache row rows[i] after its current length and advances it: every list in
