@@ -243,19 +243,26 @@ def test_flat_form_equals_padded(gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flat_trees_equal_padded(backend, gen):
     batch, n, vocab = 7, 12, 500
-    padded, flat = padded_and_flat_trees(gen, batch, n, vocab)
-    # Temperatures up to 0.85: each node's favoured child then carries most of the mass (its logit is 9 above the
-    # row's noise), so that some path goes deep whatever the run seed (at 1.7 it carried ~0.17 and a run found none).
-    t = temperatures(gen, batch) * 0.5
-    seed, offset = torch.randint(0, 2**62, (batch,), generator=gen), torch.randint(0, 2**40, (batch,), generator=gen)
     ops = BACKENDS[backend]
-    common = dict(temperature=t, seed=seed, offset=offset, coupling="gumbel")
-    a = ops.tree_speculative_sampling_from_logits(padded["parents"], padded["cand"], padded["target_logits"],
-                                                  num_nodes=padded["num_nodes"], **common)
-    b = ops.tree_speculative_sampling_from_logits(flat["parents"], flat["cand"], flat["target_logits"],
-                                                  cu_num_draft_tokens=flat["cu"], max_draft_tokens=n - 1, **common)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert int(a.num_accepted.max()) >= 2  # paths went deep (each node's first child is favoured)
+
+    def flat_and_padded(g):
+        padded, flat = padded_and_flat_trees(g, batch, n, vocab)
+        # Temperatures up to 0.85: each node's favoured child then carries most of the mass (its logit is 9 above
+        # the row's noise).
+        t = temperatures(g, batch) * 0.5
+        seed, offset = torch.randint(0, 2**62, (batch,), generator=g), torch.randint(0, 2**40, (batch,), generator=g)
+        common = dict(temperature=t, seed=seed, offset=offset, coupling="gumbel")
+        a = ops.tree_speculative_sampling_from_logits(padded["parents"], padded["cand"], padded["target_logits"],
+                                                      num_nodes=padded["num_nodes"], **common)
+        b = ops.tree_speculative_sampling_from_logits(flat["parents"], flat["cand"], flat["target_logits"],
+                                                      cu_num_draft_tokens=flat["cu"], max_draft_tokens=n - 1, **common)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        return a
+
+    flat_and_padded(gen)  # the run's inputs
+    # Inputs of a fixed seed on which paths go deep (each node's first child is favoured), so the comparison covers
+    # accepted paths whatever the run seed (two runs of random inputs found every path at most one deep).
+    assert int(flat_and_padded(torch.Generator().manual_seed(24)).num_accepted.max()) >= 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
