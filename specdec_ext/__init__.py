@@ -4,7 +4,7 @@ Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` hol
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__
-from .drafters import Drafter, EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, EagleDrafter, LookaheadDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from .engine import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
 from .kv_cache import PagedKVCache, StaticKVCache
 from .trees import DraftTree, TreeSettings
@@ -36,6 +36,7 @@ __all__ = [
     "AcceptanceMonitor",
     "Drafter",
     "EagleDrafter",
+    "LookaheadDrafter",
     "MedusaDrafter",
     "GenerationOutput",
     "GenerationStats",

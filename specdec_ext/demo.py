@@ -45,6 +45,7 @@ QUESTIONS = {
              "bulleted list, keeping its wording.",
 }
 QUESTIONS["medusa"] = QUESTIONS["eagle"]
+QUESTIONS["lookahead"] = QUESTIONS["ngram"]  # Lookahead looks the prompt up too, and adds its Jacobi window
 # The drafter of each task, by one rule (not by timing on this machine): an answer asked to reuse the prompt's own
 # text (rewriting, editing, extracting) is drafted by prompt lookup, which copies the prompt's spans for free; an
 # open-ended answer by the trained EAGLE head, which predicts the model's own next tokens (bench/RESULTS.md: prompt
@@ -56,7 +57,8 @@ TASKS = [  # (name, what it is, drafter)
     ("rewrite", "rewriting a note, keeping its wording", "ngram"),
 ]
 DRAFTER_NAMES = {"eagle": "the shipped EAGLE head", "medusa": "the shipped Medusa heads",
-                 "ngram": "n-gram prompt lookup"}
+                 "ngram": "n-gram prompt lookup", "lookahead": "Lookahead decoding (Jacobi window + n-gram pool)"}
+TASK_OF = {"ngram": "rewrite", "lookahead": "rewrite"}  # the task a --drafter runs (else: chat)
 NEW_TOKENS = 96
 
 
@@ -87,7 +89,7 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded
     k = 6 if drafter == "ngram" else 4
     dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), num_speculative_tokens=k, max_batch_size=1,
                              tree=tree)
-    shape = f"k <= {k}" if tree is None else f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}"
+    shape = f"k <= {k}" if dec.tree is None else f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}"
     text = TextStream(tokenizer)
 
     def stream(r, new):
@@ -115,7 +117,7 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded
     same = spec.sequences == plain.sequences == again.sequences
     print(f"speculative tokens equal plain greedy decoding's: {same}")
     answer = tokenizer.decode(spec.sequences[0], skip_special_tokens=True)
-    return dict(task=task or ("rewrite" if drafter == "ngram" else "chat"), drafter=drafter, plain=p.tokens_per_second,
+    return dict(task=task or TASK_OF.get(drafter, "chat"), drafter=drafter, plain=p.tokens_per_second,
                 speculative=s.tokens_per_second, speedup=speedup, acceptance=s.acceptance_rate,
                 length=s.mean_acceptance_length, same=same, ok=same and "paris" in answer.lower())
 
@@ -128,16 +130,16 @@ def tasks_demo(device: torch.device, drafter: str | None = None, tree=None) -> b
         print(DRAFTER_RULE)
         runs = TASKS
     else:
-        runs = [("rewrite" if drafter == "ngram" else "chat", "chosen by --drafter", drafter)]
+        runs = [(TASK_OF.get(drafter, "chat"), "chosen by --drafter", drafter)]
     rows = []
     for i, (name, what, d) in enumerate(runs, 1):
         print(f"\n== task {i}/{len(runs)}: {name} ({what}); drafter: {d} ({DRAFTER_NAMES[d]})")
         rows.append(chat_demo(device, d, tree, loaded=loaded, task=name))
     print(f"\nsummary (up to {NEW_TOKENS} new tokens each, greedy, timed after a warm run, prefill included):")
-    print(f"  {'task':<8} {'drafter':<8} {'plain tok/s':>11} {'speculative tok/s':>17} {'speedup':>7} "
+    print(f"  {'task':<8} {'drafter':<9} {'plain tok/s':>11} {'speculative tok/s':>17} {'speedup':>7} "
           f"{'acceptance':>10} {'tokens/round':>12}  tokens equal plain greedy")
     for r in rows:
-        print(f"  {r['task']:<8} {r['drafter']:<8} {r['plain']:>11.1f} {r['speculative']:>17.1f} "
+        print(f"  {r['task']:<8} {r['drafter']:<9} {r['plain']:>11.1f} {r['speculative']:>17.1f} "
               f"{r['speedup']:>6.2f}x {r['acceptance']:>10.2f} {r['length']:>12.2f}  {r['same']}")
     return all(r["ok"] for r in rows)
 
@@ -173,7 +175,8 @@ def register(sub) -> None:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--drafter", default=None, choices=sorted(QUESTIONS),
                       help="run one task with this drafter: eagle (the trained EAGLE head) or medusa on the chat "
-                           "question, ngram (prompt lookup) on the rewriting task (default: both tasks, each with the "
+                           "question, ngram (prompt lookup) or lookahead (Lookahead decoding) on the rewriting task "
+                           "(default: both tasks, each with the "
                            "drafter the rule gives it)")
     demo.add_argument("--tree", default=None, type=tree_settings,
                       help="tree rounds: N (nodes per tree) or nodes=N,depth=D,branching=K")

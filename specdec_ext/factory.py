@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-DRAFTER_SYNTAX = "ngram, model:PATH, eagle[:PATH] or medusa[:PATH]"
+DRAFTER_SYNTAX = "ngram, lookahead[:W/N/G], model:PATH, eagle[:PATH] or medusa[:PATH]"
 
 
 def choose_device(name: str | None = None) -> torch.device:
@@ -51,6 +51,9 @@ def check_drafter(spec: str, model_path=None) -> None:
     kind, colon, path = spec.partition(":")
     if spec == "ngram":
         return
+    if kind == "lookahead":
+        lookahead_settings(spec)
+        return
     if kind not in ("model", "eagle", "medusa") or (kind == "model" and not path) or (colon and not path):
         raise ValueError(f"--drafter must be {DRAFTER_SYNTAX}, got {spec!r}")
     if path and not Path(path).exists():
@@ -60,11 +63,30 @@ def check_drafter(spec: str, model_path=None) -> None:
         raise heads_only_for_the_default_model(kind)
 
 
+def lookahead_settings(spec: str) -> dict:
+    """'lookahead' or 'lookahead:W/N/G' -> LookaheadDrafter's arguments (checked by building one)."""
+    from .drafters import LookaheadDrafter
+
+    _, colon, values = spec.partition(":")
+    if not colon:
+        return {}
+    parts = values.split("/")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--drafter lookahead:W/N/G takes three ints (window, ngram, guesses), got {spec!r}")
+    settings = dict(zip(("window", "ngram", "guesses"), (int(p) for p in parts)))
+    try:
+        LookaheadDrafter(**settings)
+    except ValueError as e:
+        raise ValueError(f"--drafter {spec}: {e}") from None
+    return settings
+
+
 def make_drafter(spec: str, target, model_path=None, keep_quantized: bool = False):
-    """'ngram', 'model:PATH' (a draft model; keep_quantized: its GGUF block weights kept as stored, whatever the
+    """'ngram', 'lookahead[:W/N/G]' (LookaheadDrafter(window=W, ngram=N, guesses=G); without them its defaults),
+    'model:PATH' (a draft model; keep_quantized: its GGUF block weights kept as stored, whatever the
     target's), 'eagle[:PATH]' or 'medusa[:PATH]' (trained heads for the target; without a PATH, the heads shipped
     for the default model, when model_path is that model)."""
-    from .drafters import EagleDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+    from .drafters import EagleDrafter, LookaheadDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
     from .models import LlamaForCausalLM, default_head_path
     from .models.draft_heads import EagleHead, MedusaHeads
 
@@ -74,6 +96,8 @@ def make_drafter(spec: str, target, model_path=None, keep_quantized: bool = Fals
     check_drafter(spec, model_path)
     if spec == "ngram":
         return NgramDrafter()
+    if kind == "lookahead":
+        return LookaheadDrafter(**lookahead_settings(spec))
     if kind == "model":
         return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype,
                                                              keep_quantized=keep_quantized))

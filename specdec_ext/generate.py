@@ -13,7 +13,7 @@ def validate(args) -> None:
     drafter = args.drafter or ("ngram" if args.model else "eagle")
     check_drafter(drafter, args.model)
     if args.tree is not None and drafter.startswith("model:"):
-        raise ValueError("--tree: tree rounds need eagle, medusa or ngram drafting, not a draft model")
+        raise ValueError("--tree: tree rounds need eagle, medusa, ngram or lookahead drafting, not a draft model")
     if not args.chat and args.prompt == "":
         raise ValueError("--prompt is empty (without --chat there is nothing to continue)")
     if args.keep_quantized and args.model and not str(args.model).endswith(".gguf") and \
@@ -73,7 +73,9 @@ def main(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("generate", help="stream text from a model through speculative decoding")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the shipped SmolLM2-135M)")
-    p.add_argument("--drafter", default=None, help="ngram (prompt lookup), model:PATH (a draft model), "
+    p.add_argument("--drafter", default=None, help="ngram (prompt lookup), lookahead[:W/N/G] (Lookahead decoding: "
+                                                      "a Jacobi window and an n-gram pool; trees of its own), "
+                                                      "model:PATH (a draft model), "
                                                       "eagle[:PATH] or medusa[:PATH] (trained heads; without PATH, the "
                                                       "ones shipped for the default model). Default: eagle for the "
                                                       "default model, ngram otherwise")
@@ -94,7 +96,7 @@ def register(sub) -> None:
     p.add_argument("--max-batch-size", type=int, default=1,
                    help="requests decoded at once (default 1: the command decodes one prompt)")
     p.add_argument("--tree", default=None, type=tree_settings,
-                   help="tree rounds (eagle, medusa, ngram): N (nodes per tree, the last token included) or "
+                   help="tree rounds (eagle, medusa, ngram; lookahead always runs its own): N (nodes per tree, the last token included) or "
                         "nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
     p.add_argument("--keep-quantized", action="store_true",
                    help="a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights stay as stored (4-8 bits a weight read per "

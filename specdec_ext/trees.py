@@ -169,19 +169,31 @@ def trie(continuations: list) -> tuple[list, list, list]:
     """Token sequences -> their prefix trie as candidates for best_tree: (parents, tokens, counts), one entry per
     distinct prefix in the order first met, parents as candidate indices (0: the root, candidates from 1);
     count: how many of the sequences pass through the node (never more than its parent's)."""
-    parents, tokens, counts, index = [], [], [], {}
-    for seq in continuations:
-        node = 0
+    parents, tokens, counts, _ = trie_paths(continuations)
+    return parents, tokens, counts
+
+
+def trie_paths(sequences: list, max_nodes: int | None = None) -> tuple[list, list, list, list]:
+    """trie() plus where each sequence went: (parents, tokens, counts, paths), paths[j] the nodes (candidate
+    indices from 1) of sequence j's tokens. With max_nodes the trie stops growing at that many nodes: a sequence
+    that would need more is cut there (its path is then a prefix of it)."""
+    parents, tokens, counts, index, paths = [], [], [], {}, []
+    for seq in sequences:
+        node, path = 0, []
         for t in seq:
             key = (node, t)
             if key not in index:
+                if max_nodes is not None and len(tokens) >= max_nodes:
+                    break
                 parents.append(node)
                 tokens.append(t)
                 counts.append(0)
                 index[key] = len(tokens)
             node = index[key]
             counts[node - 1] += 1
-    return parents, tokens, counts
+            path.append(node)
+        paths.append(path)
+    return parents, tokens, counts, paths
 
 
 def last_tokens(histories: list, device) -> torch.Tensor:

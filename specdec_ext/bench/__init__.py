@@ -31,7 +31,7 @@ def register(sub) -> None:
     bench.add_argument("--prompts", default=None, help="e2e: comma-separated prompt names (chat,code,summarise, and "
                        "heldout: held-out chat prompts of the shipped prompt set, never trained on)")
     bench.add_argument("--drafters", default=None, help="e2e: comma-separated drafters (default ngram,eagle,medusa: "
-                       "prompt lookup and the shipped model's trained heads)")
+                       "prompt lookup and the shipped model's trained heads; also lookahead[:W/N/G])")
     bench.add_argument("--sampling", default=None,
                        help="e2e: greedy,sampled,invariant (sampled: temperature 0.7, top-p 0.9, rejection sampling; "
                             "invariant: the same with Gumbel coupling)")

@@ -5,8 +5,8 @@ on the same weights, dtype and thread count, tokens/s as the median of repeats a
    each row against the weight-read floor (weight bytes per decode step over the read bandwidth measured
    here); then the cost of one forward of Q = 1, 2, 3, 5, 9 new tokens relative to Q = 1.
 2. Speculative decoding (SpeculativeDecoder; the n-gram drafter, the shipped EAGLE head and Medusa heads, and
-   with --draft a model drafter; fixed k and adaptive) on three fixed prompts and on held-out chat prompts of the
-   shipped prompt set (a run decodes them all, B at a time), greedy and sampled (temperature 0.7, top-p 0.9),
+   with --draft a model drafter, and Lookahead with --drafters lookahead[:W/N/G]; fixed k and adaptive) on three
+   fixed prompts and on held-out chat prompts of the shipped prompt set (a run decodes them all, B at a time), greedy and sampled (temperature 0.7, top-p 0.9),
    against our plain decoding of the same requests and against transformers' plain and prompt-lookup generate
    (prompt_lookup_num_tokens=10, batch 1 only): speedups, acceptance rate (in total and per position), mean
    acceptance length and the time split. Tree rows (--tree, repeatable; by default the default TreeSettings):
@@ -169,6 +169,17 @@ def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats
     return rows, costs
 
 
+def own_configs(drafter, ks) -> list:
+    """The rows of a drafter whose rounds are trees of its own (Lookahead): its settings fixed (when ks has a number)
+    and adaptive (when ks has "adaptive"); none for the others."""
+    own = getattr(drafter, "round_tree", lambda: None)()
+    if own is None:
+        return []
+    label = f"W{drafter.window} N{drafter.ngram} G{drafter.guesses}"
+    return ([(label, 8, False, None)] if any(k != "adaptive" for k in ks) else []) + \
+        ([(label + " adaptive", 8, True, None)] if "adaptive" in ks else [])
+
+
 def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, repeats):
     """Per prompt, sampling mode and B: transformers' plain (and, at B = 1, prompt-lookup) generate, then every
     drafter and k, each alternated with our plain decoding of the same requests (the speedup is the median of
@@ -179,7 +190,8 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
     # ngram, eagle and medusa (the shipped heads), and with --draft a draft model.
     specs = (args.drafters or "ngram,eagle,medusa").split(",") + ([f"model:{args.draft}"] if args.draft else [])
-    drafters = {spec.partition(":")[0]: make_drafter(spec, target, path) for spec in specs}
+    drafters = {spec if spec.startswith("lookahead") else spec.partition(":")[0]: make_drafter(spec, target, path)
+                for spec in specs}
     heldout = heldout_prompts(tokenizer)
     ks = (args.k or "2,4,8,adaptive").split(",")
     trees = [TreeSettings.of(t) for t in (args.tree or [TreeSettings()])]
@@ -208,7 +220,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                         hf, tokenizer, c, new_tokens, sampling, prompt_lookup_num_tokens=10)], repeats)[0] \
                         if batch == 1 else float("nan")
                 for drafter_name, drafter in drafters.items():
-                    for k, k_max, adaptive, tree in configs:
+                    for k, k_max, adaptive, tree in own_configs(drafter, ks) or configs:
                         if tree is not None and not drafter.supports_trees:
                             continue
                         dec = SpeculativeDecoder(target, drafter, k_max, adaptive=adaptive, max_batch_size=batch,

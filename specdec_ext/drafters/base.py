@@ -13,10 +13,18 @@ The decoder calls, over its request slots [0, slots):
                                  root included) per slot, no deeper than round.num_tokens[b], best nodes first
   rollback(num_accepted, hidden_states=None)  after every round: keep what the target accepted ([batch] ints, -1
                                  for a row without a request); hidden_states [batch, Q, H]: the target's, of the
-                                 round's block (after a tree round: of the accepted path, in path order)
+                                 round's block (after a tree round: of the accepted path, in path order); a drafter
+                                 with needs_block_argmax also gets, after a tree round, paths= (each row's accepted
+                                 nodes below the root) and block_argmax= ([batch] lists: the target's greedy token
+                                 at every node of the block, from the same forward)
   release(slot)                  a finished request
 and asks:
-  supports_trees, needs_hidden_states
+  supports_trees, needs_hidden_states, needs_block_argmax
+  sizes_own_tree                 True: the drafter chooses how much of the node budget a tree round fills: the
+                                 policy hands it the whole budget and calls plan(costs, batch, round_index) before
+                                 each tree round (costs: the CostModel, None when adaptive is off)
+  round_tree()                   the TreeSettings of this drafter's rounds when the decoder is given none (None:
+                                 chain rounds)
   check_tree(tree)               ValueError when a TreeSettings is not one this drafter can propose
   cache_margin(k_max, tree)      slots a round writes past a request's tokens in the drafter's own cache
   draft_work(k, tree)            (steps, rows per request of each step) of a round drafting k tokens (a tree of
@@ -71,7 +79,9 @@ class Drafter(ABC):
     propose()."""
 
     needs_hidden_states = False
+    needs_block_argmax = False
     supports_trees = False
+    sizes_own_tree = False
 
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
              cuda_graphs: bool = False) -> None:
@@ -93,10 +103,13 @@ class Drafter(ABC):
     def release(self, slot: int) -> None:
         pass
 
+    def round_tree(self):
+        return None
+
     def check_tree(self, tree) -> None:
         if not self.supports_trees:
             raise ValueError(f"tree rounds need a drafter that proposes trees (EagleDrafter, MedusaDrafter, "
-                             f"NgramDrafter), got {type(self).__name__}")
+                             f"NgramDrafter, LookaheadDrafter), got {type(self).__name__}")
 
     def cache_margin(self, k_max: int, tree=None) -> int:
         return 0

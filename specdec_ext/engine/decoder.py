@@ -39,7 +39,7 @@ def available_memory(device: torch.device) -> int | None:
 
 class SpeculativeDecoder:
     """Lossless speculative decoding of `target` with `drafter` (NgramDrafter, ModelDrafter, EagleDrafter,
-    MedusaDrafter, or any specdec_ext.drafters.Drafter; None for plain decoding only). num_speculative_tokens: the
+    MedusaDrafter, LookaheadDrafter, or any specdec_ext.drafters.Drafter; None for plain decoding only). num_speculative_tokens: the
     largest k (at most the sampling op's limit). adaptive: True (k per request from its acceptance estimate and the
     measured costs of the target and of the drafter's steps), "heuristic" (+2 after a fully accepted round, -1
     otherwise) or False (always num_speculative_tokens). max_batch_size: requests decoded at once; the rest wait
@@ -53,7 +53,8 @@ class SpeculativeDecoder:
     to num_nodes nodes (the root, the last emitted token, included) and depth, which the target verifies in one
     forward; num_speculative_tokens is then unused. With adaptive=True the round's node budget is the n <=
     num_nodes that maximises the expected tokens over the round's measured cost (Policy.tree_size); otherwise every
-    tree has num_nodes nodes (fewer when the drafter finds fewer candidates).
+    tree has num_nodes nodes (fewer when the drafter finds fewer candidates). LookaheadDrafter's rounds are always
+    trees: tree=None takes its own settings (its round_tree()), and it sizes its trees itself (sizes_own_tree).
 
     sampling: how sampled requests are verified. "invariant": Gumbel coupling; the token at each position is the
     Gumbel-max sample of the target with the noise of (seed, position), and a draft is accepted when it equals it
@@ -108,6 +109,8 @@ class SpeculativeDecoder:
         on_cuda = target.device.type == "cuda"
         if cuda_graphs is True and not on_cuda:
             raise ValueError("SpeculativeDecoder: cuda_graphs=True needs the target on a CUDA device")
+        if tree is None and drafter is not None:  # a drafter whose rounds are trees (Lookahead) says which
+            tree = getattr(drafter, "round_tree", lambda: None)()
         try:
             self.tree = None if tree is None else TreeSettings.of(tree)
             if self.tree is not None and drafter is not None:

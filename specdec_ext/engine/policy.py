@@ -247,9 +247,13 @@ class Policy:
         a request's expected tokens are 1 + the sum of its first n - 1 nodes' acceptance rates (decayed counts;
         prior 0.5 with the weight of a tenth of a round). The round costs a verify over batch x n rows plus the
         drafter's work for a tree of depth min(depth, n - 1) (a tree of n nodes is at most n - 1 deep: the round's
-        depth is cut to that too). Every 8th round probes a tree twice that size."""
+        depth is cut to that too). Every 8th round probes a tree twice that size. A drafter that sizes its own trees
+        (sizes_own_tree) gets the whole budget and plans its tree from the costs (None: adaptive is off)."""
         n_max, depth = self.tree.num_nodes, self.tree.depth
-        if self.adaptive is not True or not running:
+        if getattr(self.drafter, "sizes_own_tree", False):  # it fills the budget as it sees fit (Lookahead)
+            self.drafter.plan(self.costs if self.adaptive is True else None, len(running), round_index)
+            n = n_max
+        elif self.adaptive is not True or not running:
             n = n_max
         else:
             gain = sum(np.cumsum((r.node_hits + 0.05) / (r.node_tries + 0.1)) for r in running)  # [i]: n = i + 2

@@ -75,13 +75,14 @@ class Verifier:
         self.cache, self.params = cache, params
 
     def __call__(self, r: RoundInputs, ids, live, draft_logits, *, num_draft=None, tree=None,
-                 hidden_states: bool = False, draft_to_target=None):
+                 hidden_states: bool = False, draft_to_target=None, block_argmax: bool = False):
         """ids [batch, Q]; live [batch] int32 (0: an idle row, which keeps nothing); chain: num_draft [batch] int32
         (Q - 1 = the widest), draft_logits [batch, Q - 1, V or Vd] unprocessed (draft_to_target [Vd] with a draft
         vocabulary); tree: the DraftTree (its token_ids are ids). Every row is processed with the requests' top-k and
-        top-p inside the sampling op. Returns (packed [batch, W] int32: chain
-        output_token_ids [Q], num_accepted; tree also accepted_nodes [Q], num_nodes, depth; the target's hidden
-        states of the accepted tokens in order when asked, else None; the time the forward ended, eager only)."""
+        top-p inside the sampling op. Returns (packed [batch, W] int32: chain output_token_ids [Q], num_accepted;
+        tree also accepted_nodes [Q], num_nodes, depth, and with block_argmax the target's greedy token at every node
+        [Q]; the target's hidden states of the accepted tokens in order when asked, else None; the time the forward
+        ended, eager only)."""
         batch, width = ids.shape
         p, cache, rows = self.params, self.cache, slice(0, r.batch)
         if r.coupling == "gumbel":  # each row decides by its own Gumbel-max token: the draft rows are not read
@@ -112,12 +113,14 @@ class Verifier:
             if hidden is not None:  # the path's features in path order: a chain of num_accepted drafts to the drafter
                 path = out.accepted_nodes.long().clamp_min(0)
                 hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            packed = torch.cat([out.output_token_ids, out.num_accepted.unsqueeze(1), out.accepted_nodes,
-                                num_nodes.unsqueeze(1).int(), depths.amax(1, keepdim=True).int()], 1)
-            return packed, hidden
+            packed = [out.output_token_ids, out.num_accepted.unsqueeze(1), out.accepted_nodes,
+                      num_nodes.unsqueeze(1).int(), depths.amax(1, keepdim=True).int()]
+            if block_argmax:  # what a Jacobi window learns from the same forward (LookaheadDrafter)
+                packed.append(logits.argmax(-1).int())
+            return torch.cat(packed, 1), hidden
 
         kind = "chain" if tree is None else "tree"
-        key = (kind, batch, width, r.coupling, draft_logits is not None, hidden_states)
+        key = (kind, batch, width, r.coupling, draft_logits is not None, hidden_states, block_argmax)
         inputs = (ids, live, draft_logits, num_draft) + ((None,) * 4 if tree is None else
                                                          (tree.parents, tree.tree_mask, tree.num_nodes, tree.depths))
         packed, hidden = self.graphs.run(key, step, inputs, state=[cache.cache_seqlens])
@@ -173,13 +176,19 @@ class TreeRound:
         # Compaction touches the whole block of every row of the cache, idle ones too: each needs its pages.
         self.verifier.cache.reserve(n)
         device = self.verifier.target.device
+        block_argmax = getattr(self.drafter, "needs_block_argmax", False)
         packed, hidden, t2 = self.verifier(r, tree.token_ids, upload(live, torch.int32, device), tree.draft_logits,
-                                           tree=tree, hidden_states=self.drafter.needs_hidden_states)
-        rows = read(packed)  # the round's one host read: tokens [n], accepted, path [n], nodes, depth
+                                           tree=tree, hidden_states=self.drafter.needs_hidden_states,
+                                           block_argmax=block_argmax)
+        rows = read(packed)  # the round's one host read: tokens [n], accepted, path [n], nodes, depth[, argmax [n]]
         t3 = time.perf_counter()
         accepted = [row[n] for row in rows]
-        self.drafter.rollback([a if alive else -1 for a, alive in zip(accepted, live)], hidden)
+        paths = [row[n + 2:n + 2 + a] for row, a in zip(rows, accepted)]
+        kept = [a if alive else -1 for a, alive in zip(accepted, live)]
+        if block_argmax:
+            self.drafter.rollback(kept, hidden, paths=paths, block_argmax=[row[2 * n + 3:] for row in rows])
+        else:
+            self.drafter.rollback(kept, hidden)
         return RoundResult([row[:a + 1] for row, a in zip(rows, accepted)], [row[2 * n + 1] - 1 for row in rows],
-                           accepted, [row[2 * n + 2] for row in rows],
-                           [row[n + 2:n + 2 + a] for row, a in zip(rows, accepted)],
+                           accepted, [row[2 * n + 2] for row in rows], paths,
                            t1 - t0 + time.perf_counter() - t3, (t2 or t3) - t1, t3 - (t2 or t3))
