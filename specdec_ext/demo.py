@@ -114,6 +114,8 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded
           f"{s.mean_accepted_depth:.2f}), accepted per position {s.accepted_per_position}; time: draft "
           f"{s.draft_s:.2f} s, verify {s.verify_s:.2f} s, "
           f"sample {s.sample_s:.2f} s, other {s.other_s:.2f} s")
+    if hasattr(dec.drafter, "stats"):  # Lookahead's own counts
+        print(dec.drafter.stats.summary())
     same = spec.sequences == plain.sequences == again.sequences
     print(f"speculative tokens equal plain greedy decoding's: {same}")
     answer = tokenizer.decode(spec.sequences[0], skip_special_tokens=True)

@@ -67,6 +67,9 @@ def main(args) -> int:
     shape = f"k <= {args.k}, {adaptive}" if dec.tree is None else \
         f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}, {adaptive}"
     print(stats_line(out.stats, drafter, shape, seconds, out.finish_reasons[0]), file=sys.stderr)
+    drafter_stats = getattr(getattr(dec, "drafter", None), "stats", None)
+    if drafter_stats is not None:  # Lookahead's own counts
+        print(f"[{drafter_stats.summary()}]", file=sys.stderr)
     return 0
 
 

@@ -211,6 +211,23 @@ def assert_law(counts: dict, law: dict) -> None:
 
 # ----------------------------------------------------------------------------------------------------- KV caches
 
+def record_paths(monkeypatch) -> list:
+    """Wraps the decoder's tree sampling op: returns the list that each round's accepted paths (node lists from the
+    root) are appended to."""
+    from specdec_ext.engine import rounds
+
+    paths = []
+    op = rounds.tree_speculative_sampling_from_logits
+
+    def recording(*args, **kwargs):
+        out = op(*args, **kwargs)
+        paths.extend(nodes[:a + 1] for nodes, a in zip(out.accepted_nodes.tolist(), out.num_accepted.tolist()))
+        return out
+
+    monkeypatch.setattr(rounds, "tree_speculative_sampling_from_logits", recording)
+    return paths
+
+
 def fresh_cache_rows(model, tokens, paged):
     """K/V of every layer for `tokens`, from a prefill into a fresh cache: [L, n, Hkv, D] each."""
     cache = model.new_kv_cache(1, len(tokens) + 1)

@@ -7,12 +7,12 @@ prefill of the emitted tokens after every step (the window's K/V gone); the plan
 raise naming the argument. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, assert_cache_holds, assert_law, law_target, random_prompts, sample_first_tokens,
-                     shipped_model, tiny_model)
+from helpers import (LAW_CASES, assert_cache_holds, assert_law, law_target, random_prompts, record_paths,
+                     sample_first_tokens, shipped_model, tiny_model)
 
 from specdec_ext import LookaheadDrafter, SpeculativeDecoder
 from specdec_ext.drafters.base import RoundInputs
-from specdec_ext.engine import CostModel, generate_autoregressive, rounds
+from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.factory import make_drafter, prompt_ids
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -28,19 +28,6 @@ def target():
 def round_inputs(histories, num_tokens):
     """What propose_tree reads of a round (the sampling tensors are the verifier's)."""
     return RoundInputs(len(histories), num_tokens, histories, None, None, None, None, None)
-
-
-def record_paths(monkeypatch) -> list:
-    paths = []
-    op = rounds.tree_speculative_sampling_from_logits
-
-    def recording(*args, **kwargs):
-        out = op(*args, **kwargs)
-        paths.extend(nodes[:a + 1] for nodes, a in zip(out.accepted_nodes.tolist(), out.num_accepted.tolist()))
-        return out
-
-    monkeypatch.setattr(rounds, "tree_speculative_sampling_from_logits", recording)
-    return paths
 
 
 # ------------------------------------------------------------------------------------------ the block by hand
@@ -300,3 +287,13 @@ def test_chain_proposals_are_the_first_guess(target):
     d.requests[1].pool = {4: [(8, 9, 10)]}
     out = d.propose(round_inputs([[1, 2, 3, 1, 2], [3, 4], None], [2, 3, 0]))
     assert out.draft_token_ids.tolist() == [[3, 1, 0], [8, 9, 10], [0, 0, 0]] and out.num_draft_tokens == [2, 3, 0]
+
+
+def test_command_line_spelling(target):
+    """--drafter lookahead (its defaults) and lookahead:W/N/G; the stats line names what it counts."""
+    assert (lambda d: (d.window, d.ngram, d.guesses))(make_drafter("lookahead", target)) == (7, 5, 7)
+    drafter = make_drafter("lookahead:3/4/2", target)
+    assert (drafter.window, drafter.ngram, drafter.guesses) == (3, 4, 2)
+    assert drafter.round_tree().num_nodes == 1 + (3 + 2) * 3
+    drafter.stats.steps, drafter.stats.accepted_tokens, drafter.stats.pool_hits = 4, 6, 2
+    assert "1.50 drafts accepted per step" in drafter.stats.summary() and "from the pool 2" in drafter.stats.summary()

@@ -8,7 +8,7 @@ import torch
 from helpers import make_drafter, random_prompts, random_vocab, tiny_hf
 from torch.overrides import TorchFunctionMode
 
-from specdec_ext import Drafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings
+from specdec_ext import Drafter, LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings
 from specdec_ext.drafters import Proposal
 from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.engine.policy import draft_costs
@@ -49,12 +49,13 @@ def drafter_of(name, target):
     vocab = random_vocab(target.config.vocab_size, 48, 5)
     return {"ngram": lambda: NgramDrafter(), "model": lambda: ModelDrafter(target),
             "eagle": lambda: make_drafter("eagle", target, vocab, 3),
-            "medusa": lambda: make_drafter("medusa", target, vocab, 4)}[name]()
+            "medusa": lambda: make_drafter("medusa", target, vocab, 4),
+            "lookahead": lambda: LookaheadDrafter(window=3, ngram=3, guesses=2)}[name]()
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
 @pytest.mark.parametrize("name,tree", [("ngram", None), ("model", None), ("eagle", None), ("medusa", None),
-                                       ("ngram", 8), ("eagle", 8), ("medusa", 8)])
+                                       ("ngram", 8), ("eagle", 8), ("medusa", 8), ("lookahead", None)])
 def test_one_host_read_per_round(target, name, tree, paged):
     """Every round reads the device once (its packed results), whatever the drafter, chain or tree, static or paged
     cache, sampled or greedy: uploads go through pinned memory and the paged allocator's mirror follows from the

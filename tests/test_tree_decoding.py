@@ -7,11 +7,10 @@ follows the costs, bad settings raise. Fixed seeds throughout."""
 import pytest
 import torch
 from helpers import (LAW_CASES, assert_cache_holds, assert_law, cache_rows, law_target, make_drafter, random_prompts,
-                     random_vocab, sample_first_tokens, tiny_model)
+                     random_vocab, record_paths, sample_first_tokens, tiny_model)
 
 import specdec_ext
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
-from specdec_ext.engine import rounds
 from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.trees import TreeSettings, best_tree, trie
 
@@ -32,20 +31,6 @@ def tree_drafter(name, target, seed=1):
     if name == "ngram":
         return NgramDrafter(3, 1)
     return make_drafter(name, target, random_vocab(VOCAB, 12, 1), seed)
-
-
-def record_paths(monkeypatch) -> list:
-    """Wraps the decoder's tree sampling op: returns the list that each round's accepted_nodes are appended to."""
-    paths = []
-    op = rounds.tree_speculative_sampling_from_logits
-
-    def recording(*args, **kwargs):
-        out = op(*args, **kwargs)
-        paths.extend(nodes[:a + 1] for nodes, a in zip(out.accepted_nodes.tolist(), out.num_accepted.tolist()))
-        return out
-
-    monkeypatch.setattr(rounds, "tree_speculative_sampling_from_logits", recording)
-    return paths
 
 
 # ----------------------------------------------------------------------------------------------------- helpers

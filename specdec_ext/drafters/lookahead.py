@@ -45,6 +45,11 @@ class LookaheadStats:
     def accepted_per_step(self) -> float:
         return self.accepted_tokens / self.steps if self.steps else 0.0
 
+    def summary(self) -> str:
+        return (f"lookahead: {self.accepted_per_step:.2f} drafts accepted per step; accepted paths from the request's "
+                f"own tokens {self.history_hits}, from the pool {self.pool_hits}, from the window {self.window_hits}; "
+                f"{self.pool_ngrams} n-grams pooled; window run in {self.window_steps} of {self.steps} steps")
+
 
 @dataclass
 class _Round:

@@ -6,7 +6,7 @@ import torch
 from helpers import random_prompts, tiny_hf
 
 import specdec_ext
-from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import CostModel
 from specdec_ext.models import LlamaForCausalLM
 
@@ -51,6 +51,27 @@ def test_tree_rounds_replay_equal_eager(pair, paged, sampling):
         runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)
         if graphs:
             assert dec.graphs.graphs, "nothing was captured"
+    assert runs[0] == runs[1]
+    if not sampling:
+        plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(prompts, [24, 7, 16, 30, 11])
+        assert runs[0] == plain.sequences
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, top_p=0.9, seed=[1, 2, 3, 4, 5])])
+def test_lookahead_rounds_replay_equal_eager(pair, paged, sampling):
+    # Lookahead (window, pool, the block's argmax packed into the round's read, trees padded to the budget): replayed
+    # from CUDA graphs it gives the eager tokens, one graph for every tree width; greedy equals plain decoding.
+    target, _ = pair
+    prompts = random_prompts(3, [5, 21, 12, 9, 30])
+    runs = []
+    for graphs in (False, True):
+        drafter = LookaheadDrafter(window=4, ngram=3, guesses=3)
+        dec = SpeculativeDecoder(target, drafter, max_batch_size=3, cuda_graphs=graphs, paged=paged, adaptive=False)
+        runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)
+        if graphs:
+            assert dec.graphs.graphs, "nothing was captured"
+            assert drafter.stats.pool_ngrams > 0
     assert runs[0] == runs[1]
     if not sampling:
         plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(prompts, [24, 7, 16, 30, 11])
