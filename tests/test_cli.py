@@ -153,11 +153,7 @@ BAD_ARGUMENTS = [
     (["generate", "--prompt", "Hi", "-k", "129"], "-k must be in [1, 128]"),
     (["generate", "--prompt", "Hi", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["generate", "--prompt", "Hi", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
-    (["generate", "--prompt", "Hi", "--drafter", "eagel"], "--drafter must be ngram, lookahead[:W/N/G], model:PATH"),
-    (["generate", "--prompt", "Hi", "--drafter", "lookahead:7/5"], "--drafter lookahead:W/N/G takes three ints"),
-    (["generate", "--prompt", "Hi", "--drafter", "lookahead:15/5/15"], "make a verify block of 1 + (W + G) * (N - 1) "
-                                                                      "= 121 nodes, past verify_attention's 64"),
-    (["generate", "--prompt", "Hi", "--drafter", "lookahead:3/1/3"], "ngram must be an int in [2, 63], got 1"),
+    (["generate", "--prompt", "Hi", "--drafter", "eagel"], "--drafter must be ngram,"),
     (["generate", "--prompt", "Hi", "--drafter", "model:/no/such/dir"], "--drafter model:/no/such/dir: no such file"),
     (["generate", "--prompt", "Hi", "--device", "tpu"], "--device 'tpu' is not a device"),
     (["generate", "--prompt", "Hi", "--seed", str(2**64)], "--seed must fit in a signed 64-bit integer"),
