@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One run on a machine with a GPU: build for dev_cuda_archs of build_settings.json (sm_90a), the CUDA tests, the kernel benchmarks. Results go to
-# $OUT (or bench/out). Uses the machine's python3 and torch; wheels under .whl/ are installed first.
+# One run on a machine with a GPU: build for dev_cuda_archs of build_settings.json (sm_90a), the CUDA tests, the
+# kernel benchmarks. Results go to $OUT (or bench/out). Uses the machine's python3 and torch; wheels under .whl/
+# are installed first. Each step has its own time limit (STEP_SCALE multiplies them), so that one slow or hung
+# step costs its own limit only and the steps after it still run; the most wanted figures come first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out}"
@@ -9,41 +11,50 @@ dev_archs=$(python3 -c 'import json; print(json.load(open("build_settings.json")
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$dev_archs}" MAX_JOBS="${MAX_JOBS:-16}"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  # Carried wheels (gguf; transformers as in the development environment, with its hub client) must leave the image's
+  # packages importable: if transformers does not import, the image's own serves and only gguf is kept.
+  if ! python3 -c "import transformers.generation.utils" > /dev/null 2>&1; then
+    echo "carried transformers does not import here: the image's is used"
+    rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
+  fi
 fi
+scale="${STEP_SCALE:-1}"
+t0=$(date +%s)
+
+# step NAME LIMIT_S COMMAND...: runs COMMAND under its limit, output to $OUT/NAME.txt, and prints its tail.
+step() {
+  local name=$1 limit=$(( $2 * scale )) start=$(date +%s) rc
+  shift 2
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  rc=$?
+  echo "== $name: rc $rc, $(( $(date +%s) - start )) s (limit $limit s), at $(( $(date +%s) - t0 )) s"
+  tail -n "${TAIL:-12}" "$OUT/$name.txt"
+  return $rc
+}
+bench() {  # bench NAME LIMIT_S ARGS...: `specdec bench NAME --device cuda ARGS`
+  local name=$1 limit=$2
+  shift 2
+  step "bench_$name" "$limit" python3 -m specdec_ext.cli bench "${name%%-*}" --device cuda "$@"
+}
+
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
-start=$(date +%s)
-python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
-python3 -m specdec_ext.cli info | tee -a "$OUT/gpu.txt"
-python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.txt" | tail -15
-python3 -m specdec_ext.cli bench philox --device cuda --json "$OUT/philox.json" 2>&1 | tail -9 | tee "$OUT/bench_philox.txt"
-python3 -m specdec_ext.cli bench sampling --device cuda --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png" \
-  > "$OUT/bench_sampling.txt" 2>&1
-tail -26 "$OUT/bench_sampling.txt"
-python3 -m specdec_ext.cli bench row_filters --device cuda --repeats 30 --json "$OUT/row_filters.json" \
-  > "$OUT/bench_row_filters.txt" 2>&1
-tail -12 "$OUT/bench_row_filters.txt"
-python3 -m specdec_ext.cli bench quantized_linear --device cuda --repeats 30 --json "$OUT/quantized_linear.json" \
-  > "$OUT/bench_quantized_linear.txt" 2>&1
-tail -42 "$OUT/bench_quantized_linear.txt"
-python3 -m specdec_ext.cli bench tree_sampling --device cuda --repeats 30 --json "$OUT/tree_sampling.json" \
-  > "$OUT/bench_tree_sampling.txt" 2>&1
-tail -40 "$OUT/bench_tree_sampling.txt"
-python3 -m specdec_ext.cli bench attention --device cuda --repeats 30 --json "$OUT/attention.json" \
-  --plot "$OUT/attention.png" > "$OUT/bench_attention.txt" 2>&1
-tail -30 "$OUT/bench_attention.txt"
-python3 -m specdec_ext.cli bench attention --device cuda --repeats 30 --flex --batch 1,8 --vocab 4096,32768 --k 5 \
-  > "$OUT/bench_attention_flex.txt" 2>&1
-tail -8 "$OUT/bench_attention_flex.txt"
-python3 -m specdec_ext.cli bench attention --device cuda --repeats 50 --layouts --json "$OUT/attention_layouts.json" \
-  > "$OUT/bench_attention_layouts.txt" 2>&1
-tail -9 "$OUT/bench_attention_layouts.txt"
-python3 -m specdec_ext.cli bench flat_sampling --device cuda --repeats 30 --json "$OUT/flat_sampling.json" \
-  > "$OUT/bench_flat_sampling.txt" 2>&1
-tail -6 "$OUT/bench_flat_sampling.txt"
+python3 -c "import torch, sys, transformers; print('torch', torch.__version__, torch.version.cuda, 'python', sys.version.split()[0], 'transformers', transformers.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+# The emulator is not needed here (SPECDEC_NO_SIM): CI runs it.
+export SPECDEC_NO_SIM=1
+TAIL=40 step build 420 python3 setup.py -q build_ext --inplace || exit 1
+step info 60 python3 -m specdec_ext.cli info
+TAIL=25 step tests_gpu 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=10 -n 4
+TAIL=26 bench sampling 60 --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png"
+TAIL=40 bench tree_sampling 50 --repeats 30 --json "$OUT/tree_sampling.json"
+TAIL=30 bench attention 60 --repeats 30 --json "$OUT/attention.json" --plot "$OUT/attention.png"
+TAIL=9 bench attention-layouts 40 --repeats 50 --layouts --json "$OUT/attention_layouts.json"
+TAIL=6 bench flat_sampling 40 --repeats 30 --json "$OUT/flat_sampling.json"
+TAIL=12 bench row_filters 40 --repeats 30 --json "$OUT/row_filters.json"
+TAIL=42 bench quantized_linear 60 --repeats 30 --json "$OUT/quantized_linear.json"
+TAIL=9 bench philox 30 --json "$OUT/philox.json"
 for shim in flashinfer vllm sglang transformers; do
-  python3 -m specdec_ext.cli bench "compat_$shim" --device cuda --repeats 30 --json "$OUT/compat_$shim.json" \
-    > "$OUT/bench_compat_$shim.txt" 2>&1
-  tail -12 "$OUT/bench_compat_$shim.txt"
+  bench "compat_$shim" 30 --repeats 30 --json "$OUT/compat_$shim.json"
 done
+TAIL=8 bench attention-flex 40 --repeats 30 --flex --batch 1,8 --vocab 4096,32768 --k 5
+echo "gpu_check: $(( $(date +%s) - t0 )) s"

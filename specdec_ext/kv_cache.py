@@ -90,7 +90,7 @@ class StaticKVCache:
         """No pages to give back."""
 
     def release(self, request: int) -> None:
-        self.cache_seqlens[request] = 0
+        self.cache_seqlens[request].fill_(0)  # no host-to-device copy (that would synchronise)
 
     def reset(self) -> None:
         self.cache_seqlens.zero_()
@@ -206,7 +206,7 @@ class PagedKVCache:
         self._free.extend(reversed(self._table[request]))
         self._table[request] = []
         self._lengths[request] = 0
-        self.cache_seqlens[request] = 0
+        self.cache_seqlens[request].fill_(0)  # no host-to-device copy (that would synchronise)
         self._upload()
 
     def _mirror(self, lengths: list) -> None:

@@ -223,15 +223,19 @@ def _sampling_controls(op: str, logits: bool, greedy_or_temperature, seed, offse
                                  f"{_FLOAT32_MAX:.9g}), got {t}")
         control = _per_request(t, "temperature", op, batch, device, torch.float32)
     else:
-        greedy = False if greedy_or_temperature is None else greedy_or_temperature
-        control = _per_request(greedy, "greedy", op, batch, device, torch.bool)
+        if greedy_or_temperature is None:  # omitted: not greedy, a constant the caller cannot mean to update
+            control = torch.zeros(batch, dtype=torch.bool, device=device)
+        else:
+            control = _per_request(greedy_or_temperature, "greedy", op, batch, device, torch.bool)
     if seed is None:
         _refuse_frozen_scalar(None, "seed", op)  # a seed drawn now would be replayed unchanged
         gen_device = generator.device if generator is not None else device
         seed = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=generator, device=gen_device).to(device)
     else:
         seed = _request_vector(seed, "seed", op, batch, device)
-    return control, seed, _request_vector(0 if offset is None else offset, "offset", op, batch, device)
+    if offset is None:  # omitted: the Philox counter starts at 0, a constant (a caller under capture updates seed)
+        return control, seed, torch.zeros(batch, dtype=torch.int64, device=device)
+    return control, seed, _request_vector(offset, "offset", op, batch, device)
 
 
 def _float32_tensor(t, name: str, op: str, device):

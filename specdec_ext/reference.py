@@ -118,23 +118,29 @@ def filter_logits(logits, temperature, top_k=None, top_p=None, min_p=None, *, dt
     shape = (batch,) + (1,) * (logits.dim() - 1)
 
     def control(value, default, dtype):
+        """-> (the control as [B, 1, ...], whether it may be on). A Python number is known on the host; a tensor is
+        taken as on, so that nothing here reads device values back (engines call this inside their step)."""
         value = default if value is None else value
-        return torch.as_tensor(value, device=device).to(dtype).expand(batch).reshape(shape)
+        if isinstance(value, torch.Tensor):
+            return value.to(device=device, dtype=dtype).expand(batch).reshape(shape), True
+        return torch.full(shape, value, dtype=dtype, device=device), value != default
 
     t, greedy = _temperature(temperature, batch, device)
-    k = control(top_k, 0, torch.int64)
-    p = control(top_p, 1.0, torch.float32).to(dtype)
-    min_p = control(min_p, 0.0, torch.float32).to(dtype)
+    k, k_on = control(top_k, 0, torch.int64)
+    p, p_on = control(top_p, 1.0, torch.float32)
+    min_p, min_p_on = control(min_p, 0.0, torch.float32)
+    p, min_p = p.to(dtype), min_p.to(dtype)
     x = logits.to(dtype)
     m = x.amax(-1, keepdim=True)
     lo = torch.full_like(m, float("-inf"))
-    if bool(((k > 0) & (k < vocab)).any()):
-        kth = x.topk(int(k.clamp(1, vocab).max()), dim=-1).values.gather(-1, (k.clamp(1, vocab) - 1).expand_as(m))
+    if k_on or p_on:
+        values, order = x.sort(-1, descending=True)
+    if k_on:
+        kth = values.gather(-1, (k.clamp(1, vocab) - 1).expand_as(m))
         lo = torch.where((k > 0) & (k < vocab), kth, lo)
     w = torch.exp((x - m) / torch.where(greedy, 1.0, t).view(shape))
-    if bool((p < 1).any()):
+    if p_on:
         kept_by_k = torch.where(x >= lo, w, 0.0)
-        values, order = x.sort(-1, descending=True)
         cumulative = kept_by_k.gather(-1, order).cumsum(-1)
         # S(v) for each sorted value v: the cumulative mass through its last tie (the entries >= v number V - #(< v)).
         ascending = values.flip(-1).contiguous()
@@ -143,7 +149,9 @@ def filter_logits(logits, temperature, top_k=None, top_p=None, min_p=None, *, dt
         reaches = mass_at >= p * cumulative[..., -1:]
         first = reaches.int().argmax(-1, keepdim=True)  # the largest value whose S reaches the target
         lo = torch.where(p < 1, torch.maximum(lo, values.gather(-1, first)), lo)
-    lo = torch.where(min_p > 0, torch.maximum(lo, torch.where(w >= min_p, x, float("inf")).amin(-1, keepdim=True)), lo)
+    if min_p_on:
+        lo = torch.where(min_p > 0, torch.maximum(lo, torch.where(w >= min_p, x, float("inf")).amin(-1, keepdim=True)),
+                         lo)
     lo = torch.where(greedy.view(shape), float("-inf"), lo)
     return torch.where(x >= lo, logits, torch.full_like(logits, float("-inf")))
 

@@ -800,7 +800,7 @@ def plan_and_run(wrapper, batch, page_size, hq, hkv, mask_kind, masks, **plan_kw
                  "packed": {"packed_custom_mask": pack_segments(masks)}}[mask_kind]
     wrapper.plan(qo_indptr, kv_indptr, indices, last, hq, hkv, q.shape[-1], page_size, **mask_args, **plan_kwargs)
     out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
     got, got_lse = wrapper.run(q, cache, out=out, lse=lse, return_lse=True)
     assert got is out and got_lse is lse
     return out, lse
@@ -811,10 +811,10 @@ def plan_and_run(wrapper, batch, page_size, hq, hkv, mask_kind, masks, **plan_kw
 POISON = -77
 
 
-def sglang_buffers(batch, steps, size):
+def sglang_buffers(batch, steps, size, device="cpu"):
     """Poisoned output buffers: what the shim must write (or leave) is then visible."""
-    return (torch.full((size,), POISON, dtype=torch.int32), torch.full((batch, steps), POISON, dtype=torch.int32),
-            torch.full((batch,), POISON, dtype=torch.int32))
+    poisoned = functools.partial(torch.full, fill_value=POISON, dtype=torch.int32, device=device)
+    return poisoned((size,)), poisoned((batch, steps)), poisoned((batch,))
 
 
 def sglang_kernel_case():
@@ -840,7 +840,7 @@ SGLANG_EXPECTED = dict(predicts=[3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18],
 def sglang_sample(tree, target, coins, final, steps, size, draft=None, **kw):
     """sglang.tree_speculative_sampling_target_only into poisoned buffers: (predicts, accept_index,
     accept_token_num)."""
-    predicts, accept_index, accept_token_num = sglang_buffers(target.shape[0], steps, size)
+    predicts, accept_index, accept_token_num = sglang_buffers(target.shape[0], steps, size, target.device)
     sglang.tree_speculative_sampling_target_only(predicts, accept_index, accept_token_num, uniform_samples=coins,
                                                  uniform_samples_for_final_sampling=final, target_probs=target,
                                                  draft_probs=draft, **tree, **kw)
@@ -849,7 +849,8 @@ def sglang_sample(tree, target, coins, final, steps, size, draft=None, **kw):
 
 def sglang_greedy(tree, target_predict, steps, size):
     """sglang.verify_tree_greedy into poisoned buffers: (predicts, accept_index, accept_token_num)."""
-    predicts, accept_index, accept_token_num = sglang_buffers(target_predict.shape[0], steps, size)
+    predicts, accept_index, accept_token_num = sglang_buffers(target_predict.shape[0], steps, size,
+                                                                      target_predict.device)
     sglang.verify_tree_greedy(predicts, accept_index, accept_token_num, target_predict=target_predict, **tree)
     return predicts, accept_index, accept_token_num
 

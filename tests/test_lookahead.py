@@ -67,8 +67,8 @@ def test_block_is_cut_to_depth_and_budget_and_padded_for_graphs(target):
     # A budget of 4 nodes: the root, the guess, then the trunk's first node.
     tree = d.propose_tree(round_inputs([[1, 2, 5]], [8]), 4, 1)
     assert tree.token_ids.tolist() == [[5, 6, 7, 20]]
-    # Under CUDA graphs every tree is as wide as the budget (one graph per budget), padding after num_nodes.
-    d.cuda_graphs = True
+    # On CUDA every tree is as wide as the budget (one graph per budget), padding after num_nodes.
+    d.pad_to_budget = True
     tree = d.propose_tree(round_inputs([[1, 2, 5], None], [8, 0]), 12, 1)
     assert tree.parents.shape == (2, 12) and tree.num_nodes.tolist() == [9, 1]
     assert tree.parents[0, 9:].tolist() == [-1] * 3 and tree.parents[1].tolist() == [-1] * 12

@@ -7,7 +7,8 @@
 #endif
 #include "../bindings.cpp"
 #include "../ops.cpp"
-#include "../cuda/speculative_sampling.cu"
+#include "../cuda/chain_sampling.cu"
+#include "../cuda/tree_sampling.cu"
 #include "../cuda/philox_uniform.cu"
 #include "../cuda/truncate_kv_cache.cu"
 #include "../cuda/verify_attention.cu"

@@ -23,6 +23,8 @@ def main(args) -> int:
     rows = []
     for name, (n, k) in SHAPES.items():
         for fmt_name, fmt in FORMATS.items():
+            if k % ops.QUANTIZED_FORMATS[fmt][0]:
+                continue  # the K-quants' 256-weight super-blocks do not tile 576 columns (GGUF files use Q8_0/Q4_1)
             blocks = random_blocks(fmt, n, k).to(device)
             dense = ops.dequantize(blocks, fmt).to(dtype)
             for m in rows_grid:

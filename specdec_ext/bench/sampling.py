@@ -131,7 +131,8 @@ def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):
         ref = lambda: reference.chain_speculative_sampling(ids, tp, dp, seed=seed)
     else:
         tl, dl = case["target_logits"], case["draft_logits"]
-        ours = lambda: specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=1.0, seed=seed)
+        t = torch.ones(batch, device=device)  # a device tensor: ours is also captured in a CUDA graph below
+        ours = lambda: specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed)
         base = lambda: torch_sampling_from_logits(ids, tl, dl, 1.0)
         ref = lambda: reference.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=1.0, seed=seed)
     big = batch * k * vocab >= 8 * 4 * 128256

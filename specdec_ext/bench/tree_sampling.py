@@ -100,7 +100,8 @@ def bytes_read(out, n, branching, vocab, elem, sampled):
 
 def measure(case, batch, n, branching, vocab, sampled, dtype, device, repeats, peak):
     parents, tokens, tl, dl, seed = (case[k] for k in ("parents", "tokens", "target_logits", "draft_logits", "seed"))
-    ours = lambda: specdec_ext.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=1.0, seed=seed)
+    t = torch.ones(batch, device=device)  # a device tensor: ours is also captured in a CUDA graph below
+    ours = lambda: specdec_ext.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=t, seed=seed)
     base = lambda: torch_tree_sampling(parents, tokens, torch.softmax(tl.float(), -1),
                                        torch.softmax(dl.float(), -1) if dl is not None else None)
     ref = lambda: reference.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=1.0, seed=seed)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..host import upload
 from ..trees import MAX_TREE_NODES, DraftTree, TreeSettings, trie_paths
 from .base import Drafter, Proposal, RoundInputs, padded
 from .ngram import NgramDrafter
@@ -102,7 +103,7 @@ class LookaheadDrafter(Drafter):
         self._long = NgramDrafter(max_ngram=3, min_ngram=2)  # the request's own tokens: suffix of 2-3 tokens
         self._short = NgramDrafter(max_ngram=1, min_ngram=1)  # the root token alone
         self.device = torch.device("cpu")
-        self.requests, self.stats, self.cuda_graphs = [], LookaheadStats(), False
+        self.requests, self.stats, self.pad_to_budget = [], LookaheadStats(), False
         self.planned = (window, guesses, ngram - 1)  # (w, g, guess length) of the next round
 
     def round_tree(self) -> TreeSettings:
@@ -116,7 +117,10 @@ class LookaheadDrafter(Drafter):
     # --------------------------------------------------------------------------------------------- lifecycle
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
              cuda_graphs: bool = False) -> None:
-        self.device, self.cuda_graphs = target.device, cuda_graphs
+        # On CUDA every tree is as wide as the budget: one verify graph per budget, not one per width, and eager rounds
+        # do the arithmetic replayed ones do (the GEMMs' accumulation order depends on the row count; bfloat16
+        # logits a rounding apart would let sampled tokens differ). Spare rows cost little on a GPU.
+        self.device, self.pad_to_budget = target.device, cuda_graphs or target.device.type == "cuda"
         self.requests = [None] * slots
         self.stats = LookaheadStats()
         self.planned = (self.window, self.guesses, self.ngram - 1)
@@ -221,12 +225,12 @@ class LookaheadDrafter(Drafter):
             tokens.append([h[-1]] + t)
         self.stats.steps += 1
         self.stats.window_steps += self.planned[0] > 0
-        num_nodes = torch.tensor([len(t) for t in tokens], dtype=torch.int32)
-        if self.cuda_graphs:  # one verify graph per budget, not one per tree width
+        num_nodes = upload([len(t) for t in tokens], torch.int32, self.device)
+        if self.pad_to_budget:
             parents[0] = parents[0] + [-1] * (budget - len(parents[0]))
             tokens[0] = tokens[0] + [0] * (budget - len(tokens[0]))
         return DraftTree(padded(parents, -1, torch.int32, self.device), padded(tokens, 0, torch.int64, self.device),
-                         num_nodes.to(self.device))
+                         num_nodes)
 
     def propose(self, r: RoundInputs) -> Proposal:
         """Chain rounds (a ChainRound driving this drafter directly): each row's first guess, no window."""

@@ -50,7 +50,11 @@ class SlotParams:
         self.steps = torch.zeros(slots, dtype=torch.int64, device=device)
 
     def set(self, b: int, r) -> None:
-        self.temperature[b], self.top_k[b], self.top_p[b], self.seed[b] = r.temperature, r.top_k, r.top_p, r.seed
+        # fill_ takes the number as a kernel argument; `tensor[b] = number` would copy it from pageable host memory,
+        # which synchronises with the device.
+        for column, value in ((self.temperature, r.temperature), (self.top_k, r.top_k), (self.top_p, r.top_p),
+                              (self.seed, r.seed)):
+            column[b].fill_(value)
 
     def round_inputs(self, slots: list, batch: int, ks: list) -> RoundInputs:
         """The round's view for a drafter; uploads the steps (no host synchronisation)."""

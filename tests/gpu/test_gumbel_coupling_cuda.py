@@ -55,7 +55,8 @@ def test_gumbel_sample_replays_from_a_graph():
     logits = torch.randn(8, 49152, generator=gen).cuda()
     seed, positions = torch.arange(8, device="cuda"), torch.arange(8, device="cuda") * 11
     out = torch.empty(8, dtype=torch.int32, device="cuda")
-    step = lambda: specdec_ext.gumbel_sample(logits, temperature=0.7, seed=seed, positions=positions, out=out)
+    temperature = torch.full((8,), 0.7, device="cuda")  # a device tensor: the op refuses Python numbers under capture
+    step = lambda: specdec_ext.gumbel_sample(logits, temperature=temperature, seed=seed, positions=positions, out=out)
     eager = step().clone()
     assert torch.equal(eager.cpu(), specdec_ext.gumbel_sample(logits.cpu(), temperature=0.7, seed=seed.cpu(),
                                                               positions=positions.cpu()))

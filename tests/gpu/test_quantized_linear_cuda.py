@@ -32,9 +32,11 @@ def test_cuda_matches_gguf_and_float64(name):
 def test_kept_model_on_cuda(tmp_path):
     path = write_mixed_gguf(tmp_path, tied=True)
     cpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
-    gpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, device="cuda")
+    # bfloat16: the CUDA verify_attention and quantized_linear take 16-bit activations
+    gpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[1, 5, 9, 33, 2, 63, 17]])
     with torch.no_grad():
-        want = cpu(ids, cpu.new_kv_cache(1, 16))
-        got = gpu(ids.cuda(), gpu.new_kv_cache(1, 16)).cpu()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        want = cpu(ids, cpu.new_kv_cache(1, 16)).double()
+        got = gpu(ids.cuda(), gpu.new_kv_cache(1, 16)).cpu().double()
+    # bfloat16 rounding of the activations through the layers: about 1e-2 of the logits' norm, not more
+    assert float((got - want).norm() / want.norm()) <= 3e-2

@@ -1,5 +1,6 @@
 """The round on CUDA: one host synchronisation per round (torch's sync debug mode sees none besides the round's
 read), and a drafter shared by decoders of different batch sizes replays its CUDA graphs on its current cache."""
+import collections
 import warnings
 
 import pytest
@@ -43,8 +44,9 @@ def test_one_host_synchronisation_per_round(target, name, tree, paged, monkeypat
             out = dec.generate(prompts, 14, **kwargs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
-    assert syncs == [], syncs
+    # where: the Python line that called the synchronising op
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == [], "; ".join(f"{n}x {where}" for where, n in collections.Counter(syncs).items())
     assert len(reads) == max(s.target_forwards for s in out.request_stats)
 
 

@@ -85,10 +85,11 @@ def test_flat_call_in_a_cuda_graph(gen):
     padded, flat = ragged_batch(gen, batch, max_k, vocab)
     f = to_cuda(flat)
     seed = torch.arange(batch, device=CUDA)
+    temperature = torch.full((batch,), 0.7, device=CUDA)  # the op refuses Python numbers under capture
     out = (torch.full((batch, max_k + 1), -7, dtype=torch.int32, device=CUDA),
            torch.zeros(batch, dtype=torch.int32, device=CUDA))
     call = lambda: specdec_ext.chain_speculative_sampling_from_logits(
-        f["ids"], f["target_logits"], f["draft_logits"], temperature=0.7, seed=seed, offset=seed,
+        f["ids"], f["target_logits"], f["draft_logits"], temperature=temperature, seed=seed, offset=seed,
         cu_num_draft_tokens=f["cu"], max_draft_tokens=max_k, out=out)
     eager = call()
     eager = (eager.output_token_ids.clone(), eager.num_accepted.clone())

@@ -39,8 +39,9 @@ def test_graph_capture_replays_the_same_tokens():
     inp = make_tree_inputs(gen, 8, 32, 49152, torch.bfloat16, True, branching=4, depth=6)
     d = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     out = tuple(torch.empty(s, dtype=torch.int32, device="cuda") for s in ((8, 32), (8, 32), (8,)))
+    temperature = torch.full((8,), 0.8, device="cuda")  # the op refuses Python numbers under capture
     step = lambda: specdec_ext.tree_speculative_sampling_from_logits(
-        d["parents"], d["tokens"], d["target_logits"], d["draft_logits"], temperature=0.8, num_nodes=d["num_nodes"],
+        d["parents"], d["tokens"], d["target_logits"], d["draft_logits"], temperature=temperature, num_nodes=d["num_nodes"],
         seed=d["seed"], offset=d["offset"], out=out)
     eager = [t.clone() for t in step()]
     graph = torch.cuda.CUDAGraph()

@@ -27,10 +27,12 @@ def test_cuda_matches_cpu_paged_and_contiguous():
         specdec_ext.truncate_kv_cache(cpu[0], num_kept, kept_indices=kept, k_caches=cpu[1], v_caches=cpu[2],
                                       block_table=table, clear=True)
         gpu = (lengths.cuda(), k.cuda(), v.cuda())
+        # copied before the check: a copy from pageable host memory synchronises by itself
+        num_kept_gpu, kept_gpu, table_gpu = num_kept.cuda(), kept.cuda(), None if table is None else table.cuda()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            specdec_ext.truncate_kv_cache(gpu[0], num_kept.cuda(), kept_indices=kept.cuda(), k_caches=gpu[1],
-                                          v_caches=gpu[2], block_table=None if table is None else table.cuda(), clear=True)
+            specdec_ext.truncate_kv_cache(gpu[0], num_kept_gpu, kept_indices=kept_gpu, k_caches=gpu[1],
+                                          v_caches=gpu[2], block_table=table_gpu, clear=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for a, b in zip(gpu, cpu):
