@@ -180,10 +180,11 @@ def test_emulated_bad_inputs(gen):
 
 # ------------------------------------------------------------------------------------------ models kept quantised
 
-def write_mixed_gguf(tmp_path, tied):
+def write_mixed_gguf(tmp_path, tied, **config):
     """A llama GGUF whose projections mix formats as real files do: q/k Q4_0 with v Q8_0 (a row stack), gate F32
-    with up Q4_1 (dequantised at load: a fused projection with a float part), o Q4_1, down Q8_0, embedding Q8_0."""
-    model = random_model(HFLlama, LlamaConfig(**SMALL, tie_word_embeddings=tied))
+    with up Q4_1 (dequantised at load: a fused projection with a float part), o Q4_1, down Q8_0, embedding Q8_0.
+    config: overrides of SMALL (sizes multiples of 32, the blocks' width)."""
+    model = random_model(HFLlama, LlamaConfig(**{**SMALL, **config}, tie_word_embeddings=tied))
     types = {"token_embd.weight": QType.Q8_0, "output.weight": QType.Q4_1}
     for i in range(SMALL["num_hidden_layers"]):
         types.update({f"blk.{i}.attn_q.weight": QType.Q4_0, f"blk.{i}.attn_k.weight": QType.Q4_0,

@@ -30,7 +30,7 @@ def test_cuda_matches_gguf_and_float64(name):
 
 
 def test_kept_model_on_cuda(tmp_path):
-    path = write_mixed_gguf(tmp_path, tied=True)
+    path = write_mixed_gguf(tmp_path, tied=True, hidden_size=128, num_attention_heads=2)  # head dim 64, as CUDA takes
     cpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
     # bfloat16: the CUDA verify_attention and quantized_linear take 16-bit activations
     gpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, device="cuda", dtype=torch.bfloat16)

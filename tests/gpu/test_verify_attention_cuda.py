@@ -230,3 +230,14 @@ def test_out_capturable_with_flat_q_and_csr():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_unsupported_head_dim_raises():
+    # The H200 run of 2026-12-04 saw a model of head dim 16 crash inside this call (a segfault, where the emulator
+    # build of the same launcher raises): the op alone, to tell the launcher from the model's path.
+    q = torch.randn(1, 7, 4, 16, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(1, 16, 2, 16, device="cuda", dtype=torch.bfloat16)
+    new = torch.randn(1, 7, 2, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim 64, 128 or 256, got 16"):
+        specdec_ext.verify_attention(q, cache, cache.clone(), torch.zeros(1, dtype=torch.int32, device="cuda"), new,
+                                     new.clone())
