@@ -252,6 +252,28 @@ def assert_cache_holds(model, cache, b, tokens) -> None:
     torch.testing.assert_close(v, want_v, rtol=1e-5, atol=1e-5)
 
 
+class CacheCheck:
+    """A `stream` callback for generate(): after every round, request r's target cache holds the K and V of a fresh
+    prefill of its tokens but the last (which the next round feeds); more(r, tokens, n) checks what else a test needs
+    (a drafter's cache). tokens: each request's prompt and what was streamed; rounds: (request, tokens emitted)."""
+
+    def __init__(self, target, decoder, prompts, more=None):
+        self.target, self.decoder, self.more = target, decoder, more
+        self.prompts, self.tokens, self.rounds = prompts, [list(p) for p in prompts], []
+
+    def __call__(self, r, new) -> None:
+        self.tokens[r] += new
+        n = int(self.decoder.cache.cache_seqlens[r])
+        assert n == len(self.tokens[r]) - 1
+        assert_cache_holds(self.target, self.decoder.cache, r, self.tokens[r][:n])
+        if self.more is not None:
+            self.more(r, self.tokens[r], n)
+        self.rounds.append((r, len(new)))
+
+    def generated(self) -> list:
+        return [t[len(p):] for t, p in zip(self.tokens, self.prompts)]
+
+
 # ------------------------------------------------------------------------------------------------------- draft heads
 
 def random_vocab(vocab: int, size: int, seed: int) -> torch.Tensor:

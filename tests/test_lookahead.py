@@ -7,7 +7,7 @@ prefill of the emitted tokens after every step (the window's K/V gone); the plan
 raise naming the argument. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, assert_cache_holds, assert_law, law_target, random_prompts, record_paths,
+from helpers import (LAW_CASES, CacheCheck, assert_law, law_target, random_prompts, record_paths,
                      sample_first_tokens, shipped_model, tiny_model)
 
 from specdec_ext import LookaheadDrafter, SpeculativeDecoder
@@ -221,19 +221,11 @@ def test_cache_holds_a_fresh_prefill_after_every_step(target, paged, monkeypatch
     paths = record_paths(monkeypatch)
     drafter = LookaheadDrafter(window=3, ngram=3, guesses=2)
     dec = SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=3, paged=paged)
-    tokens = [list(p) for p in prompts]
-    checked = []
-
-    def check(r, new):
-        tokens[r] += new
-        n = int(dec.cache.cache_seqlens[r])
-        assert n == len(tokens[r]) - 1
-        assert_cache_holds(target, dec.cache, r, tokens[r][:n])
-        checked.append(len(new))
-
+    check = CacheCheck(target, dec, prompts)
     out = dec.generate(prompts, 16, temperature=1.0, seed=[4, 5, 6], stream=check)
-    assert [t[len(p):] for t, p in zip(tokens, prompts)] == out.sequences
-    assert len(checked) >= 3 * 4 and max(len(p) for p in paths) >= 3 and any(p != list(range(len(p))) for p in paths)
+    assert check.generated() == out.sequences
+    assert len(check.rounds) >= 3 * 4 and max(len(p) for p in paths) >= 3
+    assert any(p != list(range(len(p))) for p in paths)
     if paged:
         assert dec.cache.free_pages == dec.cache.k.shape[1]
 

@@ -5,8 +5,8 @@ prefill would after every round, seeds reproduce and a request ignores its batch
 input. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, VOCAB, assert_cache_holds, assert_law, law_draft, law_target, random_prompts,
-                     sample_first_tokens, tiny_hf, tiny_model)
+from helpers import (LAW_CASES, VOCAB, CacheCheck, assert_cache_holds, assert_law, law_draft, law_target,
+                     random_prompts, sample_first_tokens, tiny_hf, tiny_model)
 
 import specdec_ext
 from specdec_ext import AcceptanceMonitor, ModelDrafter, NgramDrafter, SpeculativeDecoder
@@ -110,22 +110,16 @@ def test_caches_hold_a_fresh_prefill_after_every_round(pair, paged):
     prompts = random_prompts(31, [7, 15, 4])
     drafter = ModelDrafter(draft)
     dec = SpeculativeDecoder(target, drafter, 3, max_batch_size=3, paged=paged, adaptive=False)
-    tokens = [list(p) for p in prompts]
-    checked = []
 
-    def check(r, new):
-        tokens[r] += new
-        n = int(dec.cache.cache_seqlens[r])
-        assert n == len(tokens[r]) - 1
+    def draft_cache(r, tokens, n):
         m = int(drafter.cache.cache_seqlens[r])
-        assert m == drafter.state.lengths[r] and len(tokens[r]) - 2 <= m <= len(tokens[r]) - 1
-        assert_cache_holds(target, dec.cache, r, tokens[r][:n])
-        assert_cache_holds(draft, drafter.cache, r, tokens[r][:m])
-        checked.append((r, len(new)))
+        assert m == drafter.state.lengths[r] and len(tokens) - 2 <= m <= len(tokens) - 1
+        assert_cache_holds(draft, drafter.cache, r, tokens[:m])
 
+    check = CacheCheck(target, dec, prompts, draft_cache)
     out = dec.generate(prompts, 12, temperature=0.9, seed=[4, 5, 6], stream=check)
-    assert [t[len(p):] for t, p in zip(tokens, prompts)] == out.sequences
-    assert len(checked) >= 3 * 3 and any(n > 1 for _, n in checked), "rounds with accepted drafts needed"
+    assert check.generated() == out.sequences
+    assert len(check.rounds) >= 3 * 3 and any(n > 1 for _, n in check.rounds), "rounds with accepted drafts needed"
     if paged:  # every page back in the pool once the requests finished
         assert dec.cache.free_pages == dec.cache.k.shape[1] and drafter.cache.free_pages == drafter.cache.k.shape[1]
 

@@ -6,7 +6,7 @@ formed and best first (EAGLE's scored by the head itself along each path), stats
 follows the costs, bad settings raise. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, assert_cache_holds, assert_law, cache_rows, law_target, make_drafter, random_prompts,
+from helpers import (LAW_CASES, CacheCheck, assert_law, cache_rows, law_target, make_drafter, random_prompts,
                      random_vocab, record_paths, sample_first_tokens, tiny_model)
 
 import specdec_ext
@@ -121,32 +121,27 @@ def test_caches_hold_a_fresh_prefill_after_every_tree_round(target, paged, monke
     head = drafter.head
     paths = record_paths(monkeypatch)
     dec = SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=3, paged=paged, tree=TREE)
-    tokens = [list(p) for p in prompts]
-    checked = []
 
-    def check(r, new):
-        tokens[r] += new
-        n = int(dec.cache.cache_seqlens[r])
-        assert n == len(tokens[r]) - 1
-        assert_cache_holds(target, dec.cache, r, tokens[r][:n])
+    def head_cache(r, tokens, n):
         # The head: m pairs fed, the features of tokens m .. n - 1 queued.
         m = int(drafter.cache.cache_seqlens[r])
         queued = torch.cat(drafter.pending[r]) if drafter.pending[r] else torch.empty(0, target.config.hidden_size)
         assert m == drafter.state.lengths[r] and m + len(queued) == n
         if n:
-            _, features = target.prefill(target.new_kv_cache(1, n + 1), [0], [tokens[r][:n]], output_hidden_states=True)
+            _, features = target.prefill(target.new_kv_cache(1, n + 1), [0], [tokens[:n]], output_hidden_states=True)
             torch.testing.assert_close(queued, features[0][m:], rtol=1e-4, atol=1e-4)
         if m:
             fresh = head.decoder.new_kv_cache(1, m + 1)
-            head(torch.tensor([tokens[r][1:m + 1]]), features[0][:m].unsqueeze(0), fresh)
+            head(torch.tensor([tokens[1:m + 1]]), features[0][:m].unsqueeze(0), fresh)
             k, v = cache_rows(drafter.cache, r, m)
             torch.testing.assert_close(k, fresh.k[:, 0, :m], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(v, fresh.v[:, 0, :m], rtol=1e-4, atol=1e-4)
-        checked.append(len(new))
 
+    check = CacheCheck(target, dec, prompts, head_cache)
     out = dec.generate(prompts, 16, temperature=1.0, seed=[4, 5, 6], stream=check)
-    assert [t[len(p):] for t, p in zip(tokens, prompts)] == out.sequences
-    assert len(checked) >= 3 * 4 and max(len(p) for p in paths) >= 3 and any(p != list(range(len(p))) for p in paths)
+    assert check.generated() == out.sequences
+    assert len(check.rounds) >= 3 * 4 and max(len(p) for p in paths) >= 3
+    assert any(p != list(range(len(p))) for p in paths)
     if paged:
         assert dec.cache.free_pages == dec.cache.k.shape[1] and drafter.cache.free_pages == drafter.cache.k.shape[1]
 

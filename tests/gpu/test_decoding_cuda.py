@@ -37,45 +37,43 @@ def test_graph_replay_equals_eager(pair, name, paged, sampling):
     assert runs[0] == runs[1] == runs[2]
 
 
+def assert_replay_equals_eager(target, make_decoder, sampling):
+    """make_decoder(cuda_graphs) run eagerly and from CUDA graphs on ragged prompts gives the same tokens, and greedy
+    equals plain decoding. Returns the decoder that replayed."""
+    prompts, new_tokens = random_prompts(3, [5, 21, 12, 9, 30]), [24, 7, 16, 30, 11]
+    runs = []
+    for graphs in (False, True):
+        dec = make_decoder(graphs)
+        runs.append(dec.generate(prompts, new_tokens, **sampling).sequences)
+    assert dec.graphs.graphs, "nothing was captured"
+    assert runs[0] == runs[1]
+    if not sampling:
+        assert runs[0] == SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(
+            prompts, new_tokens).sequences
+    return dec
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, top_p=0.9, seed=[1, 2, 3, 4, 5])])
 def test_tree_rounds_replay_equal_eager(pair, paged, sampling):
     # Tree rounds (n-gram tries): the tree verify step (forward under the tree mask, masks, the tree sampling op,
-    # compaction of the path) replayed from CUDA graphs gives the eager tokens; greedy equals plain decoding.
+    # compaction of the path) replayed from CUDA graphs gives the eager tokens.
     target, _ = pair
-    prompts = random_prompts(3, [5, 21, 12, 9, 30])
-    runs = []
-    for graphs in (False, True):
-        dec = SpeculativeDecoder(target, NgramDrafter(), max_batch_size=3, cuda_graphs=graphs, paged=paged,
-                                 adaptive=False, tree=dict(num_nodes=8, depth=4, branching=2))
-        runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)
-        if graphs:
-            assert dec.graphs.graphs, "nothing was captured"
-    assert runs[0] == runs[1]
-    if not sampling:
-        plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(prompts, [24, 7, 16, 30, 11])
-        assert runs[0] == plain.sequences
+    assert_replay_equals_eager(target, lambda graphs: SpeculativeDecoder(
+        target, NgramDrafter(), max_batch_size=3, cuda_graphs=graphs, paged=paged, adaptive=False,
+        tree=dict(num_nodes=8, depth=4, branching=2)), sampling)
 
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=0.8, top_k=20, top_p=0.9, seed=[1, 2, 3, 4, 5])])
 def test_lookahead_rounds_replay_equal_eager(pair, paged, sampling):
     # Lookahead (window, pool, the block's argmax packed into the round's read, trees padded to the budget): replayed
-    # from CUDA graphs it gives the eager tokens, one graph for every tree width; greedy equals plain decoding.
+    # from CUDA graphs it gives the eager tokens, one graph for every tree width.
     target, _ = pair
-    prompts = random_prompts(3, [5, 21, 12, 9, 30])
-    runs = []
-    for graphs in (False, True):
-        drafter = LookaheadDrafter(window=4, ngram=3, guesses=3)
-        dec = SpeculativeDecoder(target, drafter, max_batch_size=3, cuda_graphs=graphs, paged=paged, adaptive=False)
-        runs.append(dec.generate(prompts, [24, 7, 16, 30, 11], **sampling).sequences)
-        if graphs:
-            assert dec.graphs.graphs, "nothing was captured"
-            assert drafter.stats.pool_ngrams > 0
-    assert runs[0] == runs[1]
-    if not sampling:
-        plain = SpeculativeDecoder(target, None, max_batch_size=3).generate_autoregressive(prompts, [24, 7, 16, 30, 11])
-        assert runs[0] == plain.sequences
+    dec = assert_replay_equals_eager(target, lambda graphs: SpeculativeDecoder(
+        target, LookaheadDrafter(window=4, ngram=3, guesses=3), max_batch_size=3, cuda_graphs=graphs, paged=paged,
+        adaptive=False), sampling)
+    assert dec.drafter.stats.pool_ngrams > 0
 
 
 def test_capture_refuses_a_python_seed():
