@@ -46,8 +46,8 @@ TAIL=40 step build 420 python3 setup.py -q build_ext --inplace || exit 1
 step info 60 python3 -m specdec_ext.cli info
 TAIL=25 step tests_gpu 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=10 -n 4
 TAIL=26 bench sampling 60 --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png"
-TAIL=40 bench tree_sampling 50 --repeats 30 --json "$OUT/tree_sampling.json"
-TAIL=30 bench attention 60 --repeats 30 --json "$OUT/attention.json" --plot "$OUT/attention.png"
+TAIL=40 bench tree_sampling 70 --repeats 30 --json "$OUT/tree_sampling.json"
+TAIL=30 bench attention 90 --repeats 30 --json "$OUT/attention.json" --plot "$OUT/attention.png"
 TAIL=9 bench attention-layouts 40 --repeats 50 --layouts --json "$OUT/attention_layouts.json"
 TAIL=6 bench flat_sampling 40 --repeats 30 --json "$OUT/flat_sampling.json"
 TAIL=12 bench row_filters 40 --repeats 30 --json "$OUT/row_filters.json"
