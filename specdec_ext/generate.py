@@ -67,7 +67,7 @@ def main(args) -> int:
     shape = f"k <= {args.k}, {adaptive}" if dec.tree is None else \
         f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}, {adaptive}"
     print(stats_line(out.stats, drafter, shape, seconds, out.finish_reasons[0]), file=sys.stderr)
-    drafter_stats = getattr(getattr(dec, "drafter", None), "stats", None)
+    drafter_stats = getattr(dec.drafter, "stats", None)
     if drafter_stats is not None:  # Lookahead's own counts
         print(f"[{drafter_stats.summary()}]", file=sys.stderr)
     return 0
@@ -99,8 +99,8 @@ def register(sub) -> None:
     p.add_argument("--max-batch-size", type=int, default=1,
                    help="requests decoded at once (default 1: the command decodes one prompt)")
     p.add_argument("--tree", default=None, type=tree_settings,
-                   help="tree rounds (eagle, medusa, ngram; lookahead always runs its own): N (nodes per tree, the last token included) or "
-                        "nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
+                   help="tree rounds (eagle, medusa, ngram; lookahead always runs its own): N (nodes per tree, "
+                        "the last token included) or nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
     p.add_argument("--keep-quantized", action="store_true",
                    help="a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights stay as stored (4-8 bits a weight read per "
                         "step instead of 32); activations float32")

@@ -241,6 +241,7 @@ class FakeDecoder:
 
     def __init__(self, model, drafter, k, **kw):
         FakeDecoder.made = dict(kw, k=k)
+        self.drafter = drafter
 
     def generate(self, prompts, max_new_tokens, *, stream, **kw):
         from specdec_ext import GenerationOutput, GenerationStats

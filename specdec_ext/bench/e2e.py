@@ -6,8 +6,8 @@ on the same weights, dtype and thread count, tokens/s as the median of repeats a
    here); then the cost of one forward of Q = 1, 2, 3, 5, 9 new tokens relative to Q = 1.
 2. Speculative decoding (SpeculativeDecoder; the n-gram drafter, the shipped EAGLE head and Medusa heads, and
    with --draft a model drafter, and Lookahead with --drafters lookahead[:W/N/G]; fixed k and adaptive) on three
-   fixed prompts and on held-out chat prompts of the shipped prompt set (a run decodes them all, B at a time), greedy and sampled (temperature 0.7, top-p 0.9),
-   against our plain decoding of the same requests and against transformers' plain and prompt-lookup generate
+   fixed prompts and on held-out chat prompts of the shipped prompt set (a run decodes them all, B at a time),
+   greedy and sampled (temperature 0.7, top-p 0.9), against our plain decoding of the same requests and against transformers' plain and prompt-lookup generate
    (prompt_lookup_num_tokens=10, batch 1 only): speedups, acceptance rate (in total and per position), mean
    acceptance length and the time split. Tree rows (--tree, repeatable; by default the default TreeSettings):
    the same drafters (eagle, medusa, ngram) proposing trees, at the fixed node budget and, with "adaptive" in
@@ -172,8 +172,7 @@ def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats
 def own_configs(drafter, ks) -> list:
     """The rows of a drafter whose rounds are trees of its own (Lookahead): its settings fixed (when ks has a number)
     and adaptive (when ks has "adaptive"); none for the others."""
-    own = getattr(drafter, "round_tree", lambda: None)()
-    if own is None:
+    if drafter.round_tree() is None:
         return []
     label = f"W{drafter.window} N{drafter.ngram} G{drafter.guesses}"
     return ([(label, 8, False, None)] if any(k != "adaptive" for k in ks) else []) + \

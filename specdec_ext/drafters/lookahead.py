@@ -117,10 +117,10 @@ class LookaheadDrafter(Drafter):
     # --------------------------------------------------------------------------------------------- lifecycle
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
              cuda_graphs: bool = False) -> None:
-        # On CUDA every tree is as wide as the budget: one verify graph per budget, not one per width, and eager rounds
-        # do the arithmetic replayed ones do (the GEMMs' accumulation order depends on the row count; bfloat16
-        # logits a rounding apart would let sampled tokens differ). Spare rows cost little on a GPU.
-        self.device, self.pad_to_budget = target.device, cuda_graphs or target.device.type == "cuda"
+        # On CUDA (where CUDA graphs run) every tree is as wide as the budget: one verify graph per budget, not one per
+        # width, and eager rounds do the arithmetic replayed ones do (the GEMMs' accumulation order depends on the row
+        # count; bfloat16 logits a rounding apart would let sampled tokens differ). Spare rows cost little on a GPU.
+        self.device, self.pad_to_budget = target.device, target.device.type == "cuda"
         self.requests = [None] * slots
         self.stats = LookaheadStats()
         self.planned = (self.window, self.guesses, self.ngram - 1)
@@ -211,7 +211,7 @@ class LookaheadDrafter(Drafter):
     def propose_tree(self, r: RoundInputs, budget: int, branching: int) -> DraftTree:
         """The trie of each row's guesses and window columns (see the module's docstring), cut to `budget` nodes (the
         guesses first) and to depth r.num_tokens[b]; point proposals."""
-        parents, tokens, roots = [], [], []
+        parents, tokens = [], []
         for b in range(r.batch):
             h, k, s = r.histories[b], r.num_tokens[b], self.requests[b] if b < len(self.requests) else None
             if h is None or s is None or k <= 0:

@@ -39,8 +39,8 @@ def available_memory(device: torch.device) -> int | None:
 
 class SpeculativeDecoder:
     """Lossless speculative decoding of `target` with `drafter` (NgramDrafter, ModelDrafter, EagleDrafter,
-    MedusaDrafter, LookaheadDrafter, or any specdec_ext.drafters.Drafter; None for plain decoding only). num_speculative_tokens: the
-    largest k (at most the sampling op's limit). adaptive: True (k per request from its acceptance estimate and the
+    MedusaDrafter, LookaheadDrafter, or any specdec_ext.drafters.Drafter; None for plain decoding only).
+    num_speculative_tokens: the largest k (at most the sampling op's limit). adaptive: True (k per request from its acceptance estimate and the
     measured costs of the target and of the drafter's steps), "heuristic" (+2 after a fully accepted round, -1
     otherwise) or False (always num_speculative_tokens). max_batch_size: requests decoded at once; the rest wait
     and are admitted as slots free up. max_seq_len: prompt + generated tokens per request (default: per call, the
@@ -110,7 +110,7 @@ class SpeculativeDecoder:
         if cuda_graphs is True and not on_cuda:
             raise ValueError("SpeculativeDecoder: cuda_graphs=True needs the target on a CUDA device")
         if tree is None and drafter is not None:  # a drafter whose rounds are trees (Lookahead) says which
-            tree = getattr(drafter, "round_tree", lambda: None)()
+            tree = drafter.round_tree()
         try:
             self.tree = None if tree is None else TreeSettings.of(tree)
             if self.tree is not None and drafter is not None:

@@ -250,7 +250,7 @@ class Policy:
         depth is cut to that too). Every 8th round probes a tree twice that size. A drafter that sizes its own trees
         (sizes_own_tree) gets the whole budget and plans its tree from the costs (None: adaptive is off)."""
         n_max, depth = self.tree.num_nodes, self.tree.depth
-        if getattr(self.drafter, "sizes_own_tree", False):  # it fills the budget as it sees fit (Lookahead)
+        if self.drafter.sizes_own_tree:  # it fills the budget as it sees fit (Lookahead)
             self.drafter.plan(self.costs if self.adaptive is True else None, len(running), round_index)
             n = n_max
         elif self.adaptive is not True or not running:

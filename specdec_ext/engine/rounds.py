@@ -180,7 +180,7 @@ class TreeRound:
         # Compaction touches the whole block of every row of the cache, idle ones too: each needs its pages.
         self.verifier.cache.reserve(n)
         device = self.verifier.target.device
-        block_argmax = getattr(self.drafter, "needs_block_argmax", False)
+        block_argmax = self.drafter.needs_block_argmax
         packed, hidden, t2 = self.verifier(r, tree.token_ids, upload(live, torch.int32, device), tree.draft_logits,
                                            tree=tree, hidden_states=self.drafter.needs_hidden_states,
                                            block_argmax=block_argmax)
