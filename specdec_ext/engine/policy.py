@@ -12,9 +12,13 @@ fixed table makes a run reproducible per seed.
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 import os
 import platform
 import time
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -107,29 +111,64 @@ def forward_seconds(model, rows: int) -> float:
     return step_seconds(forward_step(model, rows), model.device)
 
 
+def seconds_table(table, *, zero_ok: bool) -> dict | None:
+    """table as {int rows: float seconds} when it maps row counts >= 1 to finite seconds > 0 (>= 0 with
+    zero_ok), else None: a NaN would make every tokens-over-cost comparison false (k = 0 every round), a negative or
+    zero cost a free round."""
+    if not isinstance(table, Mapping):
+        return None
+    for r, s in table.items():
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 1 or isinstance(s, bool) or \
+                not isinstance(s, numbers.Real) or not math.isfinite(s) or not (s > 0 or zero_ok and s == 0):
+            return None
+    return {int(r): float(s) for r, s in table.items()}
+
+
+def _read_table(path: Path, key: dict) -> dict:
+    """The {rows: seconds} saved for `key` at path; {} (measure again) where there is none, or it is another
+    version's, or it does not pass seconds_table (a hand edit, a truncated write, a timer's zero)."""
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or saved.get("key") != json.loads(json.dumps(key, default=str)):
+            return {}
+        rows = saved["seconds"]
+        if not isinstance(rows, dict) or not all(r.isascii() and r.isdigit() for r in rows):
+            return {}
+        return seconds_table({int(r): s for r, s in rows.items()}, zero_ok=False) or {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return {}
+
+
+def _write_table(path: Path, key: dict, table: dict) -> None:
+    """Replaces the file at path by the table, through a temp file that a failed write removes; a file that cannot
+    be written (a read-only cache, a directory at its path) is warned of: the table is measured again next run."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "seconds": table}, default=str, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        warnings.warn(f"specdec_ext: cannot write the cost table cache {path} ({e}); it is measured again next run",
+                      RuntimeWarning, stacklevel=3)
+
+
 def cost_table(key: dict, seconds_of, max_rows: int, *, use_file: bool = True) -> dict:
     """{rows: seconds} at row_points(max_rows) of the step that `key` names: read from its cache file where it has
-    them, measured by seconds_of(rows) (and added to the file) where it does not."""
+    them, measured by seconds_of(rows) (and added to the file) where it does not. A file whose table is not valid
+    (seconds_table) counts as absent: measured again and overwritten. A measured table with a zero (a step under
+    the timer's resolution) is used by this run but not written: a cached zero would make every later run's rounds
+    free."""
     path = _table_file(key)
-    table = {}
-    if use_file:
-        try:
-            saved = json.loads(path.read_text())
-            if saved.get("key") == json.loads(json.dumps(key, default=str)):
-                table = {int(r): float(s) for r, s in saved["seconds"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            table = {}  # no file yet, or one from another version: measure
+    table = _read_table(path, key) if use_file else {}
     missing = [r for r in row_points(max_rows) if r not in table]
     for r in missing:
         table[r] = seconds_of(r)
-    if missing and use_file:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"key": key, "seconds": table}, default=str, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache directory: the table is measured again next time
+    if missing and use_file and seconds_table(table, zero_ok=False) is not None:
+        _write_table(path, key, table)
     return {r: table[r] for r in row_points(max_rows)}
 
 
@@ -153,12 +192,26 @@ class CostModel:
     """Seconds of a target forward over R rows and of a draft step over R rows, at measured points R (interpolated
     between), for the adaptive choice of k and tree size: on a CPU a verify block's cost jumps where its rows need
     another pass over the weights, and on any device it grows with the batch. draft: None for a drafter that does
-    not say what its steps cost (counted as free)."""
+    not say what its steps cost (counted as free).
+
+    Seconds must be finite and >= 0. A zero (a step too fast to matter) is allowed, but a round is never free:
+    verify_cost is at least a billionth of the tables' largest seconds (also where interpolation past the last point
+    falls to zero or below), so tokens over cost is always defined and, among the cheapest rounds, the one with the
+    most tokens wins. Tables of zeros only say nothing about costs: every verify then costs the same (1), and the
+    largest k and tree win."""
 
     def __init__(self, verify: dict, draft: dict | None = None):
-        if not verify or any(r < 1 or t < 0 for r, t in verify.items()):
-            raise ValueError("CostModel: verify must map row counts >= 1 to seconds >= 0")
-        self.verify, self.draft = dict(verify), dict(draft or {})
+        checked = seconds_table(verify, zero_ok=True)
+        if not checked:
+            raise ValueError(f"CostModel: verify must be a non-empty dict of row counts >= 1 to finite seconds >= 0, "
+                             f"got {verify!r:.200}")
+        checked_draft = seconds_table(draft if draft is not None else {}, zero_ok=True)
+        if checked_draft is None:
+            raise ValueError(f"CostModel: draft must be a dict of row counts >= 1 to finite seconds >= 0, or None, got "
+                             f"{draft!r:.200}")
+        self.verify, self.draft = checked, checked_draft
+        largest = max([*self.verify.values(), *self.draft.values()])
+        self.floor = largest * 1e-9 or largest or 1.0  # largest itself where a billionth of it underflows
 
     @classmethod
     def measure(cls, target, drafter, max_rows: int, max_draft_rows: int, *, use_file: bool = True) -> "CostModel":
@@ -171,10 +224,10 @@ class CostModel:
         return max(self.verify) >= max_rows and (not self.draft or max(self.draft) >= max_draft_rows)
 
     def verify_cost(self, rows: int) -> float:
-        return interpolate(self.verify, rows)
+        return max(interpolate(self.verify, rows), self.floor)
 
     def draft_cost(self, rows: int) -> float:
-        return interpolate(self.draft, rows) if self.draft else 0.0
+        return max(interpolate(self.draft, rows), 0.0) if self.draft else 0.0
 
     def best_k(self, alphas, k_max: int, work=lambda k: (k, 1)) -> int:
         """argmax over k in [0, k_max] of a round's expected tokens over its cost, for requests of acceptance
