@@ -356,6 +356,43 @@ def test_refusals_name_the_argument(gen):
             wrapper.run(*args, **kwargs)
 
 
+def graph_wrapper(batch, num_indices):
+    bufs = [torch.zeros(n, dtype=torch.int32) for n in (batch + 1, batch + 1, num_indices, batch)]
+    return BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD", use_cuda_graph=True, qo_indptr_buf=bufs[0],
+                                               paged_kv_indptr_buf=bufs[1], paged_kv_indices_buf=bufs[2],
+                                               paged_kv_last_page_len_buf=bufs[3])
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
+def test_int64_tables_are_range_checked_never_wrapped(gen, cuda_graph):
+    """FlashInfer's plan takes int64 tables and the kernel reads int32: in range they give the int32 tables' result;
+    a value outside int32's range is refused naming the table. Converted as it was, page 2**32 + p read page p and a
+    qo_indptr offset by 2**32 passed for a valid one."""
+    qo_lens, prefix_lens = [3, 2], [6, 12]
+    q, cache, qo_indptr, kv_indptr, indices, last, kv_lens = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                          torch.float32, "NHD")
+    tables = {"qo_indptr": qo_indptr, "paged_kv_indptr": kv_indptr, "paged_kv_indices": indices,
+              "paged_kv_last_page_len": last}
+    make = (lambda: graph_wrapper(2, indices.numel())) if cuda_graph else \
+        (lambda: BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD"))
+    masks = flashinfer_masks(gen, "custom", qo_lens, kv_lens)
+    want, _ = plan_and_run(make(), (q, cache, *tables.values()), PAGE, HQ, HKV, "custom", masks)
+    got, _ = plan_and_run(make(), (q, cache, *(t.long() for t in tables.values())), PAGE, HQ, HKV, "custom", masks)
+    assert torch.equal(got, want)
+    for name, t in tables.items():
+        for shift in (2**32, -2**32):  # each wraps back to the valid table
+            wide = {k: v.long() for k, v in tables.items()}
+            wide[name] = wide[name].clone()
+            wide[name][-1] += shift
+            assert torch.equal(wide[name].to(torch.int32), t)
+            with pytest.raises(ValueError, match=f"plan: {name} holds values outside the int32 range"):
+                make().plan(*wide.values(), HQ, HKV, D, PAGE, causal=True)
+    page = indices.long().clone()
+    page[0] = 2**32 + 1
+    with pytest.raises(ValueError, match="paged_kv_indices holds values outside the int32 range"):
+        make().plan(qo_indptr, kv_indptr, page, last, HQ, HKV, D, PAGE, causal=True)
+
+
 def test_a_tree_mask_sees_exactly_its_ancestors(gen):
     """A direct check of the mask conversion: with V = I-like values, query i's output is the mean of the values
     it sees, so a wrongly placed column (a prefix/new-token split off by one) changes it."""

@@ -143,8 +143,8 @@ def test_emulator_equals_cpu_on_the_law_rounds(sampled):
 @pytest.mark.parametrize("name", BACKENDS)
 def test_ragged_trees_and_depth_cut(gen, name):
     """Three requests of different depths, padding at the end and (request 2) in the middle, and a cut: S = 3 allows
-    two drafts. The target certainly follows each chain; what the shim accepts is what SGLang's walk would, except
-    that a tree numbered with padding inside verifies only the nodes before the padding (a smaller tree)."""
+    two drafts. The target certainly follows each chain; what the shim accepts is what SGLang's walk would, padding
+    inside the numbering included."""
     n, vocab = 6, 10
     nt = torch.tensor([[1, 2, 3, -1, -1, -1],  # a chain of 3 drafts, cut to 2 by S; nodes 4, 5 padding
                        [1, -1, -1, -1, -1, -1],  # a single draft
@@ -162,12 +162,12 @@ def test_ragged_trees_and_depth_cut(gen, name):
     with backend(name):
         predicts, accept_index, accept_token_num = sglang_sample(tree, target, torch.rand(3, n, generator=gen),
                                                                  torch.rand(3, generator=gen), 3, 100 + 3 * n)
-    assert accept_index.tolist() == [[100, 101, 102], [106, 107, -1], [112, -1, -1]]
-    assert accept_token_num.tolist() == [2, 1, 0]
+    assert accept_index.tolist() == [[100, 101, 102], [106, 107, -1], [112, 114, 115]]
+    assert accept_token_num.tolist() == [2, 1, 2]
     want = torch.full((100 + 3 * n,), POISON, dtype=torch.int32)
     # request 0: 4, 5 accepted, then node 2's row (its child, node 3, is past the cut): 6; request 1: 7, then 8;
-    # request 2: only its root is verified (node 1, padding, comes first), which emits 2
-    want[[100, 101, 102, 106, 107, 112]] = torch.tensor([4, 5, 6, 7, 8, 2], dtype=torch.int32)
+    # request 2: root -> 2 -> 3 (node 1, padding, comes first), then node 3's row: 1
+    want[[100, 101, 102, 106, 107, 112, 114, 115]] = torch.tensor([4, 5, 6, 7, 8, 2, 3, 1], dtype=torch.int32)
     assert torch.equal(predicts, want)
     # greedy follows SGLang's links whatever the numbering: request 2 goes root -> 2 -> 3 (cut after 2 drafts);
     # SGLang reads target_predict at the flat positions too, so they stay within its B * N entries here
@@ -178,6 +178,114 @@ def test_ragged_trees_and_depth_cut(gen, name):
     want = torch.full((3 * n,), POISON, dtype=torch.int32)
     want[[0, 1, 2, 6, 7, 12, 14, 15]] = torch.tensor([4, 5, 6, 7, 8, 2, 3, 1], dtype=torch.int32)
     assert torch.equal(predicts, want)
+
+
+def oracle(tree, target, coins, final, steps):
+    """SGLang's kernel (a PyTorch port of its walk over retrive_next_token / retrive_next_sibling), in the shim's
+    buffers: predicts poisoned where not written."""
+    predicts, accept_index, accept_token_num = sglang_target_only_torch(
+        tree["candidates"], tree["retrive_index"], tree["retrive_next_token"], tree["retrive_next_sibling"], coins,
+        final, target, steps)
+    return torch.where(predicts == -1, POISON, predicts), accept_index, accept_token_num
+
+
+def without_host_reads(host_reads, monkeypatch):
+    """host_reads False: the shim's CUDA path (no host read), here on the CPU under the emulator."""
+    if not host_reads:
+        monkeypatch.setattr(sglang, "_host_checks", lambda device: False)
+
+
+@pytest.mark.parametrize("name,host_reads", [("cpu", True), ("sim", True), ("sim", False)])
+def test_a_deep_node_numbered_first_cuts_nothing(name, host_reads, monkeypatch):
+    """S = 3 verifies two levels. Request 0: root -> {1 -> 2 -> 3, 4, 5}, node 3 (depth 3) numbered before the root's
+    children 4 and 5; request 1: root -> {1 -> 3 -> 4, 2 -> 5} with deep node 4 before node 5. SGLang tests every node
+    within depth 2: the target, one-hot, takes child 4 (request 0) and 2 -> 5 (request 1). Cutting the numbering at
+    the first deep node verified {0, 1, 2} and {0, 1, 2, 3} only."""
+    n, vocab = 6, 8
+    nt = torch.tensor([[1, 2, 3, -1, -1, -1], [1, 3, 5, 4, -1, -1]])
+    ns = torch.tensor([[-1, 4, -1, -1, 5, -1], [-1, 2, -1, -1, -1, -1]])
+    cand = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])
+    target = torch.zeros(2, n, vocab)
+    for b, node, token in ((0, 0, 4), (0, 4, 7), (1, 0, 2), (1, 2, 5), (1, 5, 6)):
+        target[b, node, token] = 1.0
+    target[target.sum(-1) == 0] = 1.0 / vocab  # rows the walk does not reach
+    tree = dict(candidates=cand, retrive_index=torch.arange(2 * n).view(2, n), retrive_next_token=nt,
+                retrive_next_sibling=ns)
+    coins, final = torch.full((2, n), 0.5), torch.full((2,), 0.5)
+    without_host_reads(host_reads, monkeypatch)
+    with backend(name):
+        got = sglang_sample(tree, target, coins, final, 3, 2 * n)
+    assert got[1].tolist() == [[0, 4, -1], [6, 8, 11]] and got[2].tolist() == [1, 2]
+    want = torch.full((2 * n,), POISON, dtype=torch.int32)
+    want[[0, 4, 6, 8, 11]] = torch.tensor([4, 7, 2, 5, 6], dtype=torch.int32)
+    assert torch.equal(got[0], want)
+    assert all(torch.equal(a, b) for a, b in zip(got, oracle(tree, target, coins, final, 3)))
+
+
+def index_ordered_trees(gen, batch, n, vocab):
+    """Random trees in SGLang's form as its builder lists them (parents numbered first, siblings in index order), of
+    random sizes (padding at the end) and shapes (a node's parent the previous node or one drawn uniformly among the
+    earlier nodes, even odds): deep branches come anywhere in the numbering."""
+    nt = torch.full((batch, n), -1, dtype=torch.long)
+    ns = torch.full((batch, n), -1, dtype=torch.long)
+    for b in range(batch):
+        size = int(torch.randint(2, n + 1, (1,), generator=gen))
+        parent = [None] + [c - 1 if bool(torch.rand(1, generator=gen) < 0.5) else
+                           int(torch.randint(0, c, (1,), generator=gen)) for c in range(1, size)]
+        for c in range(size - 1, 0, -1):  # push front, last child first: index order
+            ns[b, c], nt[b, parent[c]] = nt[b, parent[c]], c
+    cand = torch.stack([torch.randperm(vocab, generator=gen)[:n] for _ in range(batch)])
+    return dict(candidates=cand, retrive_index=torch.arange(batch * n).view(batch, n), retrive_next_token=nt,
+                retrive_next_sibling=ns)
+
+
+def depths(tree):
+    """[B, N] depth of each node the root reaches (-1 elsewhere), by walking SGLang's links."""
+    nt, ns = tree["retrive_next_token"].tolist(), tree["retrive_next_sibling"].tolist()
+    out = []
+    for b in range(len(nt)):
+        depth, stack = [0] + [-1] * (len(nt[b]) - 1), [0]
+        while stack:
+            node = stack.pop()
+            child = nt[b][node]
+            while child != -1:
+                depth[child] = depth[node] + 1
+                stack.append(child)
+                child = ns[b][child]
+        out.append(depth)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("name,host_reads,batch", [("cpu", True, 600), ("sim", True, 150), ("sim", False, 150)])
+def test_random_deep_trees_make_sglangs_decisions(name, host_reads, batch, monkeypatch):
+    """Seeded random trees of up to 8 nodes, S = 3 (two levels verified), more than half of them deeper: the shim's
+    outputs equal SGLang's kernel's (the port) on the same coins. Before, a node deeper than S - 1 cut off every node
+    numbered after it (in about 5% of these trees that changed the outputs); the guard checks that over a sixth of
+    the trees have a node within depth S - 1 numbered after a deeper one (345 and 126 of the 600)."""
+    gen = torch.Generator().manual_seed(2025)
+    n, vocab, steps = 8, 10, 3
+    tree = index_ordered_trees(gen, batch, n, vocab)
+    logits = torch.randn(batch, n, vocab, generator=gen)
+    parent_of = torch.full((batch, n), 0)
+    for b, row in enumerate(tree["retrive_next_token"].tolist()):
+        for node, child in enumerate(row):
+            while child != -1:
+                parent_of[b, child] = node
+                child = int(tree["retrive_next_sibling"][b, child])
+    rows = torch.arange(batch).unsqueeze(-1)
+    logits[rows, parent_of, tree["candidates"]] += 2.5  # the target likes the drafts: walks go two levels deep
+    target = torch.softmax(logits, -1)
+    coins, final = torch.rand(batch, n, generator=gen), torch.rand(batch, generator=gen)
+    depth = depths(tree)
+    cut = ((depth > steps - 1).int().cummax(-1).values.bool() & (depth >= 0) & (depth <= steps - 1)).any(-1)
+    assert int((depth.amax(-1) > steps - 1).sum()) > batch // 2 and int(cut.sum()) > batch // 6
+    without_host_reads(host_reads, monkeypatch)
+    with backend(name):
+        got = sglang_sample(tree, target, coins, final, steps, batch * n)
+    want = oracle(tree, target, coins, final, steps)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert torch.equal(got[0], want[0])
+    assert (want[2] == 2).any() and (want[2] == 0).any()
 
 
 @pytest.mark.parametrize("name", BACKENDS)

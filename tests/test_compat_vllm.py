@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 from helpers import (GREEDY_CASES, LOGITS, BonusSampler, argmax_rows, bonus_ids, check_deterministic_when_seeded,
                      check_emitted_tokens_follow_the_target, check_greedy_case, check_k32,
-                     check_mixed_greedy_and_random_batch, check_rejection_sampler_forward_processes_the_target, flat,
-                     forward_batch, on, processed_law, sampling_metadata)
+                     check_mixed_greedy_and_random_batch, check_rejection_sampler_forward_processes_the_target,
+                     flat, forward_batch, greedy_call, on, processed_law, rows_chi_square_pvalue, sampling_metadata)
 
 from specdec_ext.compat import vllm as shim
 
@@ -55,6 +55,98 @@ def test_mixed_greedy_and_random_batch(backend):
 @pytest.mark.parametrize("backend,n", [("native", 240_000), ("sim", 240)])
 def test_rejection_sampler_forward_processes_the_target(backend, n):
     check_rejection_sampler_forward_processes_the_target(backend, n, "cpu")
+
+
+# A placeholder draft (-1) as vLLM's kernels treat it: rejected at its position (greedy: -1 never equals the argmax;
+# random: a draft id < 0 is rejected, vllm-project/vllm#46533), the argmax or the recovered token emitted there and
+# nothing after it. Cases as GREEDY_CASES: (drafts, argmax at each draft position, bonus tokens, expected output).
+PLACEHOLDER_GREEDY_CASES = {
+    "placeholder_reached": ([[5, P, 7]], [5, 9, 7], [8], [[5, 9, P, P]]),
+    "argmax_is_the_stand_in_id": ([[5, P, 7]], [5, 0, 7], [8], [[5, 0, P, P]]),
+    "placeholder_first": ([[P, P]], [3, 4], [8], [[3, P, P]]),
+    "rejected_before_it": ([[4, P, P]], [6, 1, 2], [8], [[6, P, P, P]]),
+    "ragged_batch": ([[1, 2], [P], [], [3, P, 5, P]], [1, 2, 7, 3, 9, 5, 6], [10, 11, 12, 13],
+                     [[1, 2, 10, P, P], [7, P, P, P, P], [12, P, P, P, P], [3, 9, P, P, P]]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(PLACEHOLDER_GREEDY_CASES))
+def test_placeholder_drafts_are_rejected_greedy(backend, case):
+    drafts, argmaxes, bonus, expected = PLACEHOLDER_GREEDY_CASES[case]
+    marks = [0.0 if b % 2 else -1.0 for b in range(len(drafts))]  # greedy rows of a mixed batch, as vLLM marks them
+    with on(backend):
+        assert greedy_call(drafts, argmaxes, bonus).tolist() == expected
+        assert greedy_call(drafts, argmaxes, bonus, metadata=sampling_metadata(marks)).tolist() == expected
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_draft", [False, True], ids=["point_proposals", "draft_probs"])
+def test_placeholder_draft_is_rejected_random(backend, with_draft):
+    """vLLM's test_placeholder_draft_token_rejected_random: drafts [1, V - 1, -1], target one-hot at 1, V - 1, 7 (then
+    the bonus 9): the drafts are accepted, the placeholder rejected, and the recovered token, from the target at its
+    position (norm(max(p - q, 0)) with draft rows: q uniform there), is 7; the bonus never comes."""
+    vocab = 100
+    ids, counts, k, cu = flat([[1, vocab - 1, P]])
+    target = torch.zeros(3, vocab)
+    target[torch.arange(3), torch.tensor([1, vocab - 1, 7])] = 1.0
+    draft = torch.cat([target[:2], torch.full((1, vocab), 1.0 / vocab)]) if with_draft else None
+    meta = sampling_metadata([1.0], {0: torch.Generator().manual_seed(0)})
+    with on(backend):
+        out = shim.rejection_sample(ids, counts, k, cu, draft, target, bonus_ids([9]), meta)
+    assert out.tolist() == [[1, vocab - 1, 7, P]]
+
+
+@pytest.mark.parametrize("backend,n", [("native", 100_000), ("sim", 400)])
+@pytest.mark.parametrize("with_draft", [False, True], ids=["point_proposals", "draft_probs"])
+def test_placeholder_position_follows_the_recovered_law(backend, n, with_draft):
+    """Requests [2, -1]: the draft 2 is accepted with probability 0.4 (p0(2) = 0.4, q0 one-hot at 2), the placeholder
+    then rejected and its token drawn from p1 (point proposals) or norm(max(p1 - q1, 0)), nothing after it. Fixed
+    seeds. Position 1 is reached in ~40,000 rows: with V = 6 and cells >= 0.05, moving 1% of probability between two
+    cells is a noncentrality >= 40,000 * 2e-4 / 0.5 = 16 (power ~0.8 at 1e-4), and the op's own rejection of a stand-in
+    id (0, p1(0) = 0.3) would move 30%. Under the emulator: the CPU kernel's tokens on the same draws."""
+    vocab, x0 = 6, 2
+    p0 = torch.full((vocab,), 0.12)
+    p0[x0] = 0.4
+    p1 = torch.tensor([0.3, 0.05, 0.25, 0.1, 0.2, 0.1])
+    q1 = torch.tensor([0.1, 0.3, 0.05, 0.3, 0.05, 0.2])
+    ids, counts, k, cu = flat([[x0, P]] * n)
+    target = torch.stack([p0, p1]).repeat(n, 1)
+    draft = torch.stack([torch.eye(vocab)[x0], q1]).repeat(n, 1) if with_draft else None
+    call = lambda: shim.rejection_sample(ids, counts, k, cu, draft, target, bonus_ids([vocab - 1] * n),
+                                         sampling_metadata([1.0] * n))
+    torch.manual_seed(5)
+    with on(backend):
+        y = call()
+    if backend == "sim":
+        torch.manual_seed(5)
+        assert torch.equal(y, call())
+    assert (y[:, 2] == P).all() and (y[:, 0] >= 0).all() and (y < vocab).all()
+    reached = y[:, 0] == x0  # a rejected x0 is replaced by another token
+    assert ((y[:, 1] >= 0) == reached).all(), "a token at the placeholder exactly when x0 was accepted"
+    if backend == "sim":
+        assert reached.any() and not reached.all()
+        return
+    assert 38_000 < int(reached.sum()) < 42_000
+    law = (p1 - q1).clamp_min(0) if with_draft else p1
+    counts1 = torch.bincount(y[reached, 1].long(), minlength=vocab)
+    support = law > 0
+    assert (counts1[~support] == 0).all()
+    assert rows_chi_square_pvalue(counts1[support].unsqueeze(0), (law[support] / law.sum()).unsqueeze(0)) > 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_bad_draft_ids_still_raise(backend, strict):
+    """Ids outside [0, V) other than the placeholder still reach the op, which refuses them (the CPU kernel always,
+    CUDA and the emulator in strict mode); placeholders alone pass, strict mode included."""
+    vocab = 8
+    call = lambda drafts: shim.rejection_sample(*flat(drafts), None, argmax_rows([0] * sum(map(len, drafts)), vocab),
+                                                bonus_ids([0] * len(drafts)), sampling_metadata([1.0] * len(drafts)))
+    with on(backend):
+        for drafts in ([[1, -2]], [[P, 3], [vocab]], [[2, P, -7]]):
+            with pytest.raises(ValueError, match="draft_token_ids"):
+                call(drafts)
+        assert call([[P, 3], [4, P]])[:, 0].ge(0).all()
 
 
 def test_processing_finds_each_rows_request_from_either_form_of_the_counts():

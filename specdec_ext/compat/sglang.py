@@ -21,11 +21,14 @@ csrc/speculative/speculative_sampling.cuh and eagle_utils.cu), as SGLang 0.5's E
   as SGLang does; otherwise its children are taken as drawn without replacement, in sibling order, from draft_probs
   row n (this library's lossless rule for sampled trees; SGLang's own kernel ignores draft probabilities).
 
-How the trees reach the op: node numbers are kept (no copy of the [B, N, V] rows), so the op's tree is the longest
-prefix of nodes 0, 1, ... that are reachable, within depth S - 1, and numbered after their parent. SGLang's tree
-builder numbers parents first and pads at the end, which leaves everything in; any other numbering verifies a
-smaller tree, still losslessly. The op tests a node's children in index order; SGLang's builder lists siblings in
-index order, where the two agree exactly.
+How the trees reach the op: it gets every node SGLang's walk can test, the nodes the root reaches within depth S - 1
+wherever they are numbered (deeper nodes and padding may come first), as long as each is numbered after its parent,
+and its ancestors too; SGLang's tree builder numbers parents first, which leaves everything in, and another numbering
+verifies a smaller tree, still losslessly. Node numbers, and so the [B, N, V] rows, are kept when those nodes are
+0, 1, ... (SGLang's builder, padding at the end); otherwise the CPU renumbers them and gathers their rows, and CUDA
+(which would need a host read to choose) keeps the numbers and gives the op the other nodes as parentless, which it
+skips. The op tests a node's children in index order; SGLang's builder lists siblings in index order, where the two
+agree exactly.
 
 Host synchronisation: none on CUDA. Malformed trees (a link outside [-1, N), a node linked twice, a link to the root,
 a cycle), candidates outside [0, V), repeated sibling tokens, retrive_index outside predicts and coins outside
@@ -230,14 +233,26 @@ def tree_speculative_sampling_target_only(predicts, accept_index, accept_token_n
         if not bool(((coins >= 0) & (coins < 1)).all()):
             raise ValueError(f"{op}: uniform_samples and uniform_samples_for_final_sampling must be in [0, 1)")
 
-    # The op's tree: the longest prefix of nodes that are in the tree and numbered after their parent (a prefix
-    # closed under parents, so a valid subtree: verifying it is lossless).
-    unusable = ~(in_tree & (parent < idx))
-    num_nodes = torch.where(unusable.any(-1), unusable.int().argmax(-1), n).clamp_min(1).int()
-    op_tree = idx < num_nodes.unsqueeze(-1)
-    parents = torch.where(op_tree, parent, -1).int()  # int32: the op would read int64 back to range-check it
+    # The op's tree: every node SGLang's walk can test (in_tree: reached within depth S - 1, wherever it is numbered)
+    # whose ancestors are all numbered after their parents, as the op wants them (a node numbered before its parent is
+    # left out with its subtree: a smaller tree, still lossless). Nodes outside it (deeper than S - 1, padding) may
+    # come anywhere in the numbering. On the host they are dropped and the rest renumbered in order, the rows gathered
+    # (only when a request needs it); on CUDA, where that decision is a host read, they keep their numbers with parent
+    # -1, which the kernel skips (never a child, nor its subtree: README "Tree speculation").
+    usable = in_tree & ~(ancestor_mask(parent) & ~(parent < idx).unsqueeze(1)).any(-1)
     coins = uniform_samples.clamp(0.0, _U_MAX)
     final = uniform_samples_for_final_sampling.clamp(0.0, _U_MAX)
+    target, draft, order = target_probs, draft_probs, None
+    if host and not bool((usable == (idx < usable.sum(-1, keepdim=True))).all()):
+        order = torch.where(usable, idx, n + idx).argsort(-1)  # the op's node j is node order[b, j]
+        slot = order.argsort(-1)  # and node c the op's node slot[b, c]
+        parent = torch.where(parent >= 0, slot.gather(1, parent.clamp_min(0)), -1).gather(1, order)
+        usable, cand, coins = usable.gather(1, order), cand.gather(1, order), coins.gather(1, order)
+        rows = torch.arange(batch, device=device).unsqueeze(-1)
+        target = target_probs[rows, order]
+        draft = None if draft_probs is None else draft_probs[rows, order]
+    num_nodes = torch.where(usable, idx + 1, 1).amax(-1).int()
+    parents = torch.where(usable, parent, -1).int()  # int32: the op would read int64 back to range-check it
 
     # Coins. SGLang spends node n's coin on n's children: in sibling order it accepts the first child whose
     # cumulative target mass reaches the coin. The op tests child c with its own uniform u_c, accepting it when
@@ -248,28 +263,30 @@ def tree_speculative_sampling_target_only(predicts, accept_index, accept_token_n
     # then unused. The last token spends uniform_samples_for_final_sampling in both.
     par = parents.long().clamp_min(0)
     rows = torch.arange(batch, device=device).unsqueeze(-1)
-    mass = target_probs[rows, par, cand.clamp(0, vocab - 1)].float()
+    mass = target[rows, par, cand.clamp(0, vocab - 1)].float()
     earlier = (parents.unsqueeze(1) == parents.unsqueeze(2)) & (idx.unsqueeze(1) < idx.unsqueeze(2)) & \
-        (op_tree & (idx > 0)).unsqueeze(1)
+        (usable & (idx > 0)).unsqueeze(1)
     tested = (earlier.float() * mass.unsqueeze(1)).sum(-1)
     left = 1.0 - tested
     u_point = torch.where(left > 0, (coins.gather(1, par) - tested) / left.clamp_min(1e-30), 0.0).clamp(0.0, _U_MAX)
 
     ops = compat.backend()
-    run = lambda draft, u: ops.tree_speculative_sampling(parents, cand, target_probs, draft, num_nodes=num_nodes,
-                                                         uniforms=u.contiguous(), final_uniforms=final, seed=0)
-    if draft_probs is None:
+    run = lambda rows_q, u: ops.tree_speculative_sampling(parents, cand, target, rows_q, num_nodes=num_nodes,
+                                                          uniforms=u.contiguous(), final_uniforms=final, seed=0)
+    if draft is None:
         out = run(None, u_point)
     else:
-        point = ~(draft_probs[:, 0] > 0).any(-1)  # SGLang's zero-filled scratch buffer: point proposals
+        point = ~(draft[:, 0] > 0).any(-1)  # SGLang's zero-filled scratch buffer: point proposals
         if host and bool(point.all()):
             out = run(None, u_point)
         elif host and not bool(point.any()):
-            out = run(draft_probs, coins)
+            out = run(draft, coins)
         else:
-            a, b = run(None, u_point), run(draft_probs, coins)
+            a, b = run(None, u_point), run(draft, coins)
             out = [torch.where(point.view(-1, *[1] * (x.dim() - 1)), x, y) for x, y in zip(a, b)]
     tokens, nodes, accepted = out
+    if order is not None:  # back to SGLang's node numbers
+        nodes = torch.where(nodes >= 0, order.gather(1, nodes.long().clamp_min(0)), -1)
     _write_outputs(predicts, accept_index, accept_token_num, retrive_index, nodes, tokens, accepted)
 
 

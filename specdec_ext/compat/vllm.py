@@ -1,15 +1,20 @@
 """vLLM v1's rejection sampler on specdec_ext's chain speculative sampling kernel.
 
-Follows the contract of vLLM's V1 engine (GPU model runner v1, `vllm/v1/sample/rejection_sampler.py` in the form
-whose RejectionSampler takes the Sampler and samples the bonus token itself, vLLM 0.11/0.12 by our reading; the
-earlier form, whose forward took bonus_token_ids, is not followed):
+Follows the contract of Model Runner V1's RejectionSampler in vLLM 0.11 and 0.12 (`vllm/v1/sample/rejection_sampler.py`
+in the form whose RejectionSampler takes the Sampler and samples the bonus token itself; the earlier form, whose
+forward took bonus_token_ids, is not followed):
 
 - `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
   bonus_token_ids, sampling_metadata)`: flat drafts [T], `num_draft_tokens` a host list, `cu_num_draft_tokens` [B]
   int32 inclusive cumsum, `target_probs` [T, V] already processed, `draft_probs` [T, V] or None (n-gram / EAGLE point
   proposals), `bonus_token_ids` [B, 1]. Returns [B, max_spec_len + 1] int32: the accepted drafts, the recovered or
   bonus token, then -1 (vLLM's placeholder). (Later vLLM releases pass target logits here instead; this shim keeps the
-  probabilities form of DESIGN.md.)
+  probabilities form of DESIGN.md.) A draft id equal to the placeholder, -1 (vLLM pads draft_token_ids with it), is
+  rejected: a greedy row emits the target's argmax at its position (-1 never equals it, in those releases too), a
+  random row its recovered token, drawn from norm(max(p - q, 0)) at that position (from p without draft_probs), and
+  neither emits anything after it. For random rows that is vLLM's rule since vllm-project/vllm#46533 (its test
+  test_placeholder_draft_token_rejected_random); the 0.11/0.12 kernel read the probability at id -1, outside the
+  row, and could in rare cases accept it. Any other id outside [0, V) raises ValueError.
 - `RejectionSampler(sampler)`, an nn.Module with vLLM's `forward(metadata, draft_probs, logits, sampling_metadata)`:
   `logits` [T + B, V] holds each request's draft rows then its bonus row (`metadata.target_logits_indices`,
   `metadata.bonus_logits_indices`); the bonus token comes from vLLM's Sampler, as in vLLM. Returns a SamplerOutput.
@@ -121,7 +126,8 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
                      bonus_token_ids, sampling_metadata) -> torch.Tensor:
     """vLLM v1's rejection_sample on our kernel: [B, max_spec_len + 1] int32, each row the accepted drafts, then
     the recovered token (first rejection) or bonus_token_ids[b] (all accepted, or no drafts), then -1.
-    Greedy rows accept while the draft equals the target argmax, then emit the argmax."""
+    Greedy rows accept while the draft equals the target argmax, then emit the argmax. A placeholder draft (-1) is
+    rejected, as vLLM rejects it; any other id outside [0, V) raises ValueError."""
     op = "rejection_sample"
     counts = _check_counts(num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_token_ids)
     batch, tokens = len(counts), draft_token_ids.numel()
@@ -145,11 +151,53 @@ def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_dra
             raise ValueError(f"{op}: sampling_metadata.generators must map request indices in [0, {batch}) to "
                              f"torch.Generator objects, got keys {sorted(generators)!r}")
         uniforms, final_uniforms = _uniforms(counts, generators, device)
+    # The op refuses ids outside [0, V): a placeholder goes to it as id 0, and what the op emits from the first
+    # placeholder on is replaced below (other bad ids still reach the op, which refuses them).
+    placeholder = draft_token_ids == PLACEHOLDER_TOKEN_ID
     # seed 0: the uniforms above replace every Philox draw, so the key is never read.
-    return backend().chain_speculative_sampling(
-        draft_token_ids, target_probs, draft_probs, greedy=greedy, seed=0, offset=0,
+    out = backend().chain_speculative_sampling(
+        torch.where(placeholder, 0, draft_token_ids), target_probs, draft_probs, greedy=greedy, seed=0, offset=0,
         cu_num_draft_tokens=cu_num_draft_tokens, max_draft_tokens=max_spec_len, bonus_token_ids=bonus_token_ids,
-        uniforms=uniforms, final_uniforms=final_uniforms).output_token_ids
+        uniforms=uniforms, final_uniforms=final_uniforms)
+    if tokens == 0 or (placeholder.device.type == "cpu" and not bool(placeholder.any())):  # a free check on the CPU
+        return out.output_token_ids
+    return _reject_placeholders(out, placeholder, cu_num_draft_tokens, draft_probs, target_probs, greedy,
+                                final_uniforms)
+
+
+def _reject_placeholders(out, placeholder, cu_num_draft_tokens, draft_probs, target_probs, greedy, final_uniforms):
+    """vLLM rejects a placeholder draft: a greedy row emits the target's argmax there, a random row the recovered
+    token, drawn from norm(max(p - q, 0)) (q = 0 without draft_probs: from p), and nothing after it. Where the op
+    accepted every draft before a request's first placeholder, its output from there on is replaced by that token
+    (at the request's final uniform, which the op's output from there on alone used); elsewhere the placeholder was
+    never reached. Device ops only: no host read."""
+    tokens = target_probs.shape[0]
+    batch, width = out.output_token_ids.shape
+    device = target_probs.device
+    cu = cu_num_draft_tokens.reshape(-1).to(device=device, dtype=torch.int64)
+    row = torch.arange(tokens, dtype=torch.int64, device=device)
+    owner = torch.searchsorted(cu, row, right=True)  # row t belongs to the request whose cumsum first exceeds t
+    start = torch.cat([cu.new_zeros(1), cu[:-1]])  # each request's first row
+    pos = row - start[owner]
+    first = torch.full((batch,), width, dtype=torch.int64, device=device).scatter_reduce_(
+        0, owner, torch.where(placeholder.reshape(-1), pos, width), "amin")  # width: none
+    reached = first <= out.num_accepted.long()
+    rows_at = (start + first).clamp(0, tokens - 1)  # the first placeholder's row (any row where none)
+    p = target_probs[rows_at].float()
+    token = p.argmax(-1)
+    if greedy is not True:
+        r = p if draft_probs is None else (p - draft_probs[rows_at].float()).clamp_min(0.0)
+        # q == p leaves no residual (vLLM's kernel then emits an arbitrary token): draw from p, the target's law.
+        r = torch.where(r.sum(-1, keepdim=True) > 0, r, p)
+        cdf = r.cumsum(-1)
+        drawn = torch.searchsorted(cdf, (final_uniforms * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        # Capped at the last token with mass, so that a rounding at the top never draws one without.
+        drawn = torch.minimum(drawn, (r > 0).long().cumsum(-1).argmax(-1))
+        token = drawn if greedy is False else torch.where(greedy, token, drawn)
+    col, first, reached = torch.arange(width, device=device), first.unsqueeze(-1), reached.unsqueeze(-1)
+    ids = out.output_token_ids
+    return torch.where(reached & (col == first), token.to(ids.dtype).unsqueeze(-1),
+                       torch.where(reached & (col > first), PLACEHOLDER_TOKEN_ID, ids))
 
 
 def _needs_vllm(sampling_metadata) -> str | None:

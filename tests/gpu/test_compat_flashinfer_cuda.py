@@ -84,6 +84,22 @@ def test_wrapper_matches_reference_on_cuda(dtype, head_dim, layout, mask_kind, g
     assert torch.allclose(lse.cpu().double(), ref_lse, atol=2e-2)
 
 
+def test_int64_tables_on_cuda_are_range_checked(gen):
+    """int64 tables on the device (FlashInfer's plan takes them): in range, the int32 tables' output; a page id of
+    2**32 + 1 is refused, not read as page 1."""
+    page, hq, hkv, d = 16, 8, 2, 64
+    q, cache, *table, kv_lens = paged_batch(gen, [4, 3], [30, 70], page, hq, hkv, d, torch.float16, "NHD")
+    masks = flashinfer_masks(gen, "custom", [4, 3], kv_lens)
+    make = lambda: BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, dtype=torch.uint8, device=CUDA), "NHD")
+    want, _ = plan_and_run(make(), to_cuda(q, cache, *table), page, hq, hkv, "custom", masks)
+    got, _ = plan_and_run(make(), to_cuda(q, cache, *(t.long() for t in table)), page, hq, hkv, "custom", masks)
+    assert torch.equal(got, want)
+    indices = table[2].long().clone()
+    indices[0] = 2**32 + 1
+    with pytest.raises(ValueError, match="paged_kv_indices holds values outside the int32 range"):
+        make().plan(*to_cuda(table[0], table[1], indices, table[3]), hq, hkv, d, page, causal=True)
+
+
 def test_wrapper_run_replays_in_a_cuda_graph(gen):
     page, hq, hkv, d, dtype = 16, 8, 2, 128, torch.bfloat16
     bufs = [torch.zeros(4, dtype=torch.int32, device=CUDA), torch.zeros(4, dtype=torch.int32, device=CUDA),

@@ -17,11 +17,12 @@ run(..., return_lse=True) returns the log-sum-exp in base 2, as FlashInfer's.
 
 Supported: qo_len_b in [0, LIMITS["max_verify_queries"]], head_dim_vo == head_dim_qk, pos_encoding_mode "NONE",
 window_left, logits_soft_cap, sm_scale, q_scale / k_scale / v_scale as Python numbers, use_cuda_graph (plan copies the
-table into the buffers given, as FlashInfer's). Refused with ValueError naming the argument: masks that hide part of a
-request's prefix (not a verify step), RoPE / ALiBi inside attention, multi-item scoring, attention sinks, custom JIT
-variants (jit_args, extra run arguments). Scheduling knobs (backend, fixed_split_size, disable_split_kv, max_*,
-use_fp16_qk_reduction, enable_pdl, non_blocking, the data-type hints) are accepted and ignored: the kernel's result
-does not depend on them (the QK reduction is always float32).
+table into the buffers given, as FlashInfer's), index tables in int64 as FlashInfer's (the kernel reads int32).
+Refused with ValueError naming the argument: an index table holding a value outside int32's range (never wrapped),
+masks that hide part of a request's prefix (not a verify step), RoPE / ALiBi inside attention, multi-item scoring,
+attention sinks, custom JIT variants (jit_args, extra run arguments). Scheduling knobs (backend, fixed_split_size,
+disable_split_kv, max_*, use_fp16_qk_reduction, enable_pdl, non_blocking, the data-type hints) are accepted and
+ignored: the kernel's result does not depend on them (the QK reduction is always float32).
 Known difference: a packed_custom_mask passed to FlashInfer's plan directly is addressed with bit offsets as byte
 offsets; here it is read in the layout FlashInfer's own packing produces, described above.
 """
@@ -36,6 +37,8 @@ from .. import backend as _backend
 _OP = "BatchPrefillWithPagedKVCacheWrapper"
 _BACKENDS = ("auto", "fa2", "fa3", "cudnn", "trtllm-gen")
 _LOG2E = 1.0 / math.log(2.0)
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FITS_INT32 = (torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _positive_int(value, name: str) -> int:
@@ -45,9 +48,16 @@ def _positive_int(value, name: str) -> int:
 
 
 def _index_table(t, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or \
+            t.dtype == torch.bool:
         raise ValueError(f"{_OP}.plan: {name} must be a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)} "
                          f"{tuple(getattr(t, 'shape', ()))}")
+    # plan() hands the kernel int32 tables: a wider table (FlashInfer's plan takes int64) must fit, or the conversion
+    # would wrap (page 2**32 + 1 would read page 1). A host read, as the op's own check of an int64 table.
+    if t.dtype not in _FITS_INT32 and t.numel():
+        low, high = int(t.min()), int(t.max())
+        if low < _INT32_MIN or high > _INT32_MAX:
+            raise ValueError(f"{_OP}.plan: {name} holds values outside the int32 range (min {low}, max {high})")
     return t
 
 
