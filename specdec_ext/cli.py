@@ -1,8 +1,8 @@
 """The `specdec` command: demo, generate, bench, info. Each command's module registers its subcommand.
 
-cli.main checks every argument before anything is loaded (a usage error: one line, exit 2), and ends a run without a
-traceback: a library error is one line (exit 1), Ctrl-C exits 130, a closed stdout (`| head`) exits quietly (141, as
-a process killed by SIGPIPE).
+cli.main checks every argument and SPECDEC_CPU_ISA before anything is loaded (a usage error: one line, exit 2), and
+ends a run without a traceback: a library error is one line (exit 1), Ctrl-C exits 130, a closed stdout (`| head`)
+exits quietly (141, as a process killed by SIGPIPE).
 """
 import argparse
 import math
@@ -42,6 +42,18 @@ def emulator_line() -> str:
         return f"not available ({str(e).splitlines()[0][:120]})"
 
 
+def cpu_isa() -> tuple[str | None, str | None]:
+    """(the instruction set the CPU kernels use, None), or (None, why not): SPECDEC_CPU_ISA names one that is no
+    instruction set or one this CPU lacks. ops.cpu_isa() decides; its message is cut to its first line (an extension
+    build may append a C++ backtrace)."""
+    from specdec_ext import ops
+
+    try:
+        return ops.cpu_isa(), None
+    except ValueError as e:
+        return None, (str(e).strip().splitlines() or ["SPECDEC_CPU_ISA is invalid"])[0]
+
+
 def cmd_info(args) -> int:
     import specdec_ext
 
@@ -62,7 +74,12 @@ def cmd_info(args) -> int:
     threads = f"{torch.get_num_threads()} threads" if info["openmp"] else "1 thread (built without OpenMP)"
     print(f"CPU kernels: {info['compiler']}; compiled for {features}; torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; {threads}")
+    isa, problem = cpu_isa()
+    forced = "SPECDEC_CPU_ISA" if os.environ.get("SPECDEC_CPU_ISA") else "the best this CPU has"
+    print(f"CPU kernel instruction set: {isa} ({forced})" if isa else f"CPU kernel instruction set: none: {problem}")
     print(f"emulator: {emulator_line()}")
+    if problem:  # the rest of the report is still worth having; the exit status says the setting is bad
+        raise UsageError(problem)
     return 0
 
 
@@ -209,6 +226,12 @@ def validate(command: argparse.ArgumentParser, args) -> None:
             check(args)
         except ValueError as e:
             command.error(one_line(e))
+    # The CPU kernels read SPECDEC_CPU_ISA at their first call, after the model is loaded: a bad value is found
+    # here instead. `specdec info` reports it among the rest of the build (cmd_info).
+    if args.command != "info":
+        problem = cpu_isa()[1]
+        if problem:
+            command.error(problem)
 
 
 if __name__ == "__main__":

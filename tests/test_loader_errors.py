@@ -204,6 +204,41 @@ def test_gguf_metadata_out_of_range_is_named(tmp_path, monkeypatch):
         LlamaForCausalLM.from_pretrained(path)
 
 
+# Head counts in the metadata that the config accepts but the q/k rows (llama-permuted for the model's own counts)
+# cannot split into: (the model's config, the writer's method and the count it writes instead, the GGUF weight
+# type, the message). The loader undoes llama.cpp's rotary permutation with a reshape by heads; numpy's reshape
+# message named neither the file nor the tensor, and came mid-load.
+BAD_HEAD_COUNTS = {
+    "heads": (dict(SMALL), "add_head_count", 6, gguf.GGMLQuantizationType.F32,
+              "GGUF tensor 'blk.0.attn_q.weight' has 64 rows, not a multiple of 2 x 6 heads: llama.cpp's rotary "
+              "permutation of its rows cannot be undone (the metadata gives 6 heads, 2 kv heads, head dim 16)"),
+    "heads-kept-quantized": (dict(SMALL), "add_head_count", 6, gguf.GGMLQuantizationType.Q8_0,
+                             "GGUF tensor 'blk.0.attn_q.weight' has 64 rows, not a multiple of 2 x 6 heads"),
+    "kv-heads": (dict(SMALL, hidden_size=24), "add_head_count_kv", 4, gguf.GGMLQuantizationType.F32,
+                 "GGUF tensor 'blk.0.attn_k.weight' has 12 rows, not a multiple of 2 x 4 kv heads: llama.cpp's "
+                 "rotary permutation of its rows cannot be undone (the metadata gives 4 heads, 4 kv heads, head dim "
+                 "6)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEAD_COUNTS))
+def test_gguf_q_k_rows_that_do_not_split_into_the_heads_are_named(tmp_path, monkeypatch, case):
+    config, method, count, weight_type, message = BAD_HEAD_COUNTS[case]
+    real = getattr(gguf.GGUFWriter, method)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, value: real(self, count))
+    model = random_model(HFLlamaForCausalLM, HFLlamaConfig(**config))
+    path = write_gguf(tmp_path / "heads.gguf", model, "llama", weight_type,
+                      extra_metadata={"add_key_length": model.config.hidden_size // model.config.num_attention_heads})
+    keep = weight_type != gguf.GGMLQuantizationType.F32
+    with pytest.raises(ValueError) as error:
+        dict(load_gguf(path, keep_quantized=keep)[1])
+    assert str(error.value).startswith(f"{str(path)!r}: {message}"), error.value
+    # The whole load: refused by the loader before the model is built, not by the shapes while filling it.
+    with pytest.raises(ValueError) as error:
+        LlamaForCausalLM.from_pretrained(path, keep_quantized=keep)
+    assert str(error.value).startswith(f"{str(path)!r}: {message}"), error.value
+
+
 # ------------------------------------------------------------------------------------------------- head files
 
 def rewrite(path, out, drop=(), add=None, meta=None):

@@ -169,6 +169,20 @@ def _undo_rotary_permutation(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, half_head, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
+def _check_rotary_rows(tensor, n_head, config: dict) -> None:
+    """A q/k tensor's rows must split into n_head heads of two halves for _undo_rotary_permutation: a file whose
+    metadata disagrees with its tensors fails here, naming both, instead of with numpy's reshape message mid-load.
+    n_head < 1 is left to LlamaConfig.from_dict, which names the field."""
+    rows = int(tensor.shape[-1])  # GGUF shapes are reversed: rows last (a bias: its length)
+    if n_head is None or n_head < 1 or rows % (2 * n_head) == 0:
+        return
+    heads = "kv heads" if ".attn_k." in tensor.name else "heads"
+    raise ValueError(f"GGUF tensor {tensor.name!r} has {rows} rows, not a multiple of 2 x {n_head} {heads}: "
+                     f"llama.cpp's rotary permutation of its rows cannot be undone (the metadata gives "
+                     f"{config['num_attention_heads']} heads, {config['num_key_value_heads']} kv heads, head dim "
+                     f"{config['head_dim']})")
+
+
 # The block formats that can stay quantised in the model (ops.quantized_linear reads them as stored).
 KEPT_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
@@ -179,8 +193,9 @@ def read_gguf_tensors(reader: GGUFReader, config: dict, keep_quantized: bool = F
     keep_quantized, a 2-D tensor of a KEPT_TYPES format comes as (name, (GGML type id, uint8 array [rows,
     row_bytes])) instead: its blocks as stored, rows in Hugging Face order.
 
-    Names and types are all checked before this returns, so a file this loader cannot read fails before any
-    weight is dequantized; the dequantization itself happens one tensor at a time as the iterator advances.
+    Names, types and q/k row counts are all checked before this returns, so a file this loader cannot read fails
+    before any weight is dequantized; the dequantization itself happens one tensor at a time as the iterator
+    advances.
     """
     hf_names = []
     for tensor in reader.tensors:
@@ -192,6 +207,8 @@ def read_gguf_tensors(reader: GGUFReader, config: dict, keep_quantized: bool = F
     heads_to_unpermute = {}
     if config["model_type"] == "llama":
         heads_to_unpermute = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    for tensor in reader.tensors:
+        _check_rotary_rows(tensor, heads_to_unpermute.get(tensor.name.split(".")[-2]), config)
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
         for tensor, hf_name in zip(reader.tensors, hf_names):
