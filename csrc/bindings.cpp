@@ -119,6 +119,9 @@ namespace {
 PyObject* cpu_isa(PyObject*, PyObject*) {
   try {
     return PyUnicode_FromString(specdec::cpu_isa_name());
+  } catch (const c10::Error& e) {  // the message alone: the C++ backtrace says nothing to a user who set a variable
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
     return nullptr;

@@ -102,14 +102,15 @@ struct SamplingArgs {
   }
   void vector_of(const at::Tensor& t, const char* name, at::ScalarType type) const {
     TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == type && t.is_contiguous(), op, ": ", name,
-                      " must be a contiguous [B] = [", batch, "] ", type, " tensor, got ", t.sizes(), " ", t.scalar_type());
+                      " must be a contiguous [B] = [", batch, "] ", type, " tensor, got ", t.sizes(), " ", t.scalar_type(),
+                      t.is_contiguous() ? "" : " (not contiguous)");
     same_device(t, name);
   }
   // A contiguous [B, n] int32 tensor (outputs, parents).
   void matrix_of(const at::Tensor& t, const char* name, int64_t n, const char* n_name) const {
     TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == batch && t.size(1) == n && t.scalar_type() == at::kInt && t.is_contiguous(),
                       op, ": ", name, " must be a contiguous [B, ", n_name, "] = [", batch, ", ", n, "] int32 tensor, got ",
-                      t.sizes(), " ", t.scalar_type());
+                      t.sizes(), " ", t.scalar_type(), t.is_contiguous() ? "" : " (not contiguous)");
     same_device(t, name);
   }
 };
@@ -596,6 +597,7 @@ inline constexpr ErrorBit kTruncateErrorBits[] = {
      "kept_indices or clear, else [cache_seqlens, cache_seqlens + num_kept))"},
     {kErrPageIndex, "block_table points outside the paged cache for the slots it touches (kv_indices with the CSR table)"},
     {kErrKvIndptr, "kv_indptr must start at >= 0, not decrease and end <= len(kv_indices)"},
+    {kErrPageAlias, "block_table (kv_indices with the CSR table) lists a page of the block twice within one request"},
 };
 
 inline std::string truncate_error_message(int32_t bits, int64_t b) {
@@ -618,6 +620,8 @@ inline constexpr ErrorBit kAttentionErrorBits[] = {
      "kv_indptr must be non-decreasing from >= 0 to <= len(kv_indices), and kv_last_page_len in [1, page_size] "
      "(0 for a request without pages)"},
     {kAttentionBadMask, "the flat tree_mask is shorter than sum Q_b^2"},
+    {kAttentionPageAlias,
+     "block_table (kv_indices with the CSR table) lists a page the new tokens go to twice within one request"},
 };
 
 // A 1-D contiguous int32 tensor of n entries (n < 0: any length) on `device`, or a ValueError naming it.

@@ -6,6 +6,7 @@ methods are this module's functions) and specdec_ext.sim's (torch.ops.specdec_si
 kernels get exactly the same checks.
 """
 import math
+import re
 import weakref
 from typing import NamedTuple
 
@@ -248,21 +249,24 @@ def _float32_tensor(t, name: str, op: str, device):
     return t.contiguous()
 
 
-# CPU maps already checked and inverted, by the map tensor's id: (a weak reference to it, its version, V, the inverse).
-# A decoder hands the same map every round; checking it on the host each time would read it back every round.
+# CPU maps already checked and inverted, by the map tensor's id: (a weak reference to it, a copy of its contents, V, the
+# inverse). A decoder hands the same map every round; comparing it with the copy (one pass over Vd ids) is cheaper than
+# checking and inverting it again. The copy, not the tensor's version counter, decides: a map rewritten through numpy
+# or `.data` keeps its version, and the result must depend on the map's contents only.
 _CHECKED_CPU_MAPS: dict = {}
 
 
 def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, device, flags):
     """The inverse of a reduced draft vocabulary's map: [V] int32, the draft column of each target id or -1. Built with
     device ops (no host read on CUDA, capturable); a map with an id outside [0, V) or an id twice raises on the CPU
-    (checked once per map tensor and version) and sets the error word's bit in strict mode elsewhere (the kernels then
+    (checked again whenever the map's contents change) and sets the error word's bit in strict mode elsewhere (the kernels then
     see a map without those columns)."""
     if draft_to_target is None:
         return None
     cached = _CHECKED_CPU_MAPS.get(id(draft_to_target))
-    if cached is not None and cached[0]() is draft_to_target and cached[1:3] == (draft_to_target._version, vocab) and \
-            draft is not None and draft.shape[-1] == draft_to_target.numel() and device.type == "cpu":
+    if cached is not None and cached[0]() is draft_to_target and cached[2] == vocab and draft is not None and \
+            draft.shape[-1] == draft_to_target.numel() and device.type == "cpu" and \
+            cached[1].dtype == draft_to_target.dtype and torch.equal(cached[1], draft_to_target):
         return cached[3]
     if draft is None:
         raise ValueError(f"{op}: draft_to_target maps the columns of {dname}, which is None (point proposals)")
@@ -293,7 +297,7 @@ def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, de
     if device.type == "cpu":
         for key in [k for k, v in _CHECKED_CPU_MAPS.items() if v[0]() is None]:
             del _CHECKED_CPU_MAPS[key]
-        _CHECKED_CPU_MAPS[id(draft_to_target)] = (weakref.ref(draft_to_target), draft_to_target._version, vocab, inverse)
+        _CHECKED_CPU_MAPS[id(draft_to_target)] = (weakref.ref(draft_to_target), draft_to_target.clone(), vocab, inverse)
     return inverse
 
 
@@ -314,22 +318,38 @@ def _flat_form(op: str, cu_num_draft_tokens, max_draft_tokens, counts, counts_na
     return cu, cu.numel(), max_draft_tokens
 
 
+def _check_out_shape(op: str, t: torch.Tensor, name: str, shape: tuple, spelled: str) -> None:
+    """An `out=` tensor of the flat form, whose width the op cannot check against max_draft_tokens (its schema has no
+    such argument): shape `shape`, spelled in the message as `spelled`."""
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{op}: out's {name} must be {spelled} = {list(shape)} in the flat form, got {list(t.shape)}")
+
+
 COUPLINGS = ("rejection", "gumbel")
 
 
-def _row_filters(op: str, top_k, top_p, min_p, batch: int, device) -> tuple:
+def _row_filters(op: str, top_k, top_p, min_p, batch: int, device, records_errors: bool) -> tuple:
     """The from-logits ops' logits processing as [B] tensors (top_k int32, top_p and min_p float32), None where not
-    given. Python scalars are checked here; a tensor's entries are checked by the kernels (the CPU raises, CUDA in
-    strict mode), which process an invalid request's rows as if no control were given."""
-    ranges = {"top_k": (lambda v: v >= 0, ">= 0 (0: off)"), "top_p": (lambda v: 0 < v <= 1, "in (0, 1] (1: off)"),
-              "min_p": (lambda v: 0 <= v < 1, "in [0, 1) (0: off)")}
+    given. Python scalars are checked here, and so are a tensor's entries where the CPU kernel would refuse them
+    anyway or strict mode asks for the sync: the message names the control and the request. Otherwise (CUDA and the
+    emulator without strict mode) the kernels process an invalid request's rows as if no control were given."""
+    ranges = {"top_k": (lambda v: v >= 0, ">= 0 (0: off)"), "top_p": (lambda v: (v > 0) & (v <= 1), "in (0, 1] (1: off)"),
+              "min_p": (lambda v: (v >= 0) & (v < 1), "in [0, 1) (0: off)")}
+    host_check = not records_errors or _strict
     out = []
     for name, value, dtype in (("top_k", top_k, torch.int32), ("top_p", top_p, torch.float32),
                                ("min_p", min_p, torch.float32)):
+        valid, spelled = ranges[name]
         if value is not None and not isinstance(value, torch.Tensor) and not isinstance(value, bool) and \
-                isinstance(value, (int, float)) and not ranges[name][0](value):
-            raise ValueError(f"{op}: {name} must be {ranges[name][1]}, got {value}")
-        out.append(None if value is None else _per_request(value, name, op, batch, device, dtype))
+                isinstance(value, (int, float)) and not valid(value):
+            raise ValueError(f"{op}: {name} must be {spelled}, got {value}")
+        value = None if value is None else _per_request(value, name, op, batch, device, dtype)
+        if value is not None and host_check:
+            bad = (~valid(value)).nonzero()
+            if bad.numel():
+                b = int(bad[0, 0])
+                raise ValueError(f"{op}: {name} must be {spelled}, got {name}[{b}] = {value[b].item()} (request {b})")
+        out.append(value)
     return tuple(out)
 
 
@@ -395,13 +415,15 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     out = SamplingOutput(*out)
     _check_devices(op, device, tname, output_token_ids=out.output_token_ids, num_accepted=out.num_accepted,
                    accepted_independently=accepted_independently)
+    if flat:  # the op reads K off output_token_ids' width: it must be max_draft_tokens + 1
+        _check_out_shape(op, out.output_token_ids, "output_token_ids", (batch, k + 1), "[B, max_draft_tokens + 1]")
     flags = _error_flags(op, device, records_errors)
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     if logits:
         ops.chain_speculative_sampling_from_logits(
             draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids,
             out.num_accepted, flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft,
-            accepted_independently, coupling, *_row_filters(op, top_k, top_p, min_p, batch, device))
+            accepted_independently, coupling, *_row_filters(op, top_k, top_p, min_p, batch, device, records_errors))
     else:
         ops.chain_speculative_sampling(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset,
                                        out.output_token_ids, out.num_accepted, flags, cu_num_draft_tokens,
@@ -482,13 +504,16 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
     out = TreeSamplingOutput(*out)
     _check_devices(op, device, tname, output_token_ids=out.output_token_ids, accepted_nodes=out.accepted_nodes,
                    num_accepted=out.num_accepted)
+    if flat:  # the op reads N off the outputs' width: it must be max_draft_tokens + 1
+        for name in ("output_token_ids", "accepted_nodes"):
+            _check_out_shape(op, getattr(out, name), name, (batch, n), "[B, max_draft_tokens + 1]")
     flags = _error_flags(op, device, records_errors)
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
     if logits:
         ops.tree_speculative_sampling_from_logits(
             parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms,
             final_uniforms, target_to_draft, cu_num_draft_tokens, coupling,
-            *_row_filters(op, top_k, top_p, min_p, batch, device))
+            *_row_filters(op, top_k, top_p, min_p, batch, device, records_errors))
     else:
         ops.tree_speculative_sampling(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset,
                                       *out, flags, uniforms, final_uniforms, target_to_draft, cu_num_draft_tokens,
@@ -767,14 +792,24 @@ class Ops:
             raise ValueError(f"gumbel_sample: logits must be a [B, V] tensor, got "
                              f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
         batch, vocab = logits.shape
+        if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"gumbel_sample: logits must be float32, bfloat16 or float16, got {logits.dtype}")
         if out is not None and not (isinstance(out, torch.Tensor) and out.shape == (batch,) and out.dtype == torch.int32
                                     and out.device == logits.device):
             raise ValueError(f"gumbel_sample: out must be a [B] = [{batch}] int32 tensor on {logits.device}")
-        # No drafts: K = 1 with none proposed, the token drawn as the bonus of row 0 at offset = position.
-        rows = self.chain_speculative_sampling_from_logits(
-            torch.zeros((batch, 1), dtype=torch.int32, device=logits.device), logits.unsqueeze(1).expand(batch, 2, vocab),
-            temperature=temperature, num_draft_tokens=torch.zeros((batch,), dtype=torch.int32, device=logits.device),
-            seed=seed, offset=positions, coupling="gumbel", top_k=top_k, top_p=top_p, min_p=min_p)
+        # No drafts: K = 1 with none proposed, the token drawn as the bonus of row 0 at offset = position. The chain
+        # op's messages are said in this op's words (its offset is our positions, its target_logits our logits).
+        try:
+            rows = self.chain_speculative_sampling_from_logits(
+                torch.zeros((batch, 1), dtype=torch.int32, device=logits.device),
+                logits.unsqueeze(1).expand(batch, 2, vocab), temperature=temperature,
+                num_draft_tokens=torch.zeros((batch,), dtype=torch.int32, device=logits.device), seed=seed,
+                offset=positions, coupling="gumbel", top_k=top_k, top_p=top_p, min_p=min_p)
+        except ValueError as e:
+            words = {"chain_speculative_sampling_from_logits": "gumbel_sample", "offset": "positions",
+                     "target_logits": "logits"}
+            raise ValueError(re.sub(r"\b(" + "|".join(words) + r")\b", lambda m: words[m.group(1)],
+                                    str(e).split("\n")[0])) from None
         if out is None:
             return rows.output_token_ids[:, 0]
         out.copy_(rows.output_token_ids[:, 0])
@@ -850,7 +885,9 @@ class Ops:
         clear: zero the block's discarded slots. block_len: Q, implied by kept_indices, needed for clear.
         Without kept_indices and clear only the lengths change, and num_kept[b] may be any count that keeps
         cache_seqlens[b] + num_kept[b] within the cache (a prefill, a block near the end of the cache).
-        Invalid requests raise on the CPU; on CUDA they are left untouched (set_strict(True) raises).
+        A request's pages within the block must be distinct (a page listed twice is an invalid request); pages shared
+        across requests are the caller's race. Invalid requests raise on the CPU; on CUDA they are left untouched
+        (set_strict(True) raises).
         """
         _truncate_kv_cache(self.namespace, cache_seqlens, num_kept, block_len=block_len, kept_indices=kept_indices,
                            k_caches=k_caches, v_caches=v_caches, block_table=block_table, clear=clear,
@@ -890,7 +927,9 @@ class Ops:
         tensor cores (sm_80+), head dim 64, 128 or 256, no host sync; a request whose block runs past its cache,
         whose pages are outside the cache or whose qo_indptr / kv_indptr entries are inconsistent gets NaN outputs
         (rows unknown with a bad qo_indptr: nothing written); set_strict(True) raises. Rows of q that no request
-        owns (qo_indptr[B] < T) are not written."""
+        owns (qo_indptr[B] < T) are not written. A page that k_new is written to must appear once among the pages
+        its request touches: the CPU refuses a repeat, CUDA in strict mode (elsewhere the appends and reads race);
+        across requests the caller owns the race."""
         return _verify_attention(self.namespace, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                  block_table=block_table, tree_mask=tree_mask, softmax_scale=softmax_scale,
                                  return_lse=return_lse, qo_indptr=qo_indptr, kv_layout=kv_layout, kv_indptr=kv_indptr,

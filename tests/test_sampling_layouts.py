@@ -326,6 +326,47 @@ def test_bad_flat_layouts_raise(gen, backend, case):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
+@pytest.mark.parametrize("width", [3, 7])
+def test_flat_out_of_the_wrong_width_is_refused(gen, backend, width):
+    """The flat form's K is max_draft_tokens: an out= narrower or wider than max_draft_tokens + 1 is refused and
+    named (the op itself reads K off out's width: it would decode with that K, or blame cu_num_draft_tokens)."""
+    batch, max_k, vocab = 4, 5, 60
+    padded, flat = ragged_batch(gen, batch, max_k, vocab, torch.float32)
+    ops = BACKENDS[backend]
+    out = (torch.full((batch, width), -77, dtype=torch.int32), torch.full((batch,), -77, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"out's output_token_ids must be \[B, max_draft_tokens \+ 1\] = \[4, 6\]"):
+        ops.chain_speculative_sampling(flat["ids"], flat["target_probs"], None, seed=0, cu_num_draft_tokens=flat["cu"],
+                                       max_draft_tokens=max_k, out=out)
+    assert (out[0] == -77).all() and (out[1] == -77).all()  # nothing written
+    trees, tree_flat = padded_and_flat_trees(gen, 3, 4, 30)
+    for name in ("output_token_ids", "accepted_nodes"):
+        tree_out = [torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 4, dtype=torch.int32),
+                    torch.zeros(3, dtype=torch.int32)]
+        tree_out[0 if name == "output_token_ids" else 1] = torch.zeros(3, width, dtype=torch.int32)
+        with pytest.raises(ValueError, match=f"out's {name} must be"):
+            ops.tree_speculative_sampling(tree_flat["parents"], tree_flat["cand"], tree_flat["target_probs"], None,
+                                          seed=0, cu_num_draft_tokens=tree_flat["cu"], max_draft_tokens=3,
+                                          out=tuple(tree_out))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_non_contiguous_out_says_so(gen, backend):
+    """An out= tensor of the right shape and dtype but strided: the message says what is wrong with it."""
+    batch, k, vocab = 3, 2, 40
+    probs = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen), -1)
+    ids = torch.randint(0, vocab, (batch, k), generator=gen, dtype=torch.int32)
+    strided = torch.zeros(batch, 2, dtype=torch.int32)[:, 0]
+    with pytest.raises(ValueError, match=r"num_accepted must be a contiguous \[B\] = \[3\] Int tensor, got \[3\] Int "
+                                         r"\(not contiguous\)"):
+        BACKENDS[backend].chain_speculative_sampling(ids, probs, None, seed=0,
+                                                     out=(torch.zeros(batch, k + 1, dtype=torch.int32), strided))
+    strided = torch.zeros(batch, 2 * (k + 1), dtype=torch.int32)[:, ::2]
+    with pytest.raises(ValueError, match=r"output_token_ids must be a contiguous .* \(not contiguous\)"):
+        BACKENDS[backend].chain_speculative_sampling(ids, probs, None, seed=0,
+                                                     out=(strided, torch.zeros(batch, dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
 def test_bad_engine_arguments_raise(gen, backend):
     batch, k, vocab = 3, 2, 40
     probs = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen), -1)
@@ -355,6 +396,38 @@ def test_bad_engine_arguments_raise(gen, backend):
                                        cu_num_draft_tokens=torch.tensor([2, 4, 6], dtype=torch.int32))
     with pytest.raises(ValueError, match="draft_to_target"):  # a map without draft rows
         ops.chain_speculative_sampling(ids, probs, None, seed=0, draft_to_target=torch.arange(6, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("rewrite", ["numpy", "data"])
+def test_draft_to_target_rewritten_in_place_is_read_again(gen, rewrite):
+    """A map rewritten in place without bumping its version counter (through numpy or `.data`) is the new map: the
+    outputs follow its contents, and an invalid rewrite raises, as a fresh tensor would."""
+    batch, k, vocab, draft_vocab = 8, 4, 400, 50
+    first = reduced_vocab(gen, vocab, draft_vocab)
+    target = torch.randn(batch, k + 1, vocab, generator=gen)
+    draft = torch.softmax(torch.randn(batch, k, draft_vocab, generator=gen), -1)
+    ids = first[torch.randint(0, draft_vocab, (batch, k), generator=gen)].int()
+    target[..., first.long()] += 6.0  # the first map's columns are likely: its drafts are accepted
+    target = torch.softmax(target, -1)
+    d2t = first.clone()
+    specdec_ext.chain_speculative_sampling(ids, target, draft, seed=torch.arange(batch), draft_to_target=d2t)
+    second = torch.roll(first, 1)  # the same ids on other columns: other draft probabilities for each id
+    version = d2t._version
+    if rewrite == "numpy":
+        d2t.numpy()[:] = second.numpy()
+    else:
+        d2t.data.copy_(second)
+    assert d2t._version == version or rewrite == "data", "the rewrite must not be visible to the version counter"
+    got = specdec_ext.chain_speculative_sampling(ids, target, draft, seed=torch.arange(batch), draft_to_target=d2t)
+    want = specdec_ext.chain_speculative_sampling(ids, target, draft, seed=torch.arange(batch),
+                                                  draft_to_target=second.clone())
+    stale = specdec_ext.chain_speculative_sampling(ids, target, draft, seed=torch.arange(batch),
+                                                   draft_to_target=first.clone())
+    assert torch.equal(got.output_token_ids, want.output_token_ids) and torch.equal(got.num_accepted, want.num_accepted)
+    assert not torch.equal(want.num_accepted, stale.num_accepted), "the two maps must give different outputs"
+    d2t.numpy()[3] = d2t.numpy()[4]  # an id twice: refused, however the map got there
+    with pytest.raises(ValueError, match="draft_to_target"):
+        specdec_ext.chain_speculative_sampling(ids, target, draft, seed=torch.arange(batch), draft_to_target=d2t)
 
 
 def test_opcheck_engine_layouts(gen):

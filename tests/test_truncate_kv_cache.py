@@ -167,6 +167,42 @@ def test_page_index_out_of_range(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("csr", [False, True], ids=["block_table", "csr"])
+def test_page_listed_twice_within_a_request_is_refused(backend, csr, gen):
+    """A request whose block spans one page listed twice ([0, 0]): moving row 5 to row 3 would read and write one
+    physical row on one backend and two on another. Refused on the CPU; under the emulator (as on CUDA) the request
+    is left untouched and strict mode raises. Aliasing across requests is the caller's race, not checked."""
+    k, v = [torch.randn(4, 4, 1, 2, generator=gen)], [torch.randn(4, 4, 1, 2, generator=gen)]
+    kept = torch.tensor([[0, 2, -1], [0, 1, -1]], dtype=torch.int32)
+    table = torch.tensor([[0, 0], [1, 2]], dtype=torch.int32)
+    layout = dict(kv_indptr=torch.tensor([0, 2, 4], dtype=torch.int32), kv_indices=table.reshape(-1)) if csr else \
+        dict(block_table=table)
+    lengths = torch.tensor([3, 3], dtype=torch.int32)
+    ks, vs = [k[0].clone()], [v[0].clone()]
+    call = lambda lens, ks, vs: BACKENDS[backend].truncate_kv_cache(lens, 2, kept_indices=kept, k_caches=ks,
+                                                                     v_caches=vs, block_len=3, **layout)
+    if backend == "cpu":
+        with pytest.raises(ValueError, match="request 0: .*a page of the block twice"):
+            call(lengths, ks, vs)
+        assert torch.equal(ks[0], k[0]) and lengths.tolist() == [3, 3]  # nothing written
+    else:
+        call(lengths, ks, vs)
+        assert torch.equal(ks[0][0], k[0][0]) and lengths.tolist() == [3, 5]  # request 0 untouched, 1 truncated
+        specdec_ext.set_strict(True)
+        try:
+            with pytest.raises(ValueError, match="a page of the block twice"):
+                call(torch.tensor([3, 3], dtype=torch.int32), [k[0].clone()], [v[0].clone()])
+        finally:
+            specdec_ext.set_strict(False)
+    shared = torch.tensor([[0, 1], [0, 2]], dtype=torch.int32)  # page 0 in both requests: accepted
+    layout = dict(kv_indptr=torch.tensor([0, 2, 4], dtype=torch.int32), kv_indices=shared.reshape(-1)) if csr else \
+        dict(block_table=shared)
+    lengths = torch.tensor([3, 3], dtype=torch.int32)
+    call(lengths, [k[0].clone()], [v[0].clone()])
+    assert lengths.tolist() == [5, 5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments_are_named(backend):
     f = BACKENDS[backend].truncate_kv_cache
     k = [torch.randn(2, 10, 1, 4)]

@@ -475,6 +475,45 @@ def test_bad_layout_inputs_are_named(backend, gen):
         f(q, sparse_k, sparse_v, **good)
 
 
+@pytest.mark.parametrize("backend", LAYOUT_BACKENDS)
+@pytest.mark.parametrize("csr", [False, True], ids=["block_table", "csr"])
+def test_written_page_listed_twice_within_a_request_is_refused(backend, csr, gen):
+    """Request 1's table lists page 0 three times ([0, 0, 0]) and its new tokens go to the third entry: appending and
+    reading the aliases would race (the CPU appends first, the CUDA kernel reads the new keys from k_new). Refused on
+    the CPU and in strict mode; without strict mode the emulated kernel still stays in bounds (ASan). A page shared
+    across requests, or listed twice but only read, is accepted (across requests the caller owns the race)."""
+    f, page, d = backend_ops(backend).verify_attention, 8, 64
+    dtype = torch.float32 if backend == "cpu" else torch.bfloat16
+    q = torch.randn(2, 3, 2, d, generator=gen).to(dtype)
+    kc, vc = torch.randn(5, page, 1, d, generator=gen).to(dtype), torch.randn(5, page, 1, d, generator=gen).to(dtype)
+    kn, vn = torch.randn(2, 3, 1, d, generator=gen).to(dtype), torch.randn(2, 3, 1, d, generator=gen).to(dtype)
+    table = torch.tensor([[1, 2, 3], [0, 0, 0]], dtype=torch.int32)
+    lengths = torch.tensor([4, 2 * page + 1], dtype=torch.int32)  # request 1 appends to its third entry
+    if csr:
+        layout = dict(kv_indptr=torch.tensor([0, 1, 4], dtype=torch.int32), kv_indices=torch.tensor([1, 0, 0, 0],
+                      dtype=torch.int32), kv_last_page_len=torch.tensor([7, 4], dtype=torch.int32))
+        args = (None, kn, vn)
+    else:
+        layout, args = dict(block_table=table), (lengths, kn, vn)
+    call = lambda: f(q, kc.clone(), vc.clone(), *args, **layout)
+    if backend == "cpu":
+        with pytest.raises(ValueError, match="request 1: .*a page the new tokens go to twice"):
+            call()
+    else:
+        out = call()  # the caller's race: a defined, in-bounds call
+        assert out.shape == q.shape
+        with _strict(), pytest.raises(ValueError, match="a page the new tokens go to twice"):
+            call()
+    # Read-only aliases (no append) and a page shared by two requests are accepted, and agree with the reference.
+    for table, lens, new in ((torch.tensor([[1, 2, 3], [0, 0, 4]], dtype=torch.int32), [4, 14], (None, None)),
+                             (torch.tensor([[0, 2, 3], [0, 1, 4]], dtype=torch.int32), [10, 17], (kn, vn))):
+        lens = torch.tensor(lens, dtype=torch.int32)
+        with _strict():
+            got = f(q, kc.clone(), vc.clone(), lens, *new, block_table=table)
+        want = reference.verify_attention(q, kc.clone(), vc.clone(), lens, *new, block_table=table)
+        assert rel_error(got, want) <= TOLERANCE[dtype]
+
+
 class _strict:
     def __enter__(self):
         specdec_ext.set_strict(True)

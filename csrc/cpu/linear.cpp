@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -93,13 +94,15 @@ bool cpu_has(const IsaKernels& isa) {
 const IsaKernels& isa_kernels() {
   const char* wanted = std::getenv("SPECDEC_CPU_ISA");
   if (wanted != nullptr && *wanted != '\0') {
+    std::string name(wanted);  // case aside: AVX2 is avx2
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     for (const IsaKernels& isa : kIsas) {
-      if (std::string(wanted) == isa.name) {
+      if (name == isa.name) {
         TORCH_CHECK_VALUE(cpu_has(isa), "SPECDEC_CPU_ISA=", wanted, ": this CPU lacks the instructions it needs");
         return isa;
       }
     }
-    TORCH_CHECK_VALUE(false, "SPECDEC_CPU_ISA must be avx512, avx2 or sse2 (or unset), got '", wanted, "'");
+    TORCH_CHECK_VALUE(false, "SPECDEC_CPU_ISA must be avx512, avx2 or sse2 (any case; or unset), got '", wanted, "'");
   }
   for (const IsaKernels& isa : kIsas) {
     if (cpu_has(isa)) return isa;

@@ -387,6 +387,13 @@ void verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const 
       for (int64_t pos = R.key_begin / P.page_size * P.page_size; pos < R.key_end && bits == 0; pos += P.page_size) {
         if (attention_cache_row(P, R, b, pos) < 0) bits |= kAttentionBadPage;
       }
+      if (bits == 0 && P.k_new != nullptr && R.queries > 0) {  // no page written here is read or written elsewhere
+        int64_t first, last;
+        attention_touched_pages(P, R, &first, &last);
+        for (int64_t j = first; j <= last && bits == 0; ++j) {
+          if (attention_page_aliases_written(P, R, b, j)) bits |= kAttentionPageAlias;
+        }
+      }
     }
     if (bits != 0) {
       if (P.error_flags != nullptr) *P.error_flags |= bits;

@@ -164,6 +164,15 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
     for (int64_t j = threadIdx.x; j < Q; j += kAttnThreads) {
       if (attention_cache_row(P, req, b, length + j) < 0) atomic_or(block_errors, int32_t{kAttentionBadPage});
     }
+    // Strict mode (an error word to fill) also refuses a written page listed twice: a debugging check that reads
+    // the request's table once per block, too slow for every call.
+    if (P.error_flags != nullptr) {
+      int64_t first, last;
+      attention_touched_pages(P, req, &first, &last);
+      for (int64_t j = first + threadIdx.x; j <= last; j += kAttnThreads) {
+        if (attention_page_aliases_written(P, req, b, j)) atomic_or(block_errors, int32_t{kAttentionPageAlias});
+      }
+    }
   }
   sync_threads();
   const bool appendable = *block_errors == 0;

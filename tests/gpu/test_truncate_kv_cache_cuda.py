@@ -1,4 +1,5 @@
 """truncate_kv_cache on CUDA: the same caches as the CPU kernel, no host sync, capturable in a CUDA graph."""
+import pytest
 import torch
 
 import specdec_ext
@@ -79,3 +80,25 @@ def test_cuda_matches_cpu_engine_layouts():
                                   v_caches=gpu[1][:, :, 1], kv_indptr=indptr.cuda(), kv_indices=indices.cuda(),
                                   kv_layout="HND", clear=True)
     assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])
+
+
+def test_page_listed_twice_within_a_request_is_refused():
+    """Request 0's block spans one page listed twice: left untouched (its length too), strict mode raises; request 1
+    is truncated."""
+    g = torch.Generator().manual_seed(3)
+    k = [torch.randn(4, 4, 2, 64, generator=g).bfloat16().cuda()]
+    v = [torch.randn(4, 4, 2, 64, generator=g).bfloat16().cuda()]
+    kept = torch.tensor([[0, 2, -1], [0, 1, -1]], dtype=torch.int32).cuda()
+    table = torch.tensor([[0, 0], [1, 2]], dtype=torch.int32).cuda()
+    lengths = torch.tensor([3, 3], dtype=torch.int32).cuda()
+    before = k[0].clone()
+    specdec_ext.truncate_kv_cache(lengths, 2, kept_indices=kept, k_caches=k, v_caches=v, block_len=3, block_table=table)
+    assert lengths.tolist() == [3, 5] and torch.equal(k[0][0], before[0])
+    specdec_ext.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="a page of the block twice"):
+            specdec_ext.truncate_kv_cache(torch.tensor([3, 3], dtype=torch.int32).cuda(), 2, kept_indices=kept,
+                                          k_caches=[t.clone() for t in k], v_caches=[t.clone() for t in v],
+                                          block_len=3, block_table=table)
+    finally:
+        specdec_ext.set_strict(False)

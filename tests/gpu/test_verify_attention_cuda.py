@@ -100,6 +100,32 @@ def test_invalid_request_is_nan_and_strict_raises():
         specdec_ext.set_strict(False)
 
 
+def test_written_page_listed_twice_is_refused_in_strict_mode():
+    """Request 1 appends into its third table entry, page 0, which its first two entries list too: strict mode raises
+    (the kernel's check), without it the call stays defined; a page shared across requests is accepted."""
+    g = torch.Generator().manual_seed(8)
+    page, d = 16, 64
+    q = torch.randn(2, 3, 2, d, generator=g).bfloat16().cuda()
+    kc, vc = (torch.randn(6, page, 1, d, generator=g).bfloat16().cuda() for _ in range(2))
+    kn, vn = (torch.randn(2, 3, 1, d, generator=g).bfloat16().cuda() for _ in range(2))
+    lengths = torch.tensor([4, 2 * page + 1], dtype=torch.int32).cuda()
+    aliased = torch.tensor([[1, 2, 3], [0, 0, 0]], dtype=torch.int32).cuda()
+    out = specdec_ext.verify_attention(q, kc.clone(), vc.clone(), lengths, kn, vn, block_table=aliased)
+    assert not torch.isnan(out[0]).any()
+    specdec_ext.set_strict(True)
+    try:
+        with pytest.raises(ValueError, match="a page the new tokens go to twice"):
+            specdec_ext.verify_attention(q, kc.clone(), vc.clone(), lengths, kn, vn, block_table=aliased)
+        shared = torch.tensor([[0, 2, 3], [0, 1, 4]], dtype=torch.int32).cuda()  # page 0 read by both
+        lengths = torch.tensor([20, 2 * page + 1], dtype=torch.int32).cuda()
+        got = specdec_ext.verify_attention(q, kc.clone(), vc.clone(), lengths, kn, vn, block_table=shared)
+    finally:
+        specdec_ext.set_strict(False)
+    want = reference.verify_attention(q.cpu(), kc.cpu(), vc.cpu(), lengths.cpu(), kn.cpu(), vn.cpu(),
+                                      block_table=shared.cpu())
+    assert rel_error(got, want) <= TOLERANCE[torch.bfloat16]
+
+
 def test_opcheck():
     g = torch.Generator().manual_seed(6)
     q, kc, vc, sl, kn, vn, _ = make_case(g, 2, 3, 8, 2, 128, torch.bfloat16, [4, 90])

@@ -66,6 +66,7 @@ enum AttentionError : int32_t {
   kAttentionBadQoIndptr = 4,   // qo_indptr decreasing, negative, past T, or Q_b > kMaxVerifyQueries
   kAttentionBadKvIndptr = 8,   // kv_indptr decreasing, negative or past kv_indices; kv_last_page_len out of range
   kAttentionBadMask = 16,      // the flat tree_mask is shorter than sum Q_b^2
+  kAttentionPageAlias = 32,    // a page the new tokens go to appears twice among the pages the request touches
 };
 
 constexpr int64_t kAttnSplitAlign = 64;  // split boundaries fall on whole key tiles of every backend
@@ -141,15 +142,40 @@ SPECDEC_HD AttentionRequest attention_request(const AttentionParams& P, int64_t 
 
 // Element offset of head 0 of the row (b, pos) in the cache, or -1 if its page is outside the cache. pos must
 // be within the request's capacity (attention_request checked it).
+// The page request b lists at `index` of its table (paged layouts only).
+SPECDEC_HD int64_t attention_page(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t index) {
+  return P.kv_indices != nullptr ? P.kv_indices[R.pages_begin + index] : P.block_table[b * P.max_pages + index];
+}
+
 SPECDEC_HD int64_t attention_cache_row(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t pos) {
   if (P.block_table == nullptr && P.kv_indices == nullptr) return b * P.stride_page + pos * P.stride_slot;
   // A shift and a mask rather than a 64-bit division: the kernels address every row through here.
   const int64_t index = P.page_shift >= 0 ? pos >> P.page_shift : pos / P.page_size;
   const int64_t slot = P.page_shift >= 0 ? pos & (P.page_size - 1) : pos % P.page_size;
-  const int64_t page =
-      P.kv_indices != nullptr ? P.kv_indices[R.pages_begin + index] : P.block_table[b * P.max_pages + index];
+  const int64_t page = attention_page(P, R, b, index);
   if (page < 0 || page >= P.num_pages) return -1;
   return page * P.stride_page + slot * P.stride_slot;
+}
+
+// The table indices of the pages request b touches, [first, last]: those of its keys [key_begin, key_end).
+SPECDEC_HD void attention_touched_pages(const AttentionParams& P, const AttentionRequest& R, int64_t* first,
+                                        int64_t* last) {
+  *first = R.key_begin / P.page_size;
+  *last = R.key_end > R.key_begin ? (R.key_end - 1) / P.page_size : *first - 1;
+}
+
+// Whether the page at table index j (one the request touches) is also listed at another index i that the new tokens
+// [length, length + Q_b) are written to: the appends and the reads of that page would then race, and backends that
+// read the new keys from k_new (CUDA) or from the cache after appending (CPU) would disagree. A caller's error,
+// refused on the CPU and in strict mode (paged layouts with k_new). Costs O(pages written) table reads.
+SPECDEC_HD bool attention_page_aliases_written(const AttentionParams& P, const AttentionRequest& R, int64_t b,
+                                               int64_t j) {
+  const int64_t page = attention_page(P, R, b, j);
+  const int64_t w0 = R.length / P.page_size, w1 = (R.length + R.queries - 1) / P.page_size;
+  for (int64_t i = w0; i <= w1; ++i) {
+    if (i != j && attention_page(P, R, b, i) == page) return true;
+  }
+  return false;
 }
 
 // Request b's KV splits: one per split_keys keys, at least one (an invalid request's NaN output is written by

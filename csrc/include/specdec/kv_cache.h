@@ -21,6 +21,7 @@ enum TruncateError : int32_t {
   kErrBlockRange = 4,    // the slots touched run outside the cache, a negative length, or a length past 2^31 - 1
   kErrPageIndex = 8,     // a page of the slots touched outside [0, num_pages)
   kErrKvIndptr = 16,     // kv_indptr[b..b+1] decreasing, negative or past kv_indices
+  kErrPageAlias = 32,    // a page of the slots touched listed twice: moves within the request would race
 };
 
 struct TruncateParams {
@@ -50,10 +51,14 @@ SPECDEC_HD int64_t truncate_csr_pages(const TruncateParams& P, int64_t b, int64_
 
 // Word offset of the first run of row (b, pos), or -1 if the page table points outside the cache. pos is within
 // the request's capacity (check_truncate_request).
+// The page request b lists at `index` of its table (paged layouts only).
+SPECDEC_HD int64_t table_page(const TruncateParams& P, int64_t b, int64_t index) {
+  return P.kv_indptr != nullptr ? P.kv_indices[P.kv_indptr[b] + index] : P.block_table[b * P.max_pages + index];
+}
+
 SPECDEC_HD int64_t cache_row(const TruncateParams& P, int64_t b, int64_t pos) {
   if (P.block_table == nullptr && P.kv_indptr == nullptr) return b * P.stride_page + pos * P.stride_slot;
-  const int64_t index = pos / P.page_size;
-  const int64_t page = P.kv_indptr != nullptr ? P.kv_indices[P.kv_indptr[b] + index] : P.block_table[b * P.max_pages + index];
+  const int64_t page = table_page(P, b, pos / P.page_size);
   if (page < 0 || page >= P.num_pages) return -1;
   return page * P.stride_page + pos % P.page_size * P.stride_slot;
 }
@@ -86,6 +91,16 @@ SPECDEC_HD int32_t check_truncate_request(const TruncateParams& P, int64_t b) {
   if (P.block_table != nullptr || P.kv_indptr != nullptr) {
     for (int64_t pos = base; pos < end; pos += P.page_size - (pos % P.page_size)) {
       if (cache_row(P, b, pos) < 0) return kErrPageIndex;
+    }
+    // The pages touched are distinct (at most block_len of them, so the pairwise scan stays small): a page listed
+    // twice would make a move's source and destination one row on some backends and two on others.
+    if (end > base) {
+      const int64_t first = base / P.page_size, last = (end - 1) / P.page_size;
+      for (int64_t i = first + 1; i <= last; ++i) {
+        for (int64_t j = first; j < i; ++j) {
+          if (table_page(P, b, i) == table_page(P, b, j)) return kErrPageAlias;
+        }
+      }
     }
   }
   return 0;
