@@ -20,7 +20,7 @@ import torch
 from .host import upload
 from .ops import LIMITS
 
-MAX_TREE_NODES = LIMITS["max_tree_nodes"]  # the tree sampling op's (and verify_attention's) limit on a block
+MAX_TREE_NODES = LIMITS["max_tree_nodes"]  # the tree sampling op's limit on a block (verify_attention takes 128)
 
 
 @dataclass(frozen=True)

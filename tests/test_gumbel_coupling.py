@@ -168,6 +168,32 @@ def test_gumbel_sample_masks_and_greedy():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_errors_name_its_own_arguments(backend):
+    """gumbel_sample runs on the chain op, but its errors speak of gumbel_sample, logits and positions."""
+    ops = BACKENDS[backend]
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
+    cases = [(dict(positions=torch.zeros(4, dtype=torch.int64)), r"gumbel_sample: positions has 4 entries for a batch of 3"),
+             (dict(positions=torch.zeros(3)), r"gumbel_sample: positions"),
+             (dict(seed=torch.zeros(2, dtype=torch.int64)), r"gumbel_sample: seed"),
+             (dict(temperature=-1.0), r"gumbel_sample: temperature must be finite and >= 0"),
+             (dict(top_p=torch.tensor([0.5, 1.5, 0.5])), r"gumbel_sample: top_p must be .*top_p\[1\]"),
+             (dict(logits=torch.full((3, 20), float("nan"))), r"gumbel_sample: .*logits holds NaN")]
+    for change, message in cases:
+        kwargs = {"logits": logits, "temperature": 1.0, "seed": 1, "positions": 0, **change}
+        with pytest.raises(ValueError, match=message) as e:
+            if backend == "sim":
+                specdec_ext.set_strict(True)
+            try:
+                ops.gumbel_sample(kwargs.pop("logits"), **kwargs)
+            finally:
+                specdec_ext.set_strict(False)
+        assert "chain_speculative_sampling" not in str(e.value) and "offset" not in str(e.value) and \
+            "target_logits" not in str(e.value)
+    with pytest.raises(ValueError, match="gumbel_sample: logits must be float32, bfloat16 or float16"):
+        ops.gumbel_sample(logits.double(), temperature=1.0, seed=1, positions=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 def test_tree_follows_the_gumbel_token_of_each_depth(backend, logits, gen):
     # Node n decides with the token of position offset + depth(n): the walk goes to the child carrying it, else

@@ -253,7 +253,7 @@ def test_shipped_model_lookahead_equals_plain_greedy(paged):
     (dict(ngram=1), "ngram must be an int in [2, 63], got 1"),
     (dict(ngram=2.0), "ngram must be an int in [2, 63], got 2.0"),
     (dict(guesses=-1), "guesses must be an int in [0, 63], got -1"),
-    (dict(window=15, ngram=5, guesses=15), "1 + (W + G) * (N - 1) = 121 nodes, past verify_attention's 64"),
+    (dict(window=15, ngram=5, guesses=15), "1 + (W + G) * (N - 1) = 121 nodes, past the tree sampling op's limit of 64"),
     (dict(window=8, ngram=5, guesses=8), "= 65 nodes"),
 ])
 def test_bad_settings_raise(settings, message):

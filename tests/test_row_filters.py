@@ -254,14 +254,15 @@ def test_bad_controls_name_themselves(backend):
             call(**{name: value})
     bad = {"top_k": torch.tensor([3, -2], dtype=torch.int32), "top_p": torch.tensor([0.5, float("nan")]),
            "min_p": torch.tensor([0.0, 1.0])}
-    for name, value in bad.items():
+    for name, value in bad.items():  # the message names the control and the request (1)
+        message = rf"{name} must be .*, got {name}\[1\] = .* \(request 1\)"
         if backend == "cpu":
-            with pytest.raises(ValueError, match="top_k must be >= 0, top_p in"):
+            with pytest.raises(ValueError, match=message):
                 call(**{name: value})
         else:
             specdec_ext.set_strict(True)
             try:
-                with pytest.raises(ValueError, match="top_k must be >= 0, top_p in"):
+                with pytest.raises(ValueError, match=message):
                     call(**{name: value})
             finally:
                 specdec_ext.set_strict(False)
@@ -270,23 +271,6 @@ def test_bad_controls_name_themselves(backend):
         call(top_k=torch.tensor([1, 2, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="top_p"):
         call(top_p=torch.tensor([0.5, 0.5], dtype=torch.float64).to(torch.complex64))
-
-
-def test_a_map_changed_in_place_is_checked_again():
-    """The CPU op checks a draft_to_target map once per tensor and version (a decoder hands the same map every round):
-    a map edited in place into an invalid one still raises."""
-    gen = torch.Generator().manual_seed(4)
-    inp = make_chain_inputs(gen, 2, 2, 60)
-    draft_to_target = torch.arange(10, 40, dtype=torch.int32)
-    ids = draft_to_target[torch.randint(30, (2, 2), generator=gen)]
-    draft = torch.randn(2, 2, 30, generator=gen)
-    call = lambda: specdec_ext.chain_speculative_sampling_from_logits(  # noqa: E731
-        ids, inp["target_logits"], draft, temperature=0.8, seed=0, offset=0, draft_to_target=draft_to_target, top_p=0.9)
-    first = call()
-    assert torch.equal(call().output_token_ids, first.output_token_ids)
-    draft_to_target[5] = draft_to_target[6]
-    with pytest.raises(ValueError, match="draft_to_target"):
-        call()
 
 
 def test_opcheck_with_controls():

@@ -46,12 +46,23 @@ def test_every_output_written(isa, gen):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (isa, m)
 
 
-def test_bad_isa_setting_names_itself(monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_ISA", "neon")
+@pytest.mark.parametrize("value", ["neon", "bogus", "avx512f", "AVX"])
+def test_bad_isa_setting_names_itself(monkeypatch, value):
+    monkeypatch.setenv("SPECDEC_CPU_ISA", value)
     with pytest.raises(ValueError, match="SPECDEC_CPU_ISA must be avx512, avx2 or sse2"):
         skinny_linear(torch.randn(2, 8), torch.randn(3, 8))
-    with pytest.raises(ValueError, match="SPECDEC_CPU_ISA"):
+    with pytest.raises(ValueError) as e:
         ops.cpu_isa()
+    # One line naming the variable, the valid values and the bad value: no C++ backtrace.
+    assert str(e.value) == f"SPECDEC_CPU_ISA must be avx512, avx2 or sse2 (any case; or unset), got '{value}'"
+
+
+@pytest.mark.parametrize("value", ["SSE2", "Sse2", "sse2"])
+def test_isa_setting_in_any_case(monkeypatch, value):
+    monkeypatch.setenv("SPECDEC_CPU_ISA", value)
+    assert ops.cpu_isa() == "sse2"
+    x, w = torch.randn(3, 40), torch.randn(5, 40)
+    assert torch.allclose(skinny_linear(x, w).double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
 
 
 def test_leading_dims_and_bad_inputs(gen):

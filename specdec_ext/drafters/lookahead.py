@@ -77,7 +77,7 @@ class _Request:
 class LookaheadDrafter(Drafter):
     """Lookahead decoding: window W (Jacobi columns), ngram N (n-gram size: a window of N - 1 levels and guesses of
     N - 1 tokens), guesses G (verification n-grams per round). Its rounds are tree rounds of at most
-    1 + (W + G) * (N - 1) nodes (round_tree()), at most verify_attention's 64.
+    1 + (W + G) * (N - 1) nodes (round_tree()), at most the tree sampling op's 64.
 
     The paper runs N = 5 with W = G (15 for its 7B models: 121 nodes, past the 64-node verify block); the defaults are
     N = 5 and W = G = 7, the widest equal pair that fits (57 nodes). With the decoder's adaptive=True each round runs
@@ -97,8 +97,8 @@ class LookaheadDrafter(Drafter):
         nodes = 1 + (window + guesses) * (ngram - 1)
         if nodes > MAX_TREE_NODES:
             raise ValueError(f"LookaheadDrafter: window={window}, ngram={ngram}, guesses={guesses} make a verify block "
-                             f"of 1 + (W + G) * (N - 1) = {nodes} nodes, past verify_attention's {MAX_TREE_NODES}: "
-                             f"lower window, guesses or ngram")
+                             f"of 1 + (W + G) * (N - 1) = {nodes} nodes, past the tree sampling op's limit of "
+                             f"{MAX_TREE_NODES}: lower window, guesses or ngram")
         self.window, self.ngram, self.guesses = window, ngram, guesses
         self._long = NgramDrafter(max_ngram=3, min_ngram=2)  # the request's own tokens: suffix of 2-3 tokens
         self._short = NgramDrafter(max_ngram=1, min_ngram=1)  # the root token alone

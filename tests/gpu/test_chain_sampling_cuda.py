@@ -143,3 +143,36 @@ def test_opcheck_cuda(logits):
     out = (torch.empty(3, 3, dtype=torch.int32, device="cuda"), torch.empty(3, dtype=torch.int32, device="cuda"))
     torch.library.opcheck(fn.default, (c["ids"], c["tl"] if logits else c["tp"], c["dl"] if logits else c["dp"], c["nd"],
                                        c["temp"].float() if logits else c["greedy"], c["seed"], c["offset"], *out, None))
+
+
+@pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
+def test_omitted_greedy_and_offset_replay_from_a_cuda_graph(logits):
+    """greedy (probabilities) and offset omitted while a CUDA graph is captured, as FlashInfer's
+    chain_speculative_sampling calls the op (it never passes greedy): device constants (not greedy, Philox counter
+    0), not a refused capture (the H200 run: the shim could not be captured). Each replay, with the seed tensor
+    updated in place, gives the eager call's tokens on that seed (omitted or explicit) and the CPU kernel's."""
+    batch, k = 32, 4
+    c = {key: v.cuda() for key, v in case(batch, k, 32000, torch.bfloat16, 5).items()}
+    seed = c["seed"].clone()
+    out = (torch.empty(batch, k + 1, dtype=torch.int32, device="cuda"), torch.empty(batch, dtype=torch.int32,
+                                                                                    device="cuda"))
+
+    def call(d, seed, **explicit):
+        if logits:
+            return specdec_ext.chain_speculative_sampling_from_logits(d["ids"], d["tl"], d["dl"], temperature=d["temp"],
+                                                                      seed=seed, **explicit)
+        return specdec_ext.chain_speculative_sampling(d["ids"], d["tp"], d["dp"], seed=seed, **explicit)
+
+    call(c, seed, out=out)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(c, seed, out=out)
+    explicit = dict(offset=0) if logits else dict(offset=0, greedy=False)
+    cpu = {key: v.cpu() for key, v in c.items()}
+    for step in range(3):
+        seed.copy_(c["seed"] + step)
+        graph.replay()
+        eager = call(c, seed.clone())
+        assert torch.equal(out[0], eager.output_token_ids) and torch.equal(out[1], eager.num_accepted)
+        assert torch.equal(out[0], call(c, seed.clone(), **explicit).output_token_ids)
+        assert torch.equal(out[0].cpu(), call(cpu, seed.cpu(), **explicit).output_token_ids)
