@@ -5,6 +5,7 @@ Each op is defined once, as a method of `Ops`, bound to an op namespace: NATIVE 
 methods are this module's functions) and specdec_ext.sim's (torch.ops.specdec_sim), so that the emulated
 kernels get exactly the same checks.
 """
+import contextlib
 import math
 import re
 import weakref
@@ -328,29 +329,47 @@ def _check_out_shape(op: str, t: torch.Tensor, name: str, shape: tuple, spelled:
 COUPLINGS = ("rejection", "gumbel")
 
 
-def _row_filters(op: str, top_k, top_p, min_p, batch: int, device, records_errors: bool) -> tuple:
+_ROW_FILTER_RANGES = {"top_k": (lambda v: v >= 0, ">= 0 (0: off)"),
+                      "top_p": (lambda v: (v > 0) & (v <= 1), "in (0, 1] (1: off)"),
+                      "min_p": (lambda v: (v >= 0) & (v < 1), "in [0, 1) (0: off)")}
+# The kernels' one message for an out-of-range entry of any of the three (the error word's row-filter bit).
+_ROW_FILTER_ERROR = next(m for m in _ERROR_BITS["chain_speculative_sampling"].values() if m.startswith("top_k must"))
+
+
+def _row_filters(op: str, top_k, top_p, min_p, batch: int, device) -> tuple:
     """The from-logits ops' logits processing as [B] tensors (top_k int32, top_p and min_p float32), None where not
-    given. Python scalars are checked here, and so are a tensor's entries where the CPU kernel would refuse them
-    anyway or strict mode asks for the sync: the message names the control and the request. Otherwise (CUDA and the
-    emulator without strict mode) the kernels process an invalid request's rows as if no control were given."""
-    ranges = {"top_k": (lambda v: v >= 0, ">= 0 (0: off)"), "top_p": (lambda v: (v > 0) & (v <= 1), "in (0, 1] (1: off)"),
-              "min_p": (lambda v: (v >= 0) & (v < 1), "in [0, 1) (0: off)")}
-    host_check = not records_errors or _strict
+    given. Python scalars are checked here; a tensor's entries are checked by the kernels (the CPU raises, CUDA in
+    strict mode, named by _row_filter_errors_named), which otherwise process an invalid request's rows as if no
+    control were given."""
     out = []
     for name, value, dtype in (("top_k", top_k, torch.int32), ("top_p", top_p, torch.float32),
                                ("min_p", min_p, torch.float32)):
-        valid, spelled = ranges[name]
+        valid, spelled = _ROW_FILTER_RANGES[name]
         if value is not None and not isinstance(value, torch.Tensor) and not isinstance(value, bool) and \
                 isinstance(value, (int, float)) and not valid(value):
             raise ValueError(f"{op}: {name} must be {spelled}, got {value}")
-        value = None if value is None else _per_request(value, name, op, batch, device, dtype)
-        if value is not None and host_check:
-            bad = (~valid(value)).nonzero()
-            if bad.numel():
-                b = int(bad[0, 0])
-                raise ValueError(f"{op}: {name} must be {spelled}, got {name}[{b}] = {value[b].item()} (request {b})")
-        out.append(value)
+        out.append(None if value is None else _per_request(value, name, op, batch, device, dtype))
     return tuple(out)
+
+
+@contextlib.contextmanager
+def _row_filter_errors_named(op: str, filters: tuple):
+    """The kernels refuse an out-of-range top_k / top_p / min_p entry with one message for the three; once refused,
+    the entries are read (only then: a valid call reads nothing back) and the message names the control and the
+    request."""
+    try:
+        yield
+    except ValueError as e:
+        if _ROW_FILTER_ERROR not in str(e):
+            raise
+        for name, value in zip(("top_k", "top_p", "min_p"), filters):
+            valid, spelled = _ROW_FILTER_RANGES[name]
+            bad = None if value is None else (~valid(value)).nonzero()
+            if bad is not None and bad.numel():
+                b = int(bad[0, 0])
+                raise ValueError(f"{op}: {name} must be {spelled}, got {name}[{b}] = {value[b].item()} "
+                                 f"(request {b})") from None
+        raise
 
 
 def _check_coupling(op: str, coupling, draft, dname: str, uniforms, final_uniforms) -> None:
@@ -419,17 +438,19 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
         _check_out_shape(op, out.output_token_ids, "output_token_ids", (batch, k + 1), "[B, max_draft_tokens + 1]")
     flags = _error_flags(op, device, records_errors)
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
-    if logits:
-        ops.chain_speculative_sampling_from_logits(
-            draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids,
-            out.num_accepted, flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms, target_to_draft,
-            accepted_independently, coupling, *_row_filters(op, top_k, top_p, min_p, batch, device, records_errors))
-    else:
-        ops.chain_speculative_sampling(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset,
-                                       out.output_token_ids, out.num_accepted, flags, cu_num_draft_tokens,
-                                       bonus_token_ids, uniforms, final_uniforms, target_to_draft,
-                                       accepted_independently, coupling)
-    _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
+    filters = _row_filters(op, top_k, top_p, min_p, batch, device) if logits else (None, None, None)
+    with _row_filter_errors_named(op, filters):
+        if logits:
+            ops.chain_speculative_sampling_from_logits(
+                draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids,
+                out.num_accepted, flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms,
+                target_to_draft, accepted_independently, coupling, *filters)
+        else:
+            ops.chain_speculative_sampling(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset,
+                                           out.output_token_ids, out.num_accepted, flags, cu_num_draft_tokens,
+                                           bonus_token_ids, uniforms, final_uniforms, target_to_draft,
+                                           accepted_independently, coupling)
+        _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, k, bonus_token_ids is not None, logits)
     return out
@@ -509,16 +530,17 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
             _check_out_shape(op, getattr(out, name), name, (batch, n), "[B, max_draft_tokens + 1]")
     flags = _error_flags(op, device, records_errors)
     target_to_draft = _target_to_draft(op, draft_to_target, target.shape[-1], draft, dname, device, flags)
-    if logits:
-        ops.tree_speculative_sampling_from_logits(
-            parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms,
-            final_uniforms, target_to_draft, cu_num_draft_tokens, coupling,
-            *_row_filters(op, top_k, top_p, min_p, batch, device, records_errors))
-    else:
-        ops.tree_speculative_sampling(parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset,
-                                      *out, flags, uniforms, final_uniforms, target_to_draft, cu_num_draft_tokens,
-                                      coupling)
-    _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
+    filters = _row_filters(op, top_k, top_p, min_p, batch, device) if logits else (None, None, None)
+    with _row_filter_errors_named(op, filters):
+        if logits:
+            ops.tree_speculative_sampling_from_logits(
+                parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms,
+                final_uniforms, target_to_draft, cu_num_draft_tokens, coupling, *filters)
+        else:
+            ops.tree_speculative_sampling(parents, candidate_token_ids, num_nodes, target, draft, control, seed,
+                                          offset, *out, flags, uniforms, final_uniforms, target_to_draft,
+                                          cu_num_draft_tokens, coupling)
+        _raise_recorded_errors(op, device, flags, "tree_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_tree_row(op, tname, dname, target, draft, parents, num_nodes, logits)
     return out
