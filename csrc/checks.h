@@ -115,7 +115,7 @@ struct SamplingArgs {
   }
 };
 
-// The engine-layout inputs both sampling ops take (DESIGN.md §3.4); absent ones are nullopt.
+// The engine-layout inputs both sampling ops take (docs/design.md §3.4); absent ones are nullopt.
 struct EngineLayoutArgs {
   const std::optional<at::Tensor>& uniforms;
   const std::optional<at::Tensor>& final_uniforms;

@@ -9,9 +9,9 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // element i its i-th uniform (counter layout in specdec/philox.h). -> [B, n] float32.
   m.def("philox_uniform(Tensor seed, Tensor offset, int n, int stream=0) -> Tensor");
 
-  // Chain speculative sampling (DESIGN.md §3.1). Writes output_token_ids [B, K+1] int32 (accepted drafts, then
+  // Chain speculative sampling (docs/design.md §3.1). Writes output_token_ids [B, K+1] int32 (accepted drafts, then
   // the resampled or bonus token, then -1) and num_accepted [B] int32; ORs the invalid-input bits into
-  // error_flags when given (the CPU kernel raises on them instead). Engine layouts (DESIGN.md §3.4): with
+  // error_flags when given (the CPU kernel raises on them instead). Engine layouts (docs/design.md §3.4): with
   // cu_num_draft_tokens [B] the inputs are flat (draft_token_ids [T], rows [T + B, V] / [T, V]) and num_draft_tokens
   // is None, K being output_token_ids' width less one (max_draft_tokens); bonus_token_ids [B] replaces the bonus
   // draw; uniforms ([B, K] or [T]) and final_uniforms [B] replace the Philox draws; target_to_draft [V] int32 maps
@@ -62,7 +62,7 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor? cu_num_draft_tokens=None, str coupling=\"rejection\", Tensor? top_k=None, Tensor? top_p=None, "
       "Tensor? min_p=None) -> ()");
 
-  // KV-cache truncation after verification (DESIGN.md §3.3, §3.4): cache_seqlens[b] += num_kept[b]; with
+  // KV-cache truncation after verification (docs/design.md §3.3, §3.4): cache_seqlens[b] += num_kept[b]; with
   // kept_indices (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the
   // discarded slots of the block are zeroed. Layers are the lists k_caches / v_caches: NHD or HND (kv_layout),
   // contiguous, or paged (any page stride) through block_table or the CSR table kv_indptr / kv_indices.
@@ -91,7 +91,7 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   m.def("rotary_split(Tensor qkv, Tensor cos, Tensor sin, int num_q_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
 
-  // Attention of the new tokens of each request against its KV cache (DESIGN.md §3.2, §3.4; layouts in
+  // Attention of the new tokens of each request against its KV cache (docs/design.md §3.2, §3.4; layouts in
   // specdec/attention.h); k_new/v_new, when given, are written into the cache at positions length_b + i first.
   // Writes out (q's shape and dtype) and, when given, lse (q's shape without D, float32). q is padded
   // [B, Q, Hq, D], or flat [T, Hq, D] with qo_indptr [B+1]. The cache is NHD or HND (kv_layout), contiguous or

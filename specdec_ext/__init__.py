@@ -1,6 +1,6 @@
 """specdec_ext: the kernels of lossless speculative decoding as a PyTorch extension.
 
-Public ops (DESIGN.md §3) are importable from here; `specdec_ext.reference` holds their pure-PyTorch
+Public ops (docs/design.md §3) are importable from here; `specdec_ext.reference` holds their pure-PyTorch
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__

@@ -710,7 +710,7 @@ def _check_blocks(op: str, qweight, format) -> int:
 
 
 class Ops:
-    """The ops of DESIGN.md §3 on one backend, each defined once: `namespace` is torch.ops.specdec (the CPU and
+    """The ops of docs/design.md §3 on one backend, each defined once: `namespace` is torch.ops.specdec (the CPU and
     CUDA kernels; the module-level functions of specdec_ext) or torch.ops.specdec_sim (the CUDA kernels' source
     under the emulator; specdec_ext.sim). records_errors(tensor) says whether the kernels for that tensor record
     invalid input on the device (CUDA, the emulator) instead of raising (the CPU kernels)."""
@@ -721,7 +721,7 @@ class Ops:
 
     def philox_uniform(self, seed, offset, n: int, stream: int = 0) -> torch.Tensor:
         """Uniforms in the open interval (0, 1) from counter-based Philox4x32-10: the random stream that every
-        sampling op of this library draws from (RNG contract, DESIGN.md §3.1).
+        sampling op of this library draws from (RNG contract, docs/design.md §3.1).
 
         seed, offset: [B] integer tensors or ints (broadcast); a request's key and counter base.
         n: uniforms per request. stream: which of the request's independent streams.
@@ -734,7 +734,7 @@ class Ops:
                                    cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
                                    final_uniforms=None, draft_to_target=None,
                                    accepted_independently=None, coupling="rejection") -> SamplingOutput:
-        """Chain speculative sampling (DESIGN.md §3.1) from probabilities: accept draft token x at position i with
+        """Chain speculative sampling (docs/design.md §3.1) from probabilities: accept draft token x at position i with
         probability min(1, p_i(x) / q_i(x)); at the first rejection draw from norm(max(0, p_i - q_i)); if all
         num_draft_tokens[b] drafts are accepted, draw a bonus token from p_k. The emitted tokens are distributed
         exactly as sampling the target alone.
@@ -745,7 +745,7 @@ class Ops:
         and counter base; seed None draws from `generator`), out: preallocated (output_token_ids, num_accepted).
         Returns SamplingOutput(output_token_ids [B, K+1] int32, num_accepted [B] int32).
 
-        Engine layouts (DESIGN.md §3.4), zero-copy:
+        Engine layouts (docs/design.md §3.4), zero-copy:
         cu_num_draft_tokens [B] int32 (inclusive cumulative sum, vLLM's) with max_draft_tokens (a Python int): the flat
           form. draft_token_ids [T], draft rows [T, V], target rows [T + B, V] (request b's k_b rows, then its bonus
           row) or [T, V] with bonus_token_ids; outputs [B, max_draft_tokens + 1] and [B], exactly the padded form's.
@@ -806,7 +806,7 @@ class Ops:
         """One token per row of logits [B, V] (float32/bf16/fp16; top-k/top-p masks already applied as -inf): the
         Gumbel-max sample argmax_v(logits[b, v] / temperature[b] + G(v)), G the noise of (seed[b], positions[b]),
         which the sampling ops' coupling="gumbel" uses for the row at that position. A drafter drawing its drafts here
-        and plain decoding drawing here make the speculative output equal to the plain one (DESIGN.md §4,
+        and plain decoding drawing here make the speculative output equal to the plain one (docs/design.md §4,
         sampling="invariant"). Temperature below 1e-5 is argmax. temperature: a float or [B]; seed, positions: ints
         or [B] int64. out: a preallocated [B] int32. top_k, top_p, min_p: the rows processed first, as in
         chain_speculative_sampling_from_logits. Returns [B] int32."""
@@ -892,7 +892,7 @@ class Ops:
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False, kv_layout="NHD", kv_indptr=None,
                           kv_indices=None) -> None:
-        """Cuts the KV cache back after verification (DESIGN.md §3.3), in place, without a host sync on CUDA.
+        """Cuts the KV cache back after verification (docs/design.md §3.3), in place, without a host sync on CUDA.
 
         cache_seqlens [B] int32: lengths before the verified block (as passed to verify); advanced by num_kept.
         num_kept [B] (or an int): tokens of the block that stay (chain: num_accepted + 1).
@@ -920,7 +920,7 @@ class Ops:
                          tree_mask=None, softmax_scale=None, return_lse=False, qo_indptr=None, kv_layout="NHD",
                          kv_indptr=None, kv_indices=None, kv_last_page_len=None, window_left=-1, logits_soft_cap=0.0,
                          out=None):
-        """Attention of the verify step (DESIGN.md §3.2, §3.4): each request's new tokens against its KV cache.
+        """Attention of the verify step (docs/design.md §3.2, §3.4): each request's new tokens against its KV cache.
         Query i of request b sits at position length_b + i; it sees cache[0 : length_b] and new token j where
         tree_mask[i, j] (default causal, j <= i). k_new/v_new, when given, are written into the cache at
         length_b + j first; no length is advanced. Hq % Hkv == 0 (GQA/MQA).

@@ -231,7 +231,7 @@ def _checked_ids(draft_token_ids, num_draft_tokens, vocab: int) -> torch.Tensor:
 
 
 class _EngineLayout(NamedTuple):
-    """The engine-layout arguments (DESIGN.md §3.4) once the flat form is padded: uniforms [B, K] (or [B, N]),
+    """The engine-layout arguments (docs/design.md §3.4) once the flat form is padded: uniforms [B, K] (or [B, N]),
     final_uniforms [B], bonus_token_ids [B], accepted_independently [B] to fill."""
     uniforms: torch.Tensor | None = None
     final_uniforms: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""philox_uniform: the RNG contract of DESIGN.md §3.1 on the CPU kernel and on the CUDA kernel under the
+"""philox_uniform: the RNG contract of docs/design.md §3.1 on the CPU kernel and on the CUDA kernel under the
 emulator, against the vectorised reference."""
 import pytest
 import torch

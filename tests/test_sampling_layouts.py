@@ -1,4 +1,4 @@
-"""The sampling ops' engine layouts (DESIGN.md §3.4): the flat form (cu_num_draft_tokens), caller bonus tokens and
+"""The sampling ops' engine layouts (docs/design.md §3.4): the flat form (cu_num_draft_tokens), caller bonus tokens and
 uniforms, reduced draft vocabularies (draft_to_target), FlashInfer's independent accepted count, and the limits
 (K = 128, V up to 2^24), on the CPU kernel and the CUDA kernel under the emulator."""
 import pytest

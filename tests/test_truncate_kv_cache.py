@@ -227,7 +227,7 @@ def test_opcheck(backend, gen):
                           (lengths, torch.tensor([2, 1, 3], dtype=torch.int32), kept, ks, vs, None, 3, True, None))
 
 
-# ----- engine layouts (DESIGN.md §3.4): HND, strided page views, CSR page tables -----------------------------------
+# ----- engine layouts (docs/design.md §3.4): HND, strided page views, CSR page tables ---------------------------------
 def to_hnd(cache):
     return cache.transpose(1, 2).contiguous()
 

@@ -217,7 +217,7 @@ def test_random_shapes_cpu_and_sim(trial, gen, sim):
         check_against_reference(f, q, kc, vc, sl, *new, lse_atol=2e-3, block_table=table, tree_mask=mask)
 
 
-# ----- engine layouts (DESIGN.md §3.4): HND, strided pages, CSR page tables, flat q, window, soft cap, out= ------
+# ----- engine layouts (docs/design.md §3.4): HND, strided pages, CSR page tables, flat q, window, soft cap, out= ------
 # Each form is compared bit for bit with the padded NHD block-table call on the same data (out and lse poisoned with
 # NaN before the kernel writes them), and the forms' arithmetic against the float64 reference.
 LAYOUT_BACKENDS = ["cpu", "sim"]

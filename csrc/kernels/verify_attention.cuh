@@ -1,4 +1,4 @@
-// verify_attention on tensor cores (DESIGN.md §3.2), flash-decoding style.
+// verify_attention on tensor cores (docs/design.md §3.2), flash-decoding style.
 //
 // A block serves one (request, KV head, row tile, KV split). The rows of the MMA M dimension are the
 // Q x (Hq/Hkv) query rows that share the KV head (row r = query r / G, head kvh * G + r % G), up to 64 per

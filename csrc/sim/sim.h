@@ -1,4 +1,4 @@
-// The SIMT emulator: runs the CUDA kernels of csrc/kernels on the CPU (DESIGN.md §6).
+// The SIMT emulator: runs the CUDA kernels of csrc/kernels on the CPU (docs/design.md §7).
 //
 // Execution model: each CUDA thread of a block is a fiber; a fiber runs until it reaches a block or
 // cluster barrier or a warp collective, or returns. Thread block clusters (sm_90) run one after another

@@ -1,6 +1,6 @@
-"""Drop-in shims with the engines' own signatures (DESIGN.md §5): `compat.flashinfer`, `compat.vllm`, `compat.sglang`,
-`compat.transformers`. Each module imports no engine when it is imported, follows the contract of the engine version
-its docstring names, and refuses the engine's lossy modes: this library is lossless.
+"""Drop-in shims with the engines' own signatures (docs/design.md §5): `compat.flashinfer`, `compat.vllm`,
+`compat.sglang`, `compat.transformers`. Each module imports no engine when it is imported, follows the contract of the
+engine version its docstring names, and refuses the engine's lossy modes: this library is lossless.
 
 The shims call the public ops of specdec_ext (CPU and CUDA kernels, chosen by the tensors' device). `emulated()`
 runs them on the CUDA kernels' source under the SIMT emulator instead (CPU tensors; for tests).

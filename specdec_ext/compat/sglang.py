@@ -1,5 +1,5 @@
 """SGLang's tree verification kernels with SGLang's signatures and buffer conventions, on this library's lossless tree
-op (DESIGN.md §5).
+op (docs/design.md §5).
 
 Contract followed: sgl-kernel 0.3.21 (`sgl_kernel.tree_speculative_sampling_target_only` and `verify_tree_greedy`;
 csrc/speculative/speculative_sampling.cuh and eagle_utils.cu), as SGLang 0.5's EAGLE verify step calls them:

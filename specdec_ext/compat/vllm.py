@@ -9,12 +9,12 @@ forward took bonus_token_ids, is not followed):
   int32 inclusive cumsum, `target_probs` [T, V] already processed, `draft_probs` [T, V] or None (n-gram / EAGLE point
   proposals), `bonus_token_ids` [B, 1]. Returns [B, max_spec_len + 1] int32: the accepted drafts, the recovered or
   bonus token, then -1 (vLLM's placeholder). (Later vLLM releases pass target logits here instead; this shim keeps the
-  probabilities form of DESIGN.md.) A draft id equal to the placeholder, -1 (vLLM pads draft_token_ids with it), is
-  rejected: a greedy row emits the target's argmax at its position (-1 never equals it, in those releases too), a
-  random row its recovered token, drawn from norm(max(p - q, 0)) at that position (from p without draft_probs), and
-  neither emits anything after it. For random rows that is vLLM's rule since vllm-project/vllm#46533 (its test
-  test_placeholder_draft_token_rejected_random); the 0.11/0.12 kernel read the probability at id -1, outside the
-  row, and could in rare cases accept it. Any other id outside [0, V) raises ValueError.
+  probabilities form of docs/design.md §3.1.) A draft id equal to the placeholder, -1 (vLLM pads draft_token_ids with
+  it), is rejected: a greedy row emits the target's argmax at its position (-1 never equals it, in those releases
+  too), a random row its recovered token, drawn from norm(max(p - q, 0)) at that position (from p without
+  draft_probs), and neither emits anything after it. For random rows that is vLLM's rule since vllm-project/vllm#46533
+  (its test test_placeholder_draft_token_rejected_random); the 0.11/0.12 kernel read the probability at id -1, outside
+  the row, and could in rare cases accept it. Any other id outside [0, V) raises ValueError.
 - `RejectionSampler(sampler)`, an nn.Module with vLLM's `forward(metadata, draft_probs, logits, sampling_metadata)`:
   `logits` [T + B, V] holds each request's draft rows then its bonus row (`metadata.target_logits_indices`,
   `metadata.bonus_logits_indices`); the bonus token comes from vLLM's Sampler, as in vLLM. Returns a SamplerOutput.

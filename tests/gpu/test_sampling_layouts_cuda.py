@@ -1,6 +1,6 @@
-"""The sampling ops' engine layouts on CUDA (DESIGN.md §3.4): the flat form equals the padded form, caller uniforms and
-reduced draft vocabularies give the CPU kernel's tokens bit for bit, K = 128 and V = 262,208, and the flat call is
-capturable in a CUDA graph."""
+"""The sampling ops' engine layouts on CUDA (docs/design.md §3.4): the flat form equals the padded form, caller
+uniforms and reduced draft vocabularies give the CPU kernel's tokens bit for bit, K = 128 and V = 262,208, and the flat
+call is capturable in a CUDA graph."""
 import pytest
 import torch
 from helpers import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full

@@ -153,7 +153,7 @@ def test_output_bits_do_not_depend_on_the_batch(page_size):
         assert torch.equal(out[0], alone[0]) and torch.equal(lse[0], alone_lse[0]), rows
 
 
-# ----- engine layouts (DESIGN.md §3.4), the CPU tests' twins on the tensor-core kernel --------------------------
+# ----- engine layouts (docs/design.md §3.4), the CPU tests' twins on the tensor-core kernel --------------------------
 def nhd_to_hnd(cache):
     return cache.transpose(1, 2).contiguous()
 

@@ -1,4 +1,4 @@
-// verify_attention (DESIGN.md §3.2, §3.4): parameters shared by the backends. Query i of request b sits at
+// verify_attention (docs/design.md §3.2, §3.4): parameters shared by the backends. Query i of request b sits at
 // position length_b + i and sees cache positions [0, length_b) and the new token j (at position length_b + j)
 // where mask[i][j]; the default mask is causal (j <= i). With window_left >= 0 it also sees only keys at
 // positions >= length_b + i - window_left (FlashInfer's sliding window).

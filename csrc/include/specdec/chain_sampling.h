@@ -20,7 +20,7 @@ struct ChainSamplingParams {
   int64_t target_stride_b, target_stride_k;  // in elements (flat: stride_b 0, stride_k the row stride); the
   int64_t draft_stride_b, draft_stride_k;    // vocabulary dimension is contiguous
   const int32_t* num_draft_tokens;  // [B] (padded); unused in the flat form
-  // Engine layouts (DESIGN.md §3.4). Flat form: request b owns draft positions [cu[b-1], cu[b]) (cu[-1] = 0)
+  // Engine layouts (docs/design.md §3.4). Flat form: request b owns draft positions [cu[b-1], cu[b]) (cu[-1] = 0)
   // of draft_ids, the draft rows and uniforms, and target rows from cu[b-1] + b (its bonus row last) or, with
   // bonus_ids, from cu[b-1]. num_draft is then max_draft_tokens, the outputs' width less one.
   const int32_t* cu_num_draft_tokens;  // [B] inclusive cumulative sum, or nullptr (padded form)

@@ -1,4 +1,4 @@
-// KV-cache truncation after verification (DESIGN.md §3.3, §3.4): the parameters shared by the CPU kernel and
+// KV-cache truncation after verification (docs/design.md §3.3, §3.4): the parameters shared by the CPU kernel and
 // the CUDA kernel. A cache row is one token's Hkv x D values of one layer: one run of words (NHD), or Hkv runs
 // of D values head_stride apart (HND). Rows are addressed contiguously ([B, S_max, H, D] / [B, H, S_max, D]:
 // request b, position s), through a block table ([num_pages, page_size, H, D] / [num_pages, H, page_size, D]

@@ -1,7 +1,7 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), usable on the
 // host, on the device and under the SIMT emulator. Matches the Random123 known-answer vectors.
 //
-// The library's one counter layout (the RNG contract of DESIGN.md §3.1): uniform number `index` of
+// The library's one counter layout (the RNG contract of docs/design.md §3.1): uniform number `index` of
 // stream `stream` for a request keyed by (seed, offset) is word (index & 3) of
 //     philox4x32_10(counter = {index >> 2, stream, offset_lo, offset_hi}, key = {seed_lo, seed_hi}).
 // Every backend (CPU, CUDA, emulator, torch reference) derives its uniforms from this function.

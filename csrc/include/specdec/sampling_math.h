@@ -1,5 +1,5 @@
 // The arithmetic of chain speculative sampling, shared by the CPU kernel, the CUDA kernel and the emulator,
-// written so that every backend computes the same bits (RNG contract, DESIGN.md §3.1).
+// written so that every backend computes the same bits (RNG contract, docs/design.md §3.1).
 //
 // Why bit-exact: acceptance of a draft token from logits compares u * q(x) with p(x), where p and q are
 // softmax values whose normaliser is a sum over the vocabulary. CPU and CUDA agree on every decision only
