@@ -11,7 +11,7 @@ from helpers import (LAW_CASES, CacheCheck, assert_law, law_target, random_promp
                      sample_first_tokens, shipped_model, tiny_model)
 
 from specdec_ext import LookaheadDrafter, SpeculativeDecoder
-from specdec_ext.drafters.base import RoundInputs
+from specdec_ext.drafters.base import RoundFeedback, RoundInputs
 from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.factory import make_drafter, prompt_ids
 
@@ -47,7 +47,7 @@ def test_block_is_the_trie_of_guesses_and_window_columns(target):
     assert tree.token_ids.tolist() == [[5, 6, 7, 10, 20, 11, 21, 12, 22]]
     assert tree.num_nodes.tolist() == [9] and tree.depths.tolist() == [[0, 1, 2, 1, 2, 2, 3, 3, 4]]
     argmax = [0, 0, 0, 0, 30, 0, 31, 0, 32]
-    d.rollback([1], None, paths=[[1]], block_argmax=[argmax])  # the guess's first token accepted
+    d.rollback(RoundFeedback([1], None, paths=[[1]], block_argmax=[argmax]))  # the guess's first token accepted
     assert s.levels == [[20, 21, 22], [30, 31, 32]]
     assert s.pool == {5: [(6, 7)], 10: [(20, 30)], 11: [(21, 31)], 12: [(22, 32)]}
     assert (d.stats.pool_hits, d.stats.accepted_tokens, d.stats.pool_ngrams) == (1, 1, 3)
@@ -62,7 +62,7 @@ def test_block_is_cut_to_depth_and_budget_and_padded_for_graphs(target):
     # Depth 2 (the request's room): columns 1 and 2 lose their level-1 nodes, so they keep their last guess.
     tree = d.propose_tree(round_inputs([[1, 2, 5]], [2]), 64, 1)
     assert tree.token_ids.tolist() == [[5, 6, 7, 10, 20, 11]] and tree.parents.tolist() == [[-1, 0, 1, 0, 3, 3]]
-    d.rollback([0], None, paths=[[]], block_argmax=[[0, 0, 0, 0, 30, 0]])
+    d.rollback(RoundFeedback([0], None, paths=[[]], block_argmax=[[0, 0, 0, 0, 30, 0]]))
     assert s.levels == [[20, 21, 22], [30, 21, 22]] and s.pool[10] == [(20, 30)] and 11 not in s.pool
     # A budget of 4 nodes: the root, the guess, then the trunk's first node.
     tree = d.propose_tree(round_inputs([[1, 2, 5]], [8]), 4, 1)
@@ -86,10 +86,10 @@ def test_window_is_seeded_from_the_request_and_warms_up_level_by_level(target):
     s = d.requests[0]
     assert s.levels == [[1, 3, 5]]
     assert tree.token_ids.tolist() == [[6, 1, 3, 5]] and tree.parents.tolist() == [[-1, 0, 1, 2]]
-    d.rollback([0], None, paths=[[]], block_argmax=[[0, 7, 8, 9]])
+    d.rollback(RoundFeedback([0], None, paths=[[]], block_argmax=[[0, 7, 8, 9]]))
     assert s.levels == [[1, 3, 5], [7, 8, 9]] and s.pool == {}
     d.propose_tree(round_inputs([history], [8]), 64, 3)
-    d.rollback([0], None, paths=[[]], block_argmax=[[0] * 16])  # a level of zeros: the third of N - 1 = 3
+    d.rollback(RoundFeedback([0], None, paths=[[]], block_argmax=[[0] * 16]))  # a level of zeros: the third of N - 1 = 3
     assert len(s.levels) == 3 and s.pool == {}
     s.pool = {6: [(9, 9, 9)]}
     history = [6, 1, 2, 6, 7, 8, 1, 2, 6]  # after (2, 6): 7 8 1; after 6 alone: also 1 2 6

@@ -1,5 +1,5 @@
 """Drafters: what proposes the tokens a round verifies. The protocol is in base.py; one file per drafter."""
-from .base import Drafter, Proposal, RoundInputs
+from .base import Drafter, Proposal, RoundFeedback, RoundInputs
 from .eagle import EagleDrafter
 from .lookahead import LookaheadDrafter, LookaheadStats
 from .medusa import MedusaDrafter
@@ -7,4 +7,4 @@ from .model import ModelDrafter
 from .ngram import NgramDrafter
 
 __all__ = ["Drafter", "EagleDrafter", "LookaheadDrafter", "LookaheadStats", "MedusaDrafter", "ModelDrafter",
-           "NgramDrafter", "Proposal", "RoundInputs"]
+           "NgramDrafter", "Proposal", "RoundFeedback", "RoundInputs"]

@@ -11,15 +11,12 @@ The decoder calls, over its request slots [0, slots):
   propose(round) -> Proposal     up to round.num_tokens[b] tokens for each slot b < round.batch (ragged, 0 allowed)
   propose_tree(round, budget, branching) -> DraftTree   tree rounds (supports_trees): at most `budget` nodes (the
                                  root included) per slot, no deeper than round.num_tokens[b], best nodes first
-  rollback(num_accepted, hidden_states=None)  after every round: keep what the target accepted ([batch] ints, -1
-                                 for a row without a request); hidden_states [batch, Q, H]: the target's, of the
-                                 round's block (after a tree round: of the accepted path, in path order); a drafter
-                                 with needs_block_argmax also gets, after a tree round, paths= (each row's accepted
-                                 nodes below the root) and block_argmax= ([batch] lists: the target's greedy token
-                                 at every node of the block, from the same forward)
+  rollback(feedback)             after every round: keep what the target accepted (a RoundFeedback: the accepted
+                                 counts, and what the drafter declared it needs of the round's forward)
   release(slot)                  a finished request
 and asks:
-  supports_trees, needs_hidden_states, needs_block_argmax
+  supports_trees
+  needs_hidden_states, needs_block_argmax   what the round's RoundFeedback carries besides the counts
   sizes_own_tree                 True: the drafter chooses how much of the node budget a tree round fills: the
                                  policy hands it the whole budget and calls plan(costs, batch, round_index) before
                                  each tree round (costs: the CostModel, None when adaptive is off)
@@ -67,6 +64,18 @@ class RoundInputs:
 
 
 @dataclass
+class RoundFeedback:
+    """What a drafter learns of the round it drafted, for its rollback: rows [0, batch) of the decoder's slots."""
+    num_accepted: list  # [batch] ints: the drafts the target accepted (a tree: the accepted path's depth); -1 for a
+    #                     row without a request
+    hidden_states: torch.Tensor | None = None  # [batch, Q, H] with needs_hidden_states: the target's, of the round's
+    #                     block (after a tree round: of the accepted path, in path order)
+    paths: list | None = None  # after a tree round: [batch] lists, each row's accepted nodes below the root
+    block_argmax: list | None = None  # after a tree round, with needs_block_argmax: [batch] lists, the target's
+    #                     greedy token at every node of the block, from the same forward
+
+
+@dataclass
 class Proposal:
     draft_token_ids: torch.Tensor  # [batch, K] int64
     num_draft_tokens: list         # [batch] ints, each <= K and <= what was asked
@@ -97,7 +106,7 @@ class Drafter(ABC):
     def propose_tree(self, r: RoundInputs, budget: int, branching: int):
         raise ValueError(f"{type(self).__name__} does not propose trees (supports_trees is False)")
 
-    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+    def rollback(self, feedback: RoundFeedback) -> None:
         pass
 
     def release(self, slot: int) -> None:

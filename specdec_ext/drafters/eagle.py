@@ -3,7 +3,8 @@ import torch
 
 from ..host import upload
 from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
-from .base import DraftCache, Drafter, Proposal, RoundInputs, draft_proposal, draw_from_draft_vocab
+from .base import (DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal,
+                   draw_from_draft_vocab)
 
 
 class EagleDrafter(Drafter):
@@ -184,11 +185,11 @@ class EagleDrafter(Drafter):
             parent_slot = fed + expanded
         return nodes.best_tree(last_tokens(r.histories, device), budget)
 
-    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+    def rollback(self, feedback: RoundFeedback) -> None:
         """Drops the draft-step pairs (back to the host's lengths: the pairs fed from the target's features);
         queues the target's features of the round's accepted tokens (the last emitted token's and the accepted
         drafts')."""
         self.state.restore()
-        for b, a in enumerate(num_accepted):
+        for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
-                self.pending[b].append(hidden_states[b, :a + 1])
+                self.pending[b].append(feedback.hidden_states[b, :a + 1])

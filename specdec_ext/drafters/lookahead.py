@@ -27,7 +27,7 @@ import torch
 
 from ..host import upload
 from ..trees import MAX_TREE_NODES, DraftTree, TreeSettings, trie_paths
-from .base import Drafter, Proposal, RoundInputs, padded
+from .base import Drafter, Proposal, RoundFeedback, RoundInputs, padded
 from .ngram import NgramDrafter
 
 
@@ -242,17 +242,17 @@ class LookaheadDrafter(Drafter):
         return Proposal(padded(drafts, 0, torch.int64, self.device), [len(d) for d in drafts])
 
     # ---------------------------------------------------------------------------------------------- rollback
-    def rollback(self, num_accepted: list, hidden_states=None, *, paths=None, block_argmax=None) -> None:
+    def rollback(self, feedback: RoundFeedback) -> None:
         """Credits the accepted path to the guess or window that proposed it, then advances each window that ran by
         the target's greedy tokens at its columns' last levels (block_argmax, of the round's forward)."""
-        for b, accepted in enumerate(num_accepted):
+        for b, accepted in enumerate(feedback.num_accepted):
             s = self.requests[b] if b < len(self.requests) else None
-            if s is None or s.round is None or accepted < 0 or paths is None:
+            if s is None or s.round is None or accepted < 0 or feedback.paths is None:
                 continue
             rnd, s.round = s.round, None
-            self._credit(s, rnd, paths[b])
+            self._credit(s, rnd, feedback.paths[b])
             if rnd.columns:
-                self._jacobi_step(s, rnd, block_argmax[b])
+                self._jacobi_step(s, rnd, feedback.block_argmax[b])
 
     def _credit(self, s: _Request, rnd: _Round, path: list) -> None:
         a = len(path)

@@ -3,7 +3,7 @@ import torch
 
 from ..host import upload
 from ..trees import Candidates, last_tokens
-from .base import Drafter, Proposal, RoundInputs, draft_proposal, draw_from_draft_vocab
+from .base import Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal, draw_from_draft_vocab
 
 
 class MedusaDrafter(Drafter):
@@ -95,7 +95,7 @@ class MedusaDrafter(Drafter):
             layer = nodes.add(layer.repeat_interleave(k, 1).gather(1, keep), tokens.gather(1, keep), layer_scores)
         return nodes.best_tree(last_tokens(r.histories, device), budget)
 
-    def rollback(self, num_accepted: list, hidden_states=None) -> None:
-        for b, a in enumerate(num_accepted):
+    def rollback(self, feedback: RoundFeedback) -> None:
+        for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
-                self.features[b] = hidden_states[b, a]
+                self.features[b] = feedback.hidden_states[b, a]

@@ -2,7 +2,7 @@
 import torch
 
 from ..host import upload
-from .base import DraftCache, Drafter, Proposal, RoundInputs, draw_draft, padded
+from .base import DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draw_draft, padded
 
 
 class ModelDrafter(Drafter):
@@ -86,13 +86,13 @@ class ModelDrafter(Drafter):
         self.round = list(r.num_tokens)
         return Proposal(draft_ids, list(r.num_tokens), draft_logits)
 
-    def rollback(self, num_accepted: list, hidden_states=None) -> None:
+    def rollback(self, feedback: RoundFeedback) -> None:
         """Keeps the tokens fed this round that the target accepted: the pending ones (already in the host mirror)
         and the accepted drafts that were fed (every draft but the last is); an idle row keeps nothing more.
         Nothing to do after a round without drafts: the tokens wait in the history for the next propose."""
         if self.round is None:
             return
         asked, self.round = self.round, None
-        for b, (k, a) in enumerate(zip(asked, num_accepted)):
+        for b, (k, a) in enumerate(zip(asked, feedback.num_accepted)):
             self.state.lengths[b] += min(max(a, 0), max(k - 1, 0))
         self.state.restore()

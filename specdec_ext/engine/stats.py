@@ -56,9 +56,9 @@ class GenerationStats:
     def add_times(self, result) -> None:
         """A round's target forward and its time split (a RoundResult)."""
         self.target_forwards += 1
-        self.draft_s += result.draft_s
-        self.verify_s += result.verify_s
-        self.sample_s += result.sample_s
+        self.draft_s += result.seconds["draft"]
+        self.verify_s += result.seconds["verify"]
+        self.sample_s += result.seconds["sample"]
 
     def add_round(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
         """A round that verified num_draft drafts and accepted num_accepted; depth: a tree's depth (positions are
