@@ -2,7 +2,11 @@
 // runs the TORCH_LIBRARY registrations; build_info() says what was compiled in.
 #include <Python.h>
 
-#include "checks.h"
+#include "checks/chain_sampling.h"
+#include "checks/skinny_linear.h"
+#include "checks/tree_sampling.h"
+#include "checks/truncate_kv_cache.h"
+#include "checks/verify_attention.h"
 #include "specdec/library.h"
 #if defined(SPECDEC_SIM)
 #include "sim/sim.h"

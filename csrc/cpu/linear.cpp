@@ -18,9 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "checks.h"
+#include "checks/common.h"
+#include "checks/quantized_linear.h"
+#include "checks/skinny_linear.h"
 #include "cpu/linear_kernels.h"
-#include "quantized_checks.h"
 
 // Dot products need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the sampling kernels:
 // every function below may fuse its multiply-adds (one rounding instead of two, half the instructions).
@@ -128,25 +129,9 @@ void product(const IsaKernels& isa, Problem p) {
   });
 }
 
-void check_bias(const char* op, const at::Tensor& x, int64_t N, const std::optional<at::Tensor>& bias) {
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == x.scalar_type() &&
-                          bias->device() == x.device(),
-                      op, ": bias must be [N] = [", N, "] of x's dtype and device, got ", bias->sizes(), " ",
-                      bias->scalar_type());
-  }
-}
-
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "skinny_linear";
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxSkinnyRows, op, ": x must be [M, K] with M in [1, ",
-                    kMaxSkinnyRows, "], got ", x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.is_contiguous(), op,
-                    ": weight must be a contiguous [N, K] tensor with K = ", x.size(1), ", got ", weight.sizes());
-  TORCH_CHECK_VALUE(x.scalar_type() == weight.scalar_type(), op, ": x and weight must have the same dtype, got ",
-                    x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK_VALUE(x.device() == weight.device(), op, ": weight is on ", weight.device(), " but x is on ", x.device());
-  check_bias(op, x, weight.size(0), bias);
+  check_skinny_linear(x, weight, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   int format = kF32;
   dispatch_float_types<float, void, c10::BFloat16>(x.scalar_type(), op, [&](auto tag) {

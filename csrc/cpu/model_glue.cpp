@@ -14,7 +14,7 @@
 
 #include <cmath>
 
-#include "checks.h"
+#include "checks/common.h"
 
 namespace specdec {
 namespace {

@@ -1,7 +1,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "checks/philox_uniform.h"
 #include "specdec/philox.h"
 
 namespace specdec {

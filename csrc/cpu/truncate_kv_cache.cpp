@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include "checks.h"
+#include "checks/truncate_kv_cache.h"
 
 namespace specdec {
 namespace {

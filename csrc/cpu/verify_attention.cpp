@@ -13,7 +13,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "checks.h"
+#include "checks/verify_attention.h"
 #include "cpu/simd.h"
 #include "specdec/sampling_math.h"
 

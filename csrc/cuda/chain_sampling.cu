@@ -1,5 +1,5 @@
 // The chain speculative sampling ops' launchers (probabilities and logits).
-#include "checks.h"
+#include "checks/chain_sampling.h"
 #include "cuda/sampling_launch.cuh"
 #include "kernels/chain_sampling.cuh"
 

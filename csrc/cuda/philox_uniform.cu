@@ -1,4 +1,4 @@
-#include "checks.h"
+#include "checks/philox_uniform.h"
 #include "cuda/launcher.h"
 #include "kernels/philox_uniform.cuh"
 

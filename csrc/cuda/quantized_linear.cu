@@ -1,9 +1,8 @@
 // Launchers of quantized_linear and dequantize (kernels/quantized_linear.cuh): CUDA tensors under nvcc, CPU
 // tensors under the emulator.
-#include "checks.h"
+#include "checks/quantized_linear.h"
 #include "cuda/launcher.h"
 #include "kernels/quantized_linear.cuh"
-#include "quantized_checks.h"
 
 namespace specdec {
 namespace {

@@ -1,5 +1,5 @@
 // The tree speculative sampling ops' launchers (probabilities and logits).
-#include "checks.h"
+#include "checks/tree_sampling.h"
 #include "cuda/sampling_launch.cuh"
 #include "kernels/tree_sampling.cuh"
 

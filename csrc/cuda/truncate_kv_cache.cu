@@ -1,4 +1,4 @@
-#include "checks.h"
+#include "checks/truncate_kv_cache.h"
 #include "cuda/launcher.h"
 #include "kernels/truncate_kv_cache.cuh"
 

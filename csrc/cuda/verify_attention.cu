@@ -1,4 +1,4 @@
-#include "checks.h"
+#include "checks/verify_attention.h"
 #include "cuda/launcher.h"
 #include "kernels/verify_attention.cuh"
 

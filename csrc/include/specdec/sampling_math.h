@@ -71,7 +71,8 @@ constexpr uint32_t kStreamResample = 1;
 constexpr uint32_t kStreamGumbel = 2;
 
 // Error bits reported by the kernels (CPU raises on them; CUDA records them for set_strict(True)). Their
-// messages are in checks.h (sampling_error_messages), which the Python layer reads from the extension.
+// messages are in checks/chain_sampling.h and checks/tree_sampling.h (kSamplingErrorBits, kTreeSamplingErrorBits),
+// which the Python layer reads from the extension.
 enum SamplingError : int32_t {
   kErrTargetNonFinite = 1,
   kErrDraftNonFinite = 2,

@@ -1,18 +1,22 @@
-// Chain and tree speculative sampling on the CPU: requests in parallel (at::parallel_for), each row scanned
-// tile by tile with lane arrays in the canonical order of sampling_math.h. The loops over the 1024 lanes
+// The CPU engine of the chain and tree sampling flows (cpu/chain_sampling.cpp, cpu/tree_sampling.cpp): each row
+// scanned tile by tile with lane arrays in the canonical order of sampling_math.h. The loops over the 1024 lanes
 // vectorise (GCC loads the 8-entry blocks interleaved), and every sum comes out bit for bit as on the GPU.
+//
+// Everything here has internal linkage (an unnamed namespace): each kernel file compiles its own copy, so that its
+// instruction-set clones (SPECDEC_CPU_CLONES) and inlining are those of one translation unit.
+#pragma once
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
+#include <optional>
+#include <utility>
 #include <vector>
 
-#include "checks.h"
 #include "cpu/simd.h"
-#include "specdec/tree_sampling.h"
+#include "specdec/chain_sampling.h"
 
 namespace specdec {
 namespace {
@@ -95,24 +99,6 @@ SPECDEC_CPU_CLONES void tile_block_sums(const MassSpec spec, int64_t t, const fl
     spec.logits ? tile_block_sums_for<true, false, false>(spec, t, pt, qt, sums)
                 : tile_block_sums_for<false, false, false>(spec, t, pt, qt, sums);
   }
-}
-
-// The same for a tree's residual (tree_sampling.h): the loop over its levels is per entry.
-template <bool kLogits>
-SPECDEC_HD void tree_tile_block_sums_for(TreeMass spec, int64_t t, const float* pt, const float* qt, float* sums) {
-  spec.logits = kLogits;
-  for (int l = 0; l < kLanes; ++l) {
-    const int32_t v0 = static_cast<int32_t>(t * kTile + l * kLaneEntries);
-    const float* p = pt + l * kLaneEntries;
-    const float* q = spec.has_q ? qt + l * kLaneEntries : p;
-    const auto m = [&](int j) __attribute__((always_inline)) { return entry_mass(spec, v0 + j, p[j], q[j], spec.has_q); };
-    sums[l] = fadd(fadd(fadd(m(0), m(1)), fadd(m(2), m(3))), fadd(fadd(m(4), m(5)), fadd(m(6), m(7))));
-  }
-}
-
-SPECDEC_CPU_CLONES void tile_block_sums(const TreeMass spec, int64_t t, const float* pt, const float* qt, bool,
-                                        float* sums) {
-  spec.logits ? tree_tile_block_sums_for<true>(spec, t, pt, qt, sums) : tree_tile_block_sums_for<false>(spec, t, pt, qt, sums);
 }
 
 // The 32 group totals of the lanes' values: the pairwise tree, one level at a time (adjacent pairs).
@@ -308,7 +294,8 @@ struct CpuFilterRow {
   }
 };
 
-
+// The row operations of the sampling flows (specdec/chain_sampling.h), for rows of element type T. A tree's residual
+// comes in as a TreeMass: its tile_block_sums is in cpu/tree_sampling.cpp, found by argument-dependent lookup.
 template <typename T>
 struct CpuSamplingEngine {
   const ChainSamplingParams& P;
@@ -468,187 +455,25 @@ struct CpuSamplingEngine {
   }
 };
 
-// Requests are taken from a shared counter: their cost varies by an order of magnitude with the number of
+// Runs request(engine, b) for every request b, each thread on its own Engine(params); returns the error bits of
+// all. Requests are taken from a shared counter: their cost varies by an order of magnitude with the number of
 // accepted drafts (logits rows are read up to the first rejection), so a static split would leave threads idle.
-template <typename T>
-int32_t run(const ChainSamplingParams& P) {
+template <typename Engine, typename Params, typename Request>
+int32_t run_requests(const Params& params, int64_t batch, Request request) {
   std::atomic<int32_t> errors{0};
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(P.batch, at::get_num_threads());
+  const int64_t workers = std::min<int64_t>(batch, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    CpuSamplingEngine<T> engine(P);
+    Engine engine(params);
     for (int64_t w = begin; w < end; ++w) {
-      for (int64_t b = next.fetch_add(1); b < P.batch; b = next.fetch_add(1)) chain_sampling_request(engine, P, b);
+      for (int64_t b = next.fetch_add(1); b < batch; b = next.fetch_add(1)) request(engine, b);
     }
     errors.fetch_or(engine.errors);
   });
   return errors.load();
 }
 
-// The tree flow's engine: the chain engine's row operations plus the request's nodes and levels.
-template <typename T>
-struct CpuTreeEngine : CpuSamplingEngine<T> {
-  const TreeSamplingParams& TP;
-  int64_t b = 0;
-  bool node_valid[kMaxTreeNodes];
-  int32_t removed[kMaxTreeNodes];
-  float inv_q[kMaxTreeNodes], inv_s[kMaxTreeNodes];
-
-  explicit CpuTreeEngine(const TreeSamplingParams& tp) : CpuSamplingEngine<T>(tp.rows), TP(tp) {}
-
-  int32_t parent(int32_t c) const { return tree_parent(TP, b, c); }
-  int64_t token(int32_t c) const { return tree_token(TP, b, c); }
-  bool valid(int32_t c) const { return node_valid[c]; }
-  void load_tree(int64_t request, int32_t n) {
-    b = request;
-    for (int32_t c = 1; c < n; ++c) {
-      const int32_t bits = tree_node_errors([&](int32_t i) { return parent(i); }, [&](int32_t i) { return token(i); }, c,
-                                            TP.rows.vocab);
-      node_valid[c] = bits == 0;
-      this->flag(bits);
-    }
-  }
-  TreeLevels levels() { return TreeLevels{removed, inv_q, inv_s}; }
-  void set_level(int32_t i, int32_t x, float q, float s) {
-    removed[i] = x;
-    inv_q[i] = q;
-    inv_s[i] = s;
-  }
-  void write_tree(int64_t request, int32_t node, int32_t depth, int32_t token) {
-    write_tree_outputs(TP, request, node, depth, token);
-  }
-};
-
-// The controls and nodes of every request, before anything is sampled or written (so that whether an input
-// raises does not depend on where a round ends).
-int32_t check_tree_controls(const TreeSamplingParams& T) {
-  int32_t errors = 0;
-  for (int64_t b = 0; b < T.rows.batch; ++b) {
-    errors |= check_tree_request(T, b);
-    const int32_t n = tree_num_nodes(T, b);
-    for (int32_t c = 1; c < n; ++c) {
-      errors |= tree_node_errors([&](int32_t i) { return tree_parent(T, b, i); },
-                                 [&](int32_t i) { return tree_token(T, b, i); }, c, T.rows.vocab);
-    }
-  }
-  return errors;
-}
-
-template <typename T>
-int32_t run_tree(const TreeSamplingParams& TP) {
-  std::atomic<int32_t> errors{0};
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(TP.rows.batch, at::get_num_threads());
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-    CpuTreeEngine<T> engine(TP);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t b = next.fetch_add(1); b < TP.rows.batch; b = next.fetch_add(1)) tree_sampling_request(engine, TP, b);
-    }
-    errors.fetch_or(engine.errors);
-  });
-  return errors.load();
-}
-
-using Opt = std::optional<at::Tensor>;
-
-void tree_sampling_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
-                       const at::Tensor& target, const Opt& draft, const at::Tensor& greedy_or_temperature,
-                       const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
-                       const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
-                       const Opt& cu_num_draft_tokens, const EngineLayoutArgs& E, bool logits) {
-  const TreeSamplingParams TP = make_tree_params(parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature,
-                                                 seed, offset, output_token_ids, accepted_nodes, num_accepted, error_flags,
-                                                 cu_num_draft_tokens, E, logits);
-  int32_t errors = check_tree_controls(TP);
-  if (errors == 0) {
-    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), tree_sampling_op_name(logits),
-                                                          [&](auto tag) { errors = run_tree<typename decltype(tag)::type>(TP); });
-  }
-  if (errors != 0) {
-    if (TP.rows.error_flags != nullptr) *TP.rows.error_flags |= errors;
-    TORCH_CHECK_VALUE(false, tree_sampling_error_message(errors, logits));
-  }
-}
-
-void tree_sampling_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids, const Opt& num_nodes,
-                          const at::Tensor& target, const Opt& draft, const at::Tensor& greedy,
-                          const at::Tensor& seed, const at::Tensor& offset, const at::Tensor& output_token_ids,
-                          const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
-                          const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                          const Opt& cu_num_draft_tokens, c10::string_view coupling) {
-  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, greedy, seed, offset,
-                    output_token_ids, accepted_nodes, num_accepted, error_flags,
-                    cu_num_draft_tokens, EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, false);
-}
-
-void tree_sampling_from_logits_op_cpu(const at::Tensor& parents, const at::Tensor& candidate_token_ids,
-                                      const Opt& num_nodes, const at::Tensor& target, const Opt& draft,
-                                      const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
-                                      const at::Tensor& output_token_ids, const at::Tensor& accepted_nodes,
-                                      const at::Tensor& num_accepted, const Opt& error_flags, const Opt& uniforms,
-                                      const Opt& final_uniforms, const Opt& target_to_draft,
-                                      const Opt& cu_num_draft_tokens, c10::string_view coupling, const Opt& top_k,
-                                      const Opt& top_p, const Opt& min_p) {
-  tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, temperature, seed, offset, output_token_ids,
-                    accepted_nodes, num_accepted, error_flags, cu_num_draft_tokens,
-                    EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p}, true);
-}
-
-void chain_sampling_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
-                        const Opt& num_draft_tokens, const at::Tensor& greedy_or_temperature, const at::Tensor& seed,
-                        const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                        const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
-                        const EngineLayoutArgs& E, const Opt& accepted_independently, bool logits) {
-  const ChainSamplingParams P =
-      make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
-                        output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids, E,
-                        accepted_independently, logits);
-  // Counts, ids and temperatures of every request first: they raise before anything is sampled or written.
-  int32_t errors = 0;
-  for (int64_t b = 0; b < P.batch; ++b) errors |= check_request_controls(P, b);
-  if (errors == 0) {
-    dispatch_float_types<float, c10::Half, c10::BFloat16>(target.scalar_type(), logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling",
-                                                          [&](auto tag) { errors = run<typename decltype(tag)::type>(P); });
-  }
-  if (errors != 0) {
-    if (P.error_flags != nullptr) *P.error_flags |= errors;
-    TORCH_CHECK_VALUE(false, sampling_error_message(errors, logits));
-  }
-}
-
-void chain_sampling_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
-                           const Opt& num_draft_tokens, const at::Tensor& greedy, const at::Tensor& seed,
-                           const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                           const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
-                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                           const Opt& accepted_independently, c10::string_view coupling) {
-  chain_sampling_cpu(draft_token_ids, target, draft, num_draft_tokens, greedy, seed, offset, output_token_ids,
-                     num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                     EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling}, accepted_independently, false);
-}
-
-void chain_sampling_from_logits_op_cpu(const at::Tensor& draft_token_ids, const at::Tensor& target, const Opt& draft,
-                                       const Opt& num_draft_tokens, const at::Tensor& temperature,
-                                       const at::Tensor& seed, const at::Tensor& offset,
-                                       const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
-                                       const Opt& error_flags, const Opt& cu_num_draft_tokens,
-                                       const Opt& bonus_token_ids, const Opt& uniforms, const Opt& final_uniforms,
-                                       const Opt& target_to_draft, const Opt& accepted_independently,
-                                       c10::string_view coupling, const Opt& top_k, const Opt& top_p,
-                                       const Opt& min_p) {
-  chain_sampling_cpu(draft_token_ids, target, draft, num_draft_tokens, temperature, seed, offset, output_token_ids,
-                     num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                     EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p},
-                     accepted_independently, true);
-}
+using Opt = std::optional<at::Tensor>;  // the ops' optional tensor arguments
 
 }  // namespace
-
-TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("chain_speculative_sampling", &chain_sampling_op_cpu);
-  m.impl("chain_speculative_sampling_from_logits", &chain_sampling_from_logits_op_cpu);
-  m.impl("tree_speculative_sampling", &tree_sampling_op_cpu);
-  m.impl("tree_speculative_sampling_from_logits", &tree_sampling_from_logits_op_cpu);
-}
-
 }  // namespace specdec
