@@ -10,7 +10,7 @@ import specdec_ext
 
 # Random inputs are drawn fresh on every run; the run's seed is printed in the header and can be replayed
 # with SPECDEC_TEST_SEED=<seed>.
-# The cost tables of adaptive k (specdec_ext.engine.policy) go to a fresh directory per run, not the user's cache: no test
+# The cost tables of adaptive k (specdec_ext.cost_tables) go to a fresh directory per run, not the user's cache: no test
 # depends on a table an earlier run measured. Child processes (the CLI tests) inherit it.
 os.environ["SPECDEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-test-cache-")
 
@@ -81,9 +81,9 @@ def one_intra_op_thread():
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_models_stay_unchanged():
-    """The models helpers.py shares between tests (tiny_model, shipped_model) are read-only: checked at the end."""
+    """The models helpers.models shares between tests (tiny_model, shipped_model) are read-only: checked at the end."""
     yield
-    from helpers import assert_shared_models_unchanged  # here: the xdist controller never imports the models
+    from helpers.models import assert_shared_models_unchanged  # here: the xdist controller never imports the models
 
     assert_shared_models_unchanged()
 

@@ -5,8 +5,10 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import (DOCUMENTED_OUTPUT, TOLERANCE, check_flashinfer_statement, documented_example, flashinfer_case,
-                     flashinfer_masks, paged_batch, plan_and_run, reference_attention, rel_error)
+from helpers.compat_flashinfer import (DOCUMENTED_OUTPUT, check_flashinfer_statement, documented_example,
+                                       flashinfer_case, flashinfer_masks, paged_batch, plan_and_run,
+                                       reference_attention)
+from helpers.verify_attention import TOLERANCE, rel_error
 
 from specdec_ext.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, sampling
 

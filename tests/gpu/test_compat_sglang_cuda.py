@@ -2,8 +2,8 @@
 decisions, no host synchronisation, and (where sgl_kernel is installed) sgl_kernel's own outputs."""
 import pytest
 import torch
-from helpers import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_greedy, sglang_kernel_case,
-                     sglang_sample)
+from helpers.compat_sglang import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_greedy,
+                                   sglang_kernel_case, sglang_sample)
 
 from specdec_ext.bench.compat_sglang import eagle_like_tree, sglang_target_only_torch
 

@@ -1,15 +1,16 @@
-"""The vLLM shim on CUDA: the CPU module's checks (tests/helpers.py) with device="cuda" (greedy cases, K = 32, the
-law of the emitted tokens, seeded requests through CUDA generators, mixed batches, RejectionSampler.forward's
-processing), and, where vllm is importable, the same greedy and deterministic batches against vLLM's own rejection
-sampler."""
+"""The vLLM shim on CUDA: the CPU module's checks (tests/helpers/compat_vllm.py) with device="cuda" (greedy cases,
+K = 32, the law of the emitted tokens, seeded requests through CUDA generators, mixed batches,
+RejectionSampler.forward's processing), and, where vllm is importable, the same greedy and deterministic batches
+against vLLM's own rejection sampler."""
 import inspect
 
 import pytest
 import torch
-from helpers import (GREEDY_CASES, P, BonusSampler, argmax_rows, bonus_ids, check_deterministic_when_seeded,
-                     check_emitted_tokens_follow_the_target, check_greedy_case, check_k32,
-                     check_mixed_greedy_and_random_batch, check_rejection_sampler_forward_processes_the_target, flat,
-                     forward_batch, sampling_metadata, spread_batch)
+from helpers.compat_vllm import (GREEDY_CASES, P, BonusSampler, argmax_rows, bonus_ids, check_deterministic_when_seeded,
+                                 check_emitted_tokens_follow_the_target, check_greedy_case, check_k32,
+                                 check_mixed_greedy_and_random_batch,
+                                 check_rejection_sampler_forward_processes_the_target, flat, forward_batch,
+                                 sampling_metadata, spread_batch)
 
 from specdec_ext.compat import vllm as shim
 
@@ -122,7 +123,7 @@ def test_no_host_sync_in_forward_at_a_large_vocabulary(controls, gen):
     reference.filter_logits, which read values back (bool(any()), int(max())) until the H200 run found it. Then the
     processed rows: greedy rows the plain softmax, sampled rows the largest logits' prefix (k of them under top-k
     alone), each a distribution, top-k alone as on the CPU."""
-    from helpers import spec_metadata  # here: the module's import list is shared with other tests' edits
+    from helpers.compat_vllm import spec_metadata  # here: the module's import list is shared with other tests' edits
 
     vocab, n = 32000, 8
     counts = [1 + b % 3 for b in range(n)]

@@ -3,7 +3,7 @@ tokens (greedy and sampled, both drafters, contiguous and paged), and the op wra
 while a graph is captured."""
 import pytest
 import torch
-from helpers import random_prompts, tiny_hf
+from helpers.models import random_prompts, tiny_hf
 
 import specdec_ext
 from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder

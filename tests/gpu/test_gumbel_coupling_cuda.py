@@ -2,7 +2,8 @@
 cluster size), replay from a CUDA graph, and sampling="invariant" decoding on CUDA with graphs equals plain decoding."""
 import pytest
 import torch
-from helpers import make_chain_inputs, make_tree_inputs, random_prompts, tiny_hf
+from helpers.models import random_prompts, tiny_hf
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder

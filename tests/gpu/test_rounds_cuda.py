@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import make_drafter, random_prompts, random_vocab, tiny_hf
+from helpers.models import make_drafter, random_prompts, random_vocab, tiny_hf
 
 from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import rounds

@@ -3,7 +3,7 @@ bit (chain and tree, every cluster size, both couplings), with the thresholds fo
 histogram guess on the CPU; and the ops replay from a CUDA graph."""
 import pytest
 import torch
-from helpers import make_chain_inputs, make_tree_inputs
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
 

@@ -3,7 +3,7 @@ uniforms and reduced draft vocabularies give the CPU kernel's tokens bit for bit
 call is capturable in a CUDA graph."""
 import pytest
 import torch
-from helpers import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
+from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 
 import specdec_ext
 

@@ -2,7 +2,7 @@
 canonical order), capturable in a CUDA graph, defined output on malformed trees."""
 import pytest
 import torch
-from helpers import make_tree_inputs
+from helpers.sampling_inputs import make_tree_inputs
 
 import specdec_ext
 
