@@ -13,9 +13,10 @@ import types
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB, make_drafter, random_prompts, random_vocab, tiny_hf, tiny_model
+from helpers.models import VOCAB, make_drafter, random_prompts, random_vocab, tiny_hf, tiny_model
 
 from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings
+from specdec_ext import cost_tables
 from specdec_ext.engine import policy
 from specdec_ext.engine import decoder
 from specdec_ext.engine.requests import check_eos
@@ -159,8 +160,8 @@ def test_a_page_budget_queues_requests_instead_of_failing(target):
 def test_cost_model_measures_only_the_rows_a_call_uses_and_is_kept_in_a_file(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     measured = []
-    real = policy.forward_step  # what the target's table and a draft model's probe time
-    monkeypatch.setattr(policy, "forward_step", lambda model, rows: measured.append(rows) or real(model, rows))
+    real = cost_tables.forward_step  # what the target's table and a draft model's probe time
+    monkeypatch.setattr(cost_tables, "forward_step", lambda model, rows: measured.append(rows) or real(model, rows))
     prompt = random_prompts(1, [9])
     dec = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=8)
     t0 = time.perf_counter()
@@ -222,7 +223,7 @@ def test_a_measured_zero_is_used_but_never_cached(target, tmp_path, monkeypatch)
     """A step timed at zero (under the timer's resolution: a glitch) runs, but is not written: a cached zero would
     make every later run's rounds free."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(policy, "step_seconds", lambda step, device, repeats=3: 0.0)
+    monkeypatch.setattr(cost_tables, "step_seconds", lambda step, device, repeats=3: 0.0)
     prompts = random_prompts(6, [7])
     out = SpeculativeDecoder(target, ModelDrafter(target), 4, max_batch_size=1).generate(prompts, 8)
     assert out.sequences == generate_autoregressive(target, prompts, 8).sequences
@@ -253,13 +254,13 @@ def test_a_cost_file_without_a_valid_table_is_measured_again_and_overwritten(tar
     neither cache nor file), NaN or inf ones turned speculation off (k = 0), zeros divided by zero, until the file
     was deleted. Now such a table is absent: measured again, used, and the file overwritten with it."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    policy.forward_costs(target, 4)
+    cost_tables.forward_costs(target, 4)
     (path,) = tmp_path.glob("costs/*.json")
     saved = json.loads(path.read_text())
     path.write_text(bad(saved))
     measured = []
-    real = policy.forward_step
-    monkeypatch.setattr(policy, "forward_step", lambda model, rows: measured.append(rows) or real(model, rows))
+    real = cost_tables.forward_step
+    monkeypatch.setattr(cost_tables, "forward_step", lambda model, rows: measured.append(rows) or real(model, rows))
     prompts = random_prompts(7, [6])
     dec = SpeculativeDecoder(target, NgramDrafter(), 4, max_batch_size=1)
     assert dec.generate(prompts, 6).sequences == generate_autoregressive(target, prompts, 6).sequences
@@ -275,13 +276,13 @@ def test_a_cost_file_that_cannot_be_written_leaves_no_temp_file(target, tmp_path
     """A directory where the file goes: each process once left its <digest>.<pid>.tmp behind. The measurement is
     used and a warning names the file."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    policy.forward_costs(target, 4)
+    cost_tables.forward_costs(target, 4)
     (path,) = tmp_path.glob("costs/*.json")
     path.unlink()
     path.mkdir()
     for _ in range(2):  # measured again each time: nothing could be kept
         with pytest.warns(RuntimeWarning, match=f"cannot write the cost table cache {re.escape(str(path))}"):
-            table = policy.forward_costs(target, 4)
+            table = cost_tables.forward_costs(target, 4)
         assert sorted(table) == [1, 2, 4] and all(math.isfinite(s) and s > 0 for s in table.values())
     assert path.is_dir() and [p.name for p in path.parent.iterdir()] == [path.name]
 

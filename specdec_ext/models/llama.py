@@ -383,11 +383,11 @@ class LlamaForCausalLM(nn.Module):
         the other weights are `dtype`."""
         from .loaders import load_pretrained
 
-        return load_pretrained(path, dtype=dtype, device=device, keep_quantized=keep_quantized)
+        return load_pretrained(cls, path, dtype=dtype, device=device, keep_quantized=keep_quantized)
 
     @classmethod
     def from_hf(cls, hf_model, *, dtype=None, device=None) -> "LlamaForCausalLM":
         """A transformers LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM object."""
         from .loaders import load_from_hf
 
-        return load_from_hf(hf_model, dtype=dtype, device=device)
+        return load_from_hf(cls, hf_model, dtype=dtype, device=device)

@@ -1,17 +1,20 @@
 """Loading weights into LlamaForCausalLM: a Hugging Face directory (safetensors, sharded or not), a GGUF file
 (gguf_loader: metadata to config, tensors dequantised), or a transformers model object. Every weight is
-copied once, straight into its slot of the target dtype and device; a progress bar shows on a terminal."""
+copied once, straight into its slot of the target dtype and device; a progress bar shows on a terminal.
+
+The model's class comes in as `model_class` (LlamaForCausalLM.from_pretrained and from_hf pass their `cls`): this
+module does not import llama.py, whose constructors import it."""
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from .config import LlamaConfig, read_json
-from .llama import LlamaForCausalLM
 from .quantized import QuantizedWeight, stack_rows
 
 
-def fill_weights(model: LlamaForCausalLM, tensors, total: int, what: str) -> LlamaForCausalLM:
+def fill_weights(model: nn.Module, tensors, total: int, what: str) -> nn.Module:
     """Copies (name, tensor) pairs into the model's slots; every weight must come exactly once. A QuantizedWeight
     value replaces its slot (place_quantized) instead of being copied."""
     needed = set(model.weight_names())
@@ -38,7 +41,7 @@ def fill_weights(model: LlamaForCausalLM, tensors, total: int, what: str) -> Lla
     return model
 
 
-def place_quantized(model: LlamaForCausalLM, weights: dict) -> None:
+def place_quantized(model: nn.Module, weights: dict) -> None:
     """Puts weights kept as GGUF blocks (Hugging Face name -> QuantizedWeight) in place of the model's float
     tensors. A fused projection (q/k/v, gate/up) is kept quantised when all its parts are; if only some are, those
     are dequantised into the float tensor instead (a file that mixes float and block parts of one projection)."""
@@ -66,30 +69,31 @@ def place_quantized(model: LlamaForCausalLM, weights: dict) -> None:
         model.lm_head = model.embed_tokens
 
 
-def load_from_hf(hf_model, *, dtype=None, device=None) -> LlamaForCausalLM:
+def load_from_hf(model_class: type, hf_model, *, dtype=None, device=None) -> nn.Module:
     config = LlamaConfig.from_dict(hf_model.config.to_dict(), type(hf_model.config).__name__)
     state = hf_model.state_dict()
     first = next(iter(state.values()))
-    model = LlamaForCausalLM(config, dtype=dtype or first.dtype, device=device or first.device)
+    model = model_class(config, dtype=dtype or first.dtype, device=device or first.device)
     return fill_weights(model, state.items(), len(state), type(hf_model).__name__)
 
 
-def load_pretrained(path, *, dtype=torch.float32, device="cpu", keep_quantized: bool = False) -> LlamaForCausalLM:
+def load_pretrained(model_class: type, path, *, dtype=torch.float32, device="cpu",
+                    keep_quantized: bool = False) -> nn.Module:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf_model(path, dtype=dtype, device=device, keep_quantized=keep_quantized)
+        return load_gguf_model(model_class, path, dtype=dtype, device=device, keep_quantized=keep_quantized)
     if path.is_dir() and (path / "config.json").is_file():
         if keep_quantized:
             raise ValueError(f"from_pretrained: keep_quantized needs a .gguf file (block formats); {str(path)!r} is a "
                              "Hugging Face directory")
-        return load_safetensors_dir(path, dtype=dtype, device=device)
+        return load_safetensors_dir(model_class, path, dtype=dtype, device=device)
     if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        return load_gguf_model(ggufs[0], dtype=dtype, device=device, keep_quantized=keep_quantized)
+        return load_gguf_model(model_class, ggufs[0], dtype=dtype, device=device, keep_quantized=keep_quantized)
     raise ValueError(f"from_pretrained: {str(path)!r} is neither a Hugging Face model directory (config.json and "
                      "*.safetensors) nor a .gguf file")
 
 
-def load_safetensors_dir(path: Path, *, dtype, device) -> LlamaForCausalLM:
+def load_safetensors_dir(model_class: type, path: Path, *, dtype, device) -> nn.Module:
     from safetensors import SafetensorError, safe_open
 
     config = LlamaConfig.from_json(path / "config.json")
@@ -107,7 +111,7 @@ def load_safetensors_dir(path: Path, *, dtype, device) -> LlamaForCausalLM:
         files = [p.name for p in sorted(path.glob("*.safetensors"))]
     if not files:
         raise ValueError(f"from_pretrained: no *.safetensors in {str(path)!r}")
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = model_class(config, dtype=dtype, device=device)
     handles = []
     for f in files:  # safe_open checks the whole file's layout (header, offsets, size)
         try:
@@ -119,7 +123,7 @@ def load_safetensors_dir(path: Path, *, dtype, device) -> LlamaForCausalLM:
     return fill_weights(model, ((k, h.get_tensor(k)) for h, k in names), len(names), path.name)
 
 
-def load_gguf_model(path: Path, *, dtype, device, keep_quantized: bool = False) -> LlamaForCausalLM:
+def load_gguf_model(model_class: type, path: Path, *, dtype, device, keep_quantized: bool = False) -> nn.Module:
     from .gguf_loader import load_gguf
 
     if keep_quantized and dtype not in (torch.float32, torch.bfloat16):
@@ -128,7 +132,7 @@ def load_gguf_model(path: Path, *, dtype, device, keep_quantized: bool = False) 
     config = LlamaConfig.from_dict(config_dict, str(path))
     # The float tensors that quantised weights replace are allocated but never written: untouched pages cost no
     # memory.
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = model_class(config, dtype=dtype, device=device)
     total = len(model.weight_names())
 
     def values():
