@@ -31,7 +31,7 @@ step() {
   tail -n "${TAIL:-12}" "$OUT/$name.txt"
   return $rc
 }
-bench() {  # bench NAME LIMIT_S ARGS...: `specdec bench NAME --device cuda ARGS`
+bench() {  # bench NAME[-STEP] LIMIT_S ARGS...: `specdec bench NAME --device cuda ARGS` (-STEP names the step only)
   local name=$1 limit=$2
   shift 2
   step "bench_$name" "$limit" python3 -m specdec_ext.cli bench "${name%%-*}" --device cuda "$@"
@@ -45,16 +45,16 @@ export SPECDEC_NO_SIM=1
 TAIL=40 step build 420 python3 setup.py -q build_ext --inplace || exit 1
 step info 60 python3 -m specdec_ext.cli info
 TAIL=25 step tests_gpu 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -rs --durations=10 -n 4
-TAIL=26 bench sampling 60 --repeats 30 --json "$OUT/sampling.json" --plot "$OUT/sampling.png"
+TAIL=26 bench chain_sampling 60 --repeats 30 --json "$OUT/chain_sampling.json" --plot "$OUT/chain_sampling.png"
 TAIL=40 bench tree_sampling 70 --repeats 30 --json "$OUT/tree_sampling.json"
-TAIL=30 bench attention 90 --repeats 30 --json "$OUT/attention.json" --plot "$OUT/attention.png"
-TAIL=9 bench attention-layouts 40 --repeats 50 --layouts --json "$OUT/attention_layouts.json"
-TAIL=6 bench flat_sampling 40 --repeats 30 --json "$OUT/flat_sampling.json"
-TAIL=12 bench row_filters 40 --repeats 30 --json "$OUT/row_filters.json"
+TAIL=30 bench verify_attention 90 --repeats 30 --json "$OUT/verify_attention.json" --plot "$OUT/verify_attention.png"
+TAIL=9 bench verify_attention-layouts 40 --repeats 50 --layouts --json "$OUT/verify_attention_layouts.json"
+TAIL=6 bench chain_sampling_flat 40 --repeats 30 --json "$OUT/chain_sampling_flat.json"
+TAIL=12 bench chain_sampling_row_filters 40 --repeats 30 --json "$OUT/chain_sampling_row_filters.json"
 TAIL=42 bench quantized_linear 60 --repeats 30 --json "$OUT/quantized_linear.json"
-TAIL=9 bench philox 30 --json "$OUT/philox.json"
+TAIL=9 bench philox_uniform 30 --json "$OUT/philox_uniform.json"
 for shim in flashinfer vllm sglang transformers; do
   bench "compat_$shim" 30 --repeats 30 --json "$OUT/compat_$shim.json"
 done
-TAIL=8 bench attention-flex 40 --repeats 30 --flex --batch 1,8 --vocab 4096,32768 --k 5
+TAIL=8 bench verify_attention-flex 40 --repeats 30 --flex --batch 1,8 --contexts 4096,32768 --queries 5
 echo "gpu_check: $(( $(date +%s) - t0 )) s"

@@ -1,10 +1,43 @@
-"""Timing and reporting shared by every microbenchmark: median of repeats after warm-up, in one run, ours
-against the reference; bandwidth against the device's measured copy bandwidth."""
+"""What every benchmark shares: its common flags, timing (median of repeats after warm-up, in one run, ours against
+the reference), bandwidth against the device's measured copy bandwidth, and reporting."""
+import argparse
 import json
 import statistics
 import time
 
 import torch
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int = 50, cpu_only: bool = False,
+                         plot: bool = True) -> None:
+    """--device, --repeats, --json and --plot. cpu_only: a benchmark of the CPU path (--device takes cpu only);
+    plot: whether its rows have the `speedup` that --plot draws."""
+    if cpu_only:
+        parser.add_argument("--device", default=None, choices=["cpu"], help="cpu (the only device it runs on)")
+    else:
+        parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"timed repeats after warm-up, the median reported (default {repeats})")
+    parser.add_argument("--json", default=None, help="write the results to this JSON file")
+    if plot:
+        parser.add_argument("--plot", default=None, help="write a bar chart of the speed-ups to this PNG file")
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of positive integers, e.g. --batch 1,8,64."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def print_row(row: dict) -> None:
+    """One result row as key=value pairs, printed as soon as it is measured."""
+    print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}" for key, val in row.items()),
+          flush=True)
 
 
 def median_us(fn, device: torch.device, repeats: int = 50, warmup: int = 5) -> float:
@@ -56,7 +89,7 @@ def save(args, meta: dict, rows: list[dict], label_keys: list[str]) -> None:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
-    if args.plot:
+    if getattr(args, "plot", None):
         import matplotlib
 
         matplotlib.use("Agg")

@@ -1,12 +1,24 @@
-"""`specdec bench compat_flashinfer`: FlashInfer's chain_speculative_sampling through specdec_ext's shim against the same
-call written in PyTorch, vectorised, as an engine without a fused kernel would write it (FlashInfer's semantics:
-probabilities in, output ids with -1 padding, accepted and emitted counts added into the caller's buffers).
+"""FlashInfer's chain_speculative_sampling through the shim against the same call in PyTorch.
+
+FlashInfer's chain_speculative_sampling through specdec_ext's shim against the same call written in PyTorch,
+vectorised, as an engine without a fused kernel would write it (FlashInfer's semantics: probabilities in, output ids
+with -1 padding, accepted and emitted counts added into the caller's buffers).
 """
 import torch
 
 from ..compat.flashinfer import sampling
 from ..factory import choose_device
-from .common import median_us, report, save
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=None,
+                        help="batch sizes B (default 1,64 on the CPU, 1,8,64 on a GPU)")
+    parser.add_argument("--k", type=int_list, default=None,
+                        help="draft tokens per request k (default 1,8 on the CPU, 1,4,8 on a GPU)")
+    parser.add_argument("--vocab", type=int_list, default=[32000, 128256],
+                        help="vocabulary sizes V (default 32000,128256)")
+    add_common_arguments(parser)
 
 
 def torch_chain_speculative_sampling(draft_probs, draft_token_ids, target_probs, accepted, emitted, generator=None):
@@ -45,14 +57,14 @@ def make_case(batch, k, vocab, device, gen):
 def main(args) -> int:
     device = choose_device(args.device)
     big = device.type == "cuda"
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8, 64] if big else [1, 64])
-    ks = [int(x) for x in args.k.split(",")] if args.k else ([1, 4, 8] if big else [1, 8])
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 128256]
+    batches = args.batch or ([1, 8, 64] if big else [1, 64])
+    ks = args.k or ([1, 4, 8] if big else [1, 8])
     rows = []
-    for vocab in vocabs:
+    for vocab in args.vocab:
         for batch in batches:
             for k in ks:
-                draft, ids, target = make_case(batch, k, vocab, device, torch.Generator().manual_seed(batch * k + vocab))
+                gen = torch.Generator().manual_seed(batch * k + vocab)
+                draft, ids, target = make_case(batch, k, vocab, device, gen)
                 seed = torch.randint(0, 2**62, (batch,), device=device)
                 offset = torch.zeros(batch, dtype=torch.int64, device=device)
                 counts = [torch.zeros(batch, dtype=torch.int32, device=device) for _ in range(4)]
@@ -68,10 +80,9 @@ def main(args) -> int:
                 row = {"B": batch, "k": k, "V": vocab, "shim_us": sorted(ours_us)[1], "torch_us": sorted(torch_us)[1]}
                 row["speedup"] = row["torch_us"] / row["shim_us"]
                 rows.append(row)
-                print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                               for key, val in row.items()), flush=True)
+                print_row(row)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    report(f"FlashInfer chain_speculative_sampling: specdec_ext shim vs PyTorch, float32 probabilities, on {name}", rows,
-           ["B", "k", "V", "shim_us", "torch_us", "speedup"])
+    report(f"FlashInfer chain_speculative_sampling: specdec_ext shim vs PyTorch, float32 probabilities, on {name}",
+           rows, ["B", "k", "V", "shim_us", "torch_us", "speedup"])
     save(args, {"title": f"FlashInfer shim vs PyTorch chain sampling, {name}", "device": name}, rows, ["B", "k", "V"])
     return 0

@@ -1,4 +1,6 @@
-"""`specdec bench compat_sglang`: the SGLang shim (specdec_ext.compat.sglang) against SGLang's method in PyTorch.
+"""SGLang's target-only tree verification through the shim against SGLang's method in PyTorch.
+
+The shim is specdec_ext.compat.sglang.
 
 The baseline, `sglang_target_only_torch`, is a readable vectorised formulation of what SGLang's target-only tree
 verification computes (sgl-kernel 0.3.21): per tree level, the current node's children in sibling order, the
@@ -11,7 +13,15 @@ import torch
 
 from ..compat import sglang
 from ..factory import choose_device
-from .common import median_us, report, save
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 64], help="batch sizes B (default 1,8,64)")
+    parser.add_argument("--nodes", type=int_list, default=[4, 8], help="tree nodes N, the root included (default 4,8)")
+    parser.add_argument("--vocab", type=int_list, default=[32000, 128256],
+                        help="vocabulary sizes V (default 32000,128256)")
+    add_common_arguments(parser)
 
 
 def sglang_target_only_torch(candidates, retrive_index, next_token, next_sibling, coins, final_coins, target_probs,
@@ -48,7 +58,8 @@ def sglang_target_only_torch(candidates, retrive_index, next_token, next_sibling
             break
     residual = torch.where(rejected, 0.0, target_probs[rows, node].float())
     cdf = residual.cumsum(-1)
-    last = torch.searchsorted(cdf, (final_coins * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1).clamp_max(vocab - 1)
+    last = torch.searchsorted(cdf, (final_coins * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    last = last.clamp_max(vocab - 1)
     flat = retrive_index.gather(1, path.clamp_min(0))
     accept_index = torch.where(path >= 0, flat, -1).int()
     following = candidates.gather(1, torch.cat([path[:, 1:], path[:, :1]], 1).clamp_min(0))
@@ -85,7 +96,8 @@ def make_case(batch, n, vocab, device, gen):
     logits[torch.arange(batch).unsqueeze(-1), parent_rows[:, 1:], candidates[:, 1:]] += 14.0
     return {"candidates": candidates.to(device), "retrive_index": retrive_index, "next_token": next_token,
             "next_sibling": next_sibling, "target_probs": torch.softmax(logits, -1).to(device),
-            "coins": torch.rand(batch, n, generator=gen).to(device), "final": torch.rand(batch, generator=gen).to(device)}
+            "coins": torch.rand(batch, n, generator=gen).to(device),
+            "final": torch.rand(batch, generator=gen).to(device)}
 
 
 def measure(case, batch, n, vocab, device, repeats):
@@ -109,17 +121,13 @@ def measure(case, batch, n, vocab, device, repeats):
 
 def main(args) -> int:
     device = choose_device(args.device)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
-    sizes = [int(x) for x in args.k.split(",")] if args.k else [4, 8]  # --k: tree nodes N
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 128256]
     rows = []
-    for vocab in vocabs:
-        for batch in batches:
-            for n in sizes:
+    for vocab in args.vocab:
+        for batch in args.batch:
+            for n in args.nodes:
                 gen = torch.Generator().manual_seed(batch * 1000 + n * 10 + vocab)
                 rows.append(measure(make_case(batch, n, vocab, device, gen), batch, n, vocab, device, args.repeats))
-                print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                               for key, val in rows[-1].items()), flush=True)
+                print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     report(f"SGLang tree verification (target only): the shim against SGLang's method in PyTorch, on {name}", rows,
            ["B", "N", "V", "accepted", "ours_us", "torch_us", "speedup", "same_path"])

@@ -1,12 +1,21 @@
-"""`specdec bench compat_transformers`: the transformers shim's verification (specdec_ext.compat.transformers,
-our from-logits kernel) against transformers' own `_speculative_sampling` on the same inputs, at the shapes
-assisted decoding hands over: batch 1, candidate_length k, float32 processed logits [1, k, V] and [1, k + 1, V].
-Both include the host read of the accepted count that transformers' loop needs.
+"""transformers' assisted-sampling verification through the shim against transformers' _speculative_sampling.
+
+The transformers shim's verification (specdec_ext.compat.transformers, our from-logits kernel) against transformers'
+own `_speculative_sampling` on the same inputs, at the shapes assisted decoding hands over: batch 1 (the only batch
+assisted decoding runs), candidate_length k, float32 processed logits [1, k, V] and [1, k + 1, V]. Both include the
+host read of the accepted count that transformers' loop needs.
 """
 import torch
 
 from ..factory import choose_device
-from .common import median_us, report, save
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--k", type=int_list, default=[1, 4, 8], help="candidate tokens k (default 1,4,8)")
+    parser.add_argument("--vocab", type=int_list, default=[32000, 49152, 128256],
+                        help="vocabulary sizes V (default 32000,49152,128256)")
+    add_common_arguments(parser)
 
 
 def make_round(k, vocab, device, gen):
@@ -25,19 +34,14 @@ def main(args) -> int:
     from ..compat.transformers import speculative_sampling
 
     device = choose_device(args.device)
-    if args.batch and args.batch != "1":
-        raise SystemExit("compat_transformers: transformers' assisted decoding runs batch 1 only (--batch 1)")
-    ks = [int(x) for x in args.k.split(",")] if args.k else [1, 4, 8]
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 49152, 128256]
     rows = []
-    for vocab in vocabs:
-        for k in ks:
+    for vocab in args.vocab:
+        for k in args.k:
             inputs = make_round(k, vocab, device, torch.Generator().manual_seed(k * 100003 + vocab))
             ours = median_us(lambda: speculative_sampling(*inputs), device, args.repeats)
             theirs = median_us(lambda: _speculative_sampling(*inputs), device, args.repeats)
             rows.append({"k": k, "V": vocab, "ours_us": ours, "transformers_us": theirs, "speedup": theirs / ours})
-            print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                           for key, val in rows[-1].items()), flush=True)
+            print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     report(f"transformers assisted-sampling verification, batch 1, float32 logits, on {name}: the shim (ours) vs "
            "transformers' _speculative_sampling", rows, ["k", "V", "ours_us", "transformers_us", "speedup"])

@@ -1,14 +1,27 @@
-"""`specdec bench compat_vllm`: vLLM v1's rejection_sample as the shim specdec_ext.compat.vllm runs it (our chain
-sampling kernel, flat layout, uniforms drawn on the device) against a readable vectorised PyTorch formulation of
-vLLM's rejection sampling, with and without draft probabilities (n-gram / EAGLE point proposals). Every request
-has k drafts; all rows are sampled (no greedy request)."""
+"""vLLM v1's rejection_sample through the shim against a PyTorch formulation of vLLM's rejection sampling.
+
+vLLM v1's rejection_sample as the shim specdec_ext.compat.vllm runs it (our chain sampling kernel, flat layout,
+uniforms drawn on the device) against a readable vectorised PyTorch formulation of vLLM's rejection sampling, with
+and without draft probabilities (n-gram / EAGLE point proposals). Every request has k drafts; all rows are sampled
+(no greedy request)."""
 import types
 
 import torch
 
 from ..compat import vllm as shim
 from ..factory import choose_device
-from .common import median_us, report, save
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
+
+
+def add_arguments(parser) -> None:
+    # The CPU default grid stays under two minutes on a small machine; B = 64 there: --batch 64.
+    parser.add_argument("--batch", type=int_list, default=None,
+                        help="batch sizes B (default 1,8,32 on the CPU, 1,8,64 on a GPU)")
+    parser.add_argument("--k", type=int_list, default=None,
+                        help="draft tokens per request k (default 1,8 on the CPU, 1,4,8 on a GPU)")
+    parser.add_argument("--vocab", type=int_list, default=[32000, 128256],
+                        help="vocabulary sizes V (default 32000,128256)")
+    add_common_arguments(parser)
 
 
 def torch_rejection_sample(draft_token_ids, counts, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
@@ -63,20 +76,17 @@ def make_case(batch, k, vocab, device, gen):
 def main(args) -> int:
     device = choose_device(args.device)
     cuda = device.type == "cuda"
-    # The CPU default grid stays under two minutes on a small machine; B = 64 there: --batch 64.
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8, 64] if cuda else [1, 8, 32])
-    ks = [int(x) for x in args.k.split(",")] if args.k else ([1, 4, 8] if cuda else [1, 8])
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 128256]
+    batches = args.batch or ([1, 8, 64] if cuda else [1, 8, 32])
+    ks = args.k or ([1, 4, 8] if cuda else [1, 8])
     repeats = args.repeats
     rows = []
-    for vocab in vocabs:
+    for vocab in args.vocab:
         for batch in batches:
             for k in ks:
                 case = make_case(batch, k, vocab, device, torch.Generator().manual_seed(batch * 1000 + k + vocab))
                 for with_draft in (True, False):
                     rows.append(measure(case, batch, k, vocab, with_draft, device, repeats))
-                    print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                                   for key, val in rows[-1].items()), flush=True)
+                    print_row(rows[-1])
     name = torch.cuda.get_device_name() if cuda else "CPU"
     report(f"vLLM rejection_sample: specdec_ext shim vs PyTorch formulation of vLLM's rejection sampling on {name} "
            f"(float32, every request k drafts, median of {repeats})", rows,

@@ -1,4 +1,6 @@
-"""`specdec bench cpu_forward`: the target's forward on the CPU, in one process, paired where two things compare.
+"""The target's forward on the CPU: GEMM, forward by block width, plain and speculative decoding, memory.
+
+In one process, paired where two things compare.
 
 1. GEMM: skinny_linear (float32, bfloat16) and quantized_linear (the shipped file's Q4_1 and Q8_0) against F.linear
    (MKL) on the shipped model's projection shapes, 1-16 rows: microseconds, GFLOP/s, weight GB/s, and GFLOP/s as a
@@ -26,12 +28,18 @@ from specdec_ext import ops
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
 from specdec_ext.models.quantized import is_quantized
 
-from .common import median_us, report, save
+from .common import add_common_arguments, median_us, print_row, report, save
 from .e2e import PROMPTS, heldout_prompts, read_bandwidth_gbs
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16)
 CPU = torch.device("cpu")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    # Its rows have no single speed-up to draw: no --plot.
+    add_common_arguments(parser, repeats=20, cpu_only=True, plot=False)
 
 
 def fma_peak_gflops() -> float:
@@ -192,7 +200,7 @@ def plain_rows(models, tokenizer, cpp, new_tokens, repeats, bandwidth) -> list[d
             if kind in models:
                 row["of_floor"] = tps / (bandwidth * 1e9 / weight_bytes(models[kind]))
             rows.append(row)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print_row(row)
     return rows
 
 
@@ -202,7 +210,8 @@ def rss_rows() -> list[dict]:
     rows = []
     for kind, args in (("float32", ""), ("bfloat16", ", dtype=torch.bfloat16"), ("kept-Q4_1", ", keep_quantized=True")):
         code = ("import re, torch\nfrom specdec_ext.models import LlamaForCausalLM, default_model_path\n"
-                "mb = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1)) / 1024\n"
+                "status = lambda: open('/proc/self/status').read()\n"
+                "mb = lambda key: int(re.search(key + r':\\s+(\\d+)', status()).group(1)) / 1024\n"
                 "before = mb('VmRSS')\n"
                 f"m = LlamaForCausalLM.from_pretrained(default_model_path(){args})\n"
                 "print(before, mb('VmRSS'), mb('VmHWM'))")
@@ -243,15 +252,12 @@ def speculative_rows(models, tokenizer, cpp, new_tokens, repeats) -> list[dict]:
                    "vs_plain": spec_tps / result["plain"][0], "same_as_plain": spec_tokens == result["plain"][1],
                    "vs_llama_cpp": spec_tps / result["llama.cpp Q4_1 plain"][0] if len(result) == 3 else float("nan")}
             rows.append(row)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print_row(row)
     return rows
 
 
 def main(args) -> int:
-    if args.device not in (None, "cpu"):
-        raise SystemExit("bench cpu_forward: the CPU only (--device cpu)")
-    repeats = args.repeats if args.repeats != 50 else 20
-    new_tokens = args.new_tokens or 128
+    repeats, new_tokens = args.repeats, args.new_tokens
     peak, bandwidth = fma_peak_gflops(), read_bandwidth_gbs()
     print(f"{ops.cpu_isa()} kernels, {torch.get_num_threads()} threads; FMA peak (MKL sgemm 2048^3) {peak:.0f} "
           f"GFLOP/s, read bandwidth {bandwidth:.1f} GB/s", flush=True)
@@ -265,7 +271,8 @@ def main(args) -> int:
                                                                          "rss_before_mb"])
     models = load_kinds()
     forward = forward_rows(models, max(5, repeats // 2))
-    report("one forward of Q new tokens at a 200-token context, B = 1", forward, ["weights", "Q", "forward_ms", "vs_Q1"])
+    report("one forward of Q new tokens at a 200-token context, B = 1", forward,
+           ["weights", "Q", "forward_ms", "vs_Q1"])
     tokenizer = load_tokenizer(default_model_path())
     cpp = llama_cpp(default_model_path())
     runs = max(3, repeats // 6)

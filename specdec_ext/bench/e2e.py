@@ -1,5 +1,7 @@
-"""`specdec bench e2e`: the shipped model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised) end to end, in one process
-on the same weights, dtype and thread count, tokens/s as the median of repeats after a warm-up run.
+"""The shipped model decoding end to end: plain against transformers, speculative against plain (CPU).
+
+The shipped model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantised) end to end, in one process on the same weights,
+dtype and thread count, tokens/s as the median of repeats after a warm-up run.
 
 1. Plain greedy decoding by this library's forward against transformers' `generate`: the ratio, peak RSS, and
    each row against the weight-read floor (weight bytes per decode step over the read bandwidth measured
@@ -7,11 +9,12 @@ on the same weights, dtype and thread count, tokens/s as the median of repeats a
 2. Speculative decoding (SpeculativeDecoder; the n-gram drafter, the shipped EAGLE head and Medusa heads, and
    with --draft a model drafter, and Lookahead with --drafters lookahead[:W/N/G]; fixed k and adaptive) on three
    fixed prompts and on held-out chat prompts of the shipped prompt set (a run decodes them all, B at a time),
-   greedy and sampled (temperature 0.7, top-p 0.9), against our plain decoding of the same requests and against transformers' plain and prompt-lookup generate
-   (prompt_lookup_num_tokens=10, batch 1 only): speedups, acceptance rate (in total and per position), mean
-   acceptance length and the time split. Tree rows (--tree, repeatable; by default the default TreeSettings):
-   the same drafters (eagle, medusa, ngram) proposing trees, at the fixed node budget and, with "adaptive" in
-   --k, with the adaptive one; k reads "tree N/D/B" (nodes, depth, branching), drafted = drafts per round.
+   greedy and sampled (temperature 0.7, top-p 0.9), against our plain decoding of the same requests and against
+   transformers' plain and prompt-lookup generate (prompt_lookup_num_tokens=10, batch 1 only): speedups, acceptance
+   rate (in total and per position), mean acceptance length and the time split. Tree rows (--tree, repeatable; by
+   default the default TreeSettings): the same drafters (eagle, medusa, ngram) proposing trees, at the fixed node
+   budget and, with "adaptive" in --k, with the adaptive one; k reads "tree N/D/B" (nodes, depth, branching),
+   drafted = drafts per round.
 """
 import resource
 import statistics
@@ -19,12 +22,13 @@ import time
 
 import torch
 
+from specdec_ext.drafters import registry
 from specdec_ext.engine import SpeculativeDecoder, generate_autoregressive
 from specdec_ext.factory import make_drafter, prompt_ids
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
 from specdec_ext.trees import TreeSettings
 
-from .common import median_us, report, save
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
 
 PARAGRAPH = (
     "The Rhine is a river that begins in the Swiss canton of Graubunden in the southeastern Swiss Alps. It forms "
@@ -41,6 +45,29 @@ PROMPTS = {
 # the draft heads never saw them).
 HELDOUT_CATEGORIES = ("chat", "explain", "list", "writing")
 HELDOUT_COUNT = 4
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[1, 4], help="batch sizes B (default 1,4)")
+    parser.add_argument("--k", default=None, help="comma-separated draft lengths: fixed k and 'adaptive' (default "
+                        "2,4,8,adaptive; lookahead: its own settings, fixed when a number is given)")
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="comma-separated dtypes (default float32,bfloat16; the speculative table: the first)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    parser.add_argument("--prompts", default=None, help="comma-separated prompt names (chat,code,summarise, and "
+                        "heldout: held-out chat prompts of the shipped prompt set, never trained on)")
+    parser.add_argument("--drafters", default=None, help="comma-separated drafters, each "
+                        f"{registry.spelled([e.syntax for e in registry.drafters()])} (default ngram,eagle,medusa: "
+                        "prompt lookup and the shipped model's trained heads)")
+    parser.add_argument("--sampling", default=None,
+                        help="greedy,sampled,invariant (sampled: temperature 0.7, top-p 0.9, rejection sampling; "
+                             "invariant: the same with Gumbel coupling; default greedy,sampled)")
+    parser.add_argument("--draft", default=None, help="a draft model (HF dir or .gguf) for ModelDrafter rows")
+    parser.add_argument("--tree", action="append", default=None, help="tree rows of these settings, N or "
+                        "nodes=N,depth=D,branching=K (repeatable; default: the default TreeSettings)")
+    parser.add_argument("--plain-only", action="store_true", help="only plain decoding against transformers")
+    parser.add_argument("--speculative-only", action="store_true", help="only the speculative table")
+    add_common_arguments(parser, repeats=3, cpu_only=True)
 
 
 def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
@@ -65,7 +92,8 @@ def tokens_per_second(run, repeats: int) -> tuple[float, list]:
     return statistics.median(rates), sequences
 
 
-SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9}, "invariant": {"temperature": 0.7, "top_p": 0.9}}
+SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9},
+            "invariant": {"temperature": 0.7, "top_p": 0.9}}
 # The decoders' sampling= per mode: "sampled" verifies by rejection sampling, "invariant" by Gumbel coupling (whose
 # output must equal plain decoding's: same_as_plain is checked as for greedy).
 DECODER_SAMPLING = {"greedy": "rejection", "sampled": "rejection", "invariant": "invariant"}
@@ -111,7 +139,8 @@ def forward_costs(model, repeats: int) -> list[dict]:
         rows = []
         for q in (1, 2, 3, 5, 9):
             ids = torch.randint(0, model.config.vocab_size, (1, q))
-            rows.append({"Q": q, "forward_ms": median_us(lambda: model(ids, cache), torch.device("cpu"), repeats) / 1e3})
+            forward_us = median_us(lambda: model(ids, cache), torch.device("cpu"), repeats)
+            rows.append({"Q": q, "forward_ms": forward_us / 1e3})
     for r in rows:
         r["vs_Q1"] = r["forward_ms"] / rows[0]["forward_ms"]
     return rows
@@ -150,14 +179,13 @@ def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats
                     lambda: generate_autoregressive(ours, prompts, new_tokens).sequences, repeats)
                 ours_rss = peak_rss_mb()
                 with torch.no_grad():
-                    hf_tps, hf_seq = tokens_per_second(lambda: transformers_generate(hf, tokenizer, prompts, new_tokens),
-                                                       repeats)
+                    hf_tps, hf_seq = tokens_per_second(
+                        lambda: transformers_generate(hf, tokenizer, prompts, new_tokens), repeats)
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "B": batch, "prompt": name,
                              "ours_tok_s": ours_tps, "transformers_tok_s": hf_tps, "speedup": ours_tps / hf_tps,
                              "floor_tok_s": floor * batch, "of_floor": ours_tps / (floor * batch),
                              "same_tokens": ours_seq[0] == hf_seq[0], "peak_rss_mb": ours_rss})
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
-                      flush=True)
+                print_row(rows[-1])
         costs += [{"dtype": str(dtype).removeprefix("torch."), **r} for r in forward_costs(ours, max(5, repeats * 3))]
         del ours, hf
     report(f"plain greedy decoding, SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {new_tokens} new "
@@ -242,8 +270,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,
                                      "sample": st.sample_s / spent, "other": st.other_s / spent,
                                      "same_as_plain": seq == plain_seq if mode != "sampled" else "-"})
-                        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in rows[-1].items()), flush=True)
+                        print_row(rows[-1])
     report(f"speculative decoding, SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, CPU, "
            f"{torch.get_num_threads()} threads, {new_tokens} new tokens; speedup = against our plain decoding, "
            f"vs_hf_* = against transformers' plain / prompt-lookup generate; draft..other: shares of the time", rows,
@@ -256,13 +283,13 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
 def main(args) -> int:
     path = default_model_path()
     tokenizer = load_tokenizer(path)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 4]
-    dtypes = [getattr(torch, d) for d in (args.dtype or "float32,bfloat16").split(",")]
-    new_tokens = args.new_tokens or 128
-    repeats = max(1, args.repeats if args.repeats != 50 else 3)
+    batches = args.batch
+    dtypes = [getattr(torch, d) for d in args.dtype.split(",")]
+    new_tokens, repeats = args.new_tokens, args.repeats
     chat = chat_prompts(tokenizer)
     bandwidth = read_bandwidth_gbs()
-    print(f"read bandwidth {bandwidth:.1f} GB/s, {torch.get_num_threads()} threads, {new_tokens} new tokens", flush=True)
+    print(f"read bandwidth {bandwidth:.1f} GB/s, {torch.get_num_threads()} threads, {new_tokens} new tokens",
+          flush=True)
     meta = {"title": "decoding end to end", "read_bw_gbs": bandwidth}
     rows = []
     if not args.speculative_only:

@@ -1,4 +1,4 @@
-"""`specdec bench tree_sampling`: tree speculative sampling, ours against PyTorch.
+"""tree_speculative_sampling_from_logits (point and sampled children), ours against PyTorch and the reference.
 
 Trees shaped as a decoder drafts them (breadth first, `branching` children per node, N nodes), candidates
 drawn from a draft related to the target, so that walks go a few nodes deep. Two baselines in the same run:
@@ -14,8 +14,20 @@ import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import copy_bandwidth_gbs, median_us, report, save
-from .sampling import graph_replay_us
+from .chain_sampling import graph_replay_us
+from .common import add_common_arguments, copy_bandwidth_gbs, int_list, median_us, print_row, report, save
+
+BRANCHING = 4  # children per node of the drafted trees
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 64], help="batch sizes B (default 1,8,64)")
+    parser.add_argument("--nodes", type=int_list, default=[8, 32, 64],
+                        help="tree nodes N, the root included (default 8,32,64)")
+    parser.add_argument("--vocab", type=int_list, default=[49152], help="vocabulary sizes V (default 49152)")
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="comma-separated logits dtypes (default float32,bfloat16)")
+    add_common_arguments(parser)
 
 
 def breadth_first_parents(n: int, branching: int) -> torch.Tensor:
@@ -120,21 +132,18 @@ def measure(case, batch, n, branching, vocab, sampled, dtype, device, repeats, p
 def main(args) -> int:
     device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
-    sizes = [int(x) for x in args.k.split(",")] if args.k else [8, 32, 64]  # --k: node counts N
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [49152]
-    dtypes = [getattr(torch, d) for d in args.dtype.split(",")] if args.dtype else [torch.float32, torch.bfloat16]
+    dtypes = [getattr(torch, d) for d in args.dtype.split(",")]
     rows = []
     for dtype in dtypes:
-        for vocab in vocabs:
-            for batch in batches:
-                for n in sizes:
+        for vocab in args.vocab:
+            for batch in args.batch:
+                for n in args.nodes:
                     for sampled in (False, True):
                         gen = torch.Generator().manual_seed(batch * 1000 + n * 10 + vocab + sampled)
-                        case = make_case(batch, n, 4, vocab, sampled, dtype, device, gen)
-                        rows.append(measure(case, batch, n, 4, vocab, sampled, dtype, device, args.repeats, peak))
-                        print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                                       for key, val in rows[-1].items()), flush=True)
+                        case = make_case(batch, n, BRANCHING, vocab, sampled, dtype, device, gen)
+                        rows.append(measure(case, batch, n, BRANCHING, vocab, sampled, dtype, device, args.repeats,
+                                            peak))
+                        print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     report(f"tree speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
            ["children", "dtype", "B", "N", "V", "accepted", "ours_us", "graph_us", "torch_us", "speedup",

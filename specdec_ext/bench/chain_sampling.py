@@ -1,4 +1,4 @@
-"""`specdec bench sampling`: chain speculative sampling, ours against PyTorch.
+"""chain_speculative_sampling (probabilities and logits), ours against PyTorch and the reference.
 
 Two baselines run in the same process: `torch`, an efficient vectorised implementation (float32 softmax
 over the whole [B, K+1, V] tensors, acceptance by gather, the residual row gathered per request and sampled
@@ -6,7 +6,8 @@ by an exponential race), and `reference`, the readable float64 oracle of specdec
 graph_us is the op replayed from a CUDA graph (the kernel without Python's launch overhead); GB/s, from
 graph_us, counts the bytes the op must read: the rows up to the first rejection (all of them for logits, whose
 normalisers need every entry) and the row the last token is drawn from; with probabilities, acceptance
-itself needs only p(x) and q(x).
+itself needs only p(x) and q(x). Also reported: the cost per row of Gumbel coupling's draw (gumbel_sample)
+against the op's inverse-CDF bonus draw.
 """
 import torch
 
@@ -14,7 +15,15 @@ import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import copy_bandwidth_gbs, median_us, report, save
+from .common import add_common_arguments, copy_bandwidth_gbs, int_list, median_us, print_row, report, save
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 64], help="batch sizes B (default 1,8,64)")
+    parser.add_argument("--k", type=int_list, default=[1, 4, 8], help="draft tokens per request K (default 1,4,8)")
+    parser.add_argument("--vocab", type=int_list, default=[32000, 128256],
+                        help="vocabulary sizes V (default 32000,128256)")
+    add_common_arguments(parser)
 
 
 def make_case(batch, k, vocab, dtype, device, gen):
@@ -76,24 +85,20 @@ def bytes_read(out, k, vocab, elem, logits):
 def main(args) -> int:
     device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [1, 8, 64]
-    ks = [int(x) for x in args.k.split(",")] if args.k else [1, 4, 8]
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [32000, 128256]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for vocab in vocabs:
-            for batch in batches:
-                for k in ks:
+        for vocab in args.vocab:
+            for batch in args.batch:
+                for k in args.k:
                     # The same draws for every dtype, so that dtypes are compared on the same acceptance pattern.
                     gen = torch.Generator().manual_seed(batch * 1000 + k * 10 + vocab)
                     case = make_case(batch, k, vocab, dtype, device, gen)
                     for path in ("probs", "logits"):
                         rows.append(measure(case, path, batch, k, vocab, dtype, device, args.repeats, peak))
-                        print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                                       for key, val in rows[-1].items()), flush=True)
+                        print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     noise = [noise_cost(vocab, dtype, device, args.repeats) for dtype in (torch.float32, torch.bfloat16)
-             for vocab in vocabs]
+             for vocab in args.vocab]
     report(f"the cost of Gumbel coupling per verify row on {name}: one token drawn from each of 64 rows of logits "
            f"(T = 0.7) by the Gumbel-max of its position (coupling='gumbel') and by inverse CDF (rejection sampling's "
            f"bonus draw)", noise, ["dtype", "V", "gumbel_us_per_row", "inverse_cdf_us_per_row", "ratio"])
@@ -146,5 +151,6 @@ def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):
     graph_us = graph_replay_us(ours, device, repeats) if device.type == "cuda" else ours_us
     gbs = nbytes / (graph_us * 1e-6) / 1e9
     return {"path": path, "dtype": str(dtype).replace("torch.", ""), "B": batch, "K": k, "V": vocab,
-            "accepted": float(out.num_accepted.float().mean()), "ours_us": ours_us, "graph_us": graph_us, "torch_us": torch_us, "speedup": torch_us / ours_us, "reference_us": ref_us,
+            "accepted": float(out.num_accepted.float().mean()), "ours_us": ours_us, "graph_us": graph_us,
+            "torch_us": torch_us, "speedup": torch_us / ours_us, "reference_us": ref_us,
             "vs_reference": ref_us / ours_us, "GB/s": gbs, "of_copy_bw": gbs / peak}

@@ -1,18 +1,28 @@
-"""`specdec bench row_filters`: top-k / top-p inside the from-logits sampling ops against applying them in Python first,
-as the decoder did before (sort-based masks over every row in float32: reference.filter_logits(dtype=float32)), then
-the same op on the masked rows. Both process the target rows [B, K+1, V] and draft rows [B, K, V] of a round at T = 0.7;
-the fused op processes only the rows it reads (up to the first rejection) and sorts nothing (row_filter.h)."""
+"""chain_speculative_sampling_from_logits with top-k / top-p fused in, against Python masks and then the op.
+
+The masks as the decoder applied them before (sort-based masks over every row in float32:
+reference.filter_logits(dtype=float32)), then the same op on the masked rows. Both process the target rows
+[B, K+1, V] and draft rows [B, K, V] of a round at T = 0.7; the fused op processes only the rows it reads (up to the
+first rejection) and sorts nothing (row_filter.h)."""
 import torch
 
 import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import median_us, report, save
-from .sampling import make_case
+from .chain_sampling import make_case
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
 
 CONTROLS = {"top-p 0.9": (0, 0.9), "top-k 50, top-p 0.9": (50, 0.9)}
 TEMPERATURE = 0.7
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[8, 64], help="batch sizes B (default 8,64)")
+    parser.add_argument("--k", type=int_list, default=[4], help="draft tokens per request K (default 4)")
+    parser.add_argument("--vocab", type=int_list, default=[49152, 128256],
+                        help="vocabulary sizes V (default 49152,128256)")
+    add_common_arguments(parser)
 
 
 def measure(case, controls, batch, k, vocab, device, repeats):
@@ -43,18 +53,14 @@ def measure(case, controls, batch, k, vocab, device, repeats):
 
 def main(args) -> int:
     device = choose_device(args.device)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [8, 64]
-    ks = [int(x) for x in args.k.split(",")] if args.k else [4]
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [49152, 128256]
     rows = []
-    for vocab in vocabs:
-        for batch in batches:
-            for k in ks:
+    for vocab in args.vocab:
+        for batch in args.batch:
+            for k in args.k:
                 case = make_case(batch, k, vocab, torch.float32, device, torch.Generator().manual_seed(batch + vocab))
                 for controls in CONTROLS:
                     rows.append(measure(case, controls, batch, k, vocab, device, args.repeats))
-                    print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                                   for key, val in rows[-1].items()), flush=True)
+                    print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     columns = ["controls", "B", "K", "V", "accepted", "fused_us", "masks_then_op_us", "speedup", "unprocessed_op_us",
                "processing_cost"]

@@ -1,20 +1,30 @@
-"""`specdec bench philox`: philox_uniform against the vectorised PyTorch reference. The op writes 4 bytes per
-uniform and reads 16 per request, so it is a streaming write: GB/s of output against the copy bandwidth."""
+"""philox_uniform against the vectorised PyTorch reference.
+
+The op writes 4 bytes per uniform and reads 16 per request, so it is a streaming write: GB/s of output against the
+copy bandwidth."""
 import torch
 
 import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import copy_bandwidth_gbs, median_us, report, save
+from .common import add_common_arguments, copy_bandwidth_gbs, int_list, median_us, report, save
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[1, 8, 64], help="batch sizes B (default 1,8,64)")
+    parser.add_argument("--uniforms", type=int_list, default=None,
+                        help="uniforms per request n (default 4096,131072 on the CPU, 131072,4194304 on a GPU)")
+    add_common_arguments(parser)
 
 
 def main(args) -> int:
     device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
     rows = []
-    for batch in (1, 8, 64):
-        for n in (4096, 131072) if device.type == "cpu" else (131072, 1 << 22):
+    uniforms = args.uniforms or ([4096, 131072] if device.type == "cpu" else [131072, 1 << 22])
+    for batch in args.batch:
+        for n in uniforms:
             seed = torch.randint(-(2**62), 2**62, (batch,), device=device)
             offset = torch.randint(0, 2**40, (batch,), device=device)
             ours = median_us(lambda: specdec_ext.philox_uniform(seed, offset, n), device, args.repeats)

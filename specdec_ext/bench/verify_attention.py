@@ -1,7 +1,10 @@
-"""`specdec bench attention`: verify_attention against torch's scaled_dot_product_attention (explicit mask,
-enable_gqa), the reference, and with --flex FlexAttention (torch.compile'd, one compile per shape), Hq/Hkv = 32/8,
-D = 128, every request with the same context length. GB/s counts the KV-cache bytes that must be read (every
-cached K and V row once)."""
+"""verify_attention against SDPA, the reference and (--flex) FlexAttention; --layouts: the engine layouts.
+
+verify_attention against torch's scaled_dot_product_attention (explicit mask, enable_gqa), the reference, and with
+--flex FlexAttention (torch.compile'd, one compile per shape), Hq/Hkv = 32/8, D = 128, every request with the same
+context length. GB/s counts the KV-cache bytes that must be read (every cached K and V row once). --layouts times the
+engine layouts (HND, paged, FlashInfer's CSR pages, flat q) against the padded NHD call of the same work instead.
+"""
 import statistics
 
 import torch
@@ -11,34 +14,48 @@ import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import copy_bandwidth_gbs, median_us, report, save
+from .common import add_common_arguments, copy_bandwidth_gbs, int_list, median_us, print_row, report, save
 
 HQ, HKV, D = 32, 8, 128
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=None,
+                        help="batch sizes B (default 1,8 on the CPU, 1,8,32 on a GPU; --layouts: the first, default 8)")
+    parser.add_argument("--contexts", type=int_list, default=None,
+                        help="context lengths, the cached tokens per request (default 512,4096 on the CPU, "
+                             "512,4096,32768 on a GPU; --layouts: the first, default 2048)")
+    parser.add_argument("--queries", type=int_list, default=[1, 5, 8],
+                        help="new tokens Q per request, the verify block (default 1,5,8)")
+    parser.add_argument("--flex", action="store_true", help="also time FlexAttention (compiles per shape)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="the engine layouts (HND, CSR pages, flat q) against the padded NHD call, one B and "
+                             "context, Q = 8")
+    add_common_arguments(parser)
+
+
 def main(args) -> int:
     device = choose_device(args.device)
-    if getattr(args, "layouts", False):
+    if args.layouts:
         return main_layouts(args, device)
     peak = copy_bandwidth_gbs(device)
     cpu = device.type == "cpu"
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else ([1, 8] if cpu else [1, 8, 32])
-    contexts = [int(x) for x in args.vocab.split(",")] if args.vocab else ([512, 4096] if cpu else [512, 4096, 32768])
-    queries = [int(x) for x in args.k.split(",")] if args.k else [1, 5, 8]
+    batches = args.batch or ([1, 8] if cpu else [1, 8, 32])
+    contexts = args.contexts or ([512, 4096] if cpu else [512, 4096, 32768])
     dtype = torch.float32 if cpu else torch.bfloat16
     rows = []
     for batch in batches:
         for context in contexts:
-            for n_q in queries:
+            for n_q in args.queries:
                 rows.append(measure(batch, context, n_q, dtype, device, args.repeats, peak, args.flex))
-                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
-                      flush=True)
+                print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     columns = ["B", "context", "Q", "ours_us", "sdpa_us", "speedup"]
     columns += ["flex_us", "vs_flex"] if args.flex else []
-    report(f"verify_attention on {name} ({dtype}, Hq/Hkv = {HQ}/{HKV}, D = {D}; copy bandwidth {peak:.0f} GB/s)", rows,
-           columns + ["reference_us", "GB/s", "of_copy_bw"])
-    save(args, {"title": f"verify_attention, {name}", "device": name, "copy_bw_gbs": peak}, rows, ["B", "context", "Q"])
+    report(f"verify_attention on {name} ({dtype}, Hq/Hkv = {HQ}/{HKV}, D = {D}; copy bandwidth {peak:.0f} GB/s)",
+           rows, columns + ["reference_us", "GB/s", "of_copy_bw"])
+    save(args, {"title": f"verify_attention, {name}", "device": name, "copy_bw_gbs": peak}, rows,
+         ["B", "context", "Q"])
     return 0
 
 
@@ -61,7 +78,8 @@ def measure(batch, context, n_q, dtype, device, repeats, peak, flex=False):
                        max(3, repeats // 10), warmup=1)
     kv_bytes = 2 * batch * s * HKV * D * k_cache.element_size()
     gbs = kv_bytes / (ours_us * 1e-6) / 1e9
-    row = {"B": batch, "context": context, "Q": n_q, "ours_us": ours_us, "sdpa_us": sdpa_us, "speedup": sdpa_us / ours_us}
+    row = {"B": batch, "context": context, "Q": n_q, "ours_us": ours_us, "sdpa_us": sdpa_us,
+           "speedup": sdpa_us / ours_us}
     if flex:
         flex_us = median_us(flex_attention_fn(qt, kt, vt, context), device, repeats)
         row.update(flex_us=flex_us, vs_flex=flex_us / ours_us)
@@ -81,13 +99,13 @@ def flex_attention_fn(qt, kt, vt, context):
 
 
 def main_layouts(args, device) -> int:
-    """`specdec bench attention --layouts`: the engine layouts of verify_attention against the padded NHD call of the
-    same work, in one run (median of repeats after warm-up each): HND caches, paged caches (block table; FlashInfer's
-    interleaved HND pages through its CSR table), flat q with qo_indptr. B = 8 (--batch), context 2048 (--vocab),
-    Q_b uniform in 1..8 from a fixed seed for the ragged rows."""
+    """`specdec bench verify_attention --layouts`: the engine layouts of verify_attention against the padded NHD call
+    of the same work, in one run (median of repeats after warm-up each): HND caches, paged caches (block table;
+    FlashInfer's interleaved HND pages through its CSR table), flat q with qo_indptr. B = 8 (the first of --batch),
+    context 2048 (the first of --contexts), Q_b uniform in 1..8 from a fixed seed for the ragged rows."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    batch = int(args.batch.split(",")[0]) if args.batch else 8
-    context = int(args.vocab.split(",")[0]) if args.vocab else 2048
+    batch = args.batch[0] if args.batch else 8
+    context = args.contexts[0] if args.contexts else 2048
     n_q, page = 8, 16
     g = torch.Generator().manual_seed(2048)
     counts = torch.randint(1, n_q + 1, (batch,), generator=g).tolist()
@@ -104,8 +122,9 @@ def main_layouts(args, device) -> int:
     v_pages = torch.empty_like(k_pages)
     for b in range(batch):
         rows = table[b].long()
-        k_pages[rows] = torch.nn.functional.pad(k_cache[b], (0, 0, 0, 0, 0, per_seq * page - s)).reshape(per_seq, page, HKV, D)
-        v_pages[rows] = torch.nn.functional.pad(v_cache[b], (0, 0, 0, 0, 0, per_seq * page - s)).reshape(per_seq, page, HKV, D)
+        tail = (0, 0, 0, 0, 0, per_seq * page - s)
+        k_pages[rows] = F.pad(k_cache[b], tail).reshape(per_seq, page, HKV, D)
+        v_pages[rows] = F.pad(v_cache[b], tail).reshape(per_seq, page, HKV, D)
     kv_fi = torch.stack([k_pages.transpose(1, 2), v_pages.transpose(1, 2)], dim=1).contiguous()
     kv_len = context + n_q
     indptr = torch.arange(0, batch * per_seq + 1, per_seq, dtype=torch.int32, device=device)
@@ -118,7 +137,8 @@ def main_layouts(args, device) -> int:
     cases = [
         ("contiguous NHD, padded Q = 8 (baseline)", lambda: f(q, k_cache, v_cache, lengths)),
         ("contiguous HND, padded Q = 8", lambda: f(q, k_hnd, v_hnd, lengths, kv_layout="HND")),
-        ("flat q, qo_indptr with every Q_b = 8", lambda: f(flat_full, k_cache, v_cache, lengths, qo_indptr=full_indptr)),
+        ("flat q, qo_indptr with every Q_b = 8",
+         lambda: f(flat_full, k_cache, v_cache, lengths, qo_indptr=full_indptr)),
         (f"flat q, qo_indptr with Q_b in 1..8 (T = {sum(counts)})",
          lambda: f(ragged, k_cache, v_cache, lengths, qo_indptr=ragged_indptr)),
         ("paged NHD, block table, padded Q = 8", lambda: f(q, k_pages, v_pages, lengths, block_table=table)),

@@ -1,14 +1,23 @@
-"""`specdec bench flat_sampling`: chain speculative sampling of a mixed-length batch in the flat form (vLLM's layout:
-draft_token_ids [T], rows [T + B, V] with cu_num_draft_tokens) against what an engine must do without it: copy the
-rows into the padded [B, K+1, V] layout, then make the padded call. Also the padded call alone (the copy excluded),
-which the flat call must not be slower than: both read the same rows.
+"""chain_speculative_sampling in the flat form (vLLM's layout) against the pad copy and the padded call.
+
+A mixed-length batch in the flat form (draft_token_ids [T], rows [T + B, V] with cu_num_draft_tokens) against what an
+engine must do without it: copy the rows into the padded [B, K+1, V] layout, then make the padded call. Also the
+padded call alone (the copy excluded), which the flat call must not be slower than: both read the same rows.
 """
 import torch
 
 import specdec_ext
 
 from ..factory import choose_device
-from .common import median_us, report, save
+from .common import add_common_arguments, int_list, median_us, print_row, report, save
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch", type=int_list, default=[64], help="batch sizes B (default 64)")
+    parser.add_argument("--k", type=int, default=8,
+                        help="the largest draft count K: each request drafts k_b uniform in 0..K (default 8)")
+    parser.add_argument("--vocab", type=int_list, default=[128256], help="vocabulary sizes V (default 128256)")
+    add_common_arguments(parser)
 
 
 def make_batch(batch, max_k, vocab, dtype, device, gen):
@@ -45,21 +54,18 @@ def pad(flat, index, rows, width):
 
 def main(args) -> int:
     device = choose_device(args.device)
-    batches = [int(x) for x in args.batch.split(",")] if args.batch else [64]
-    max_k = int(args.k) if args.k else 8
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else [128256]
+    max_k = args.k
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for vocab in vocabs:
-            for batch in batches:
+        for vocab in args.vocab:
+            for batch in args.batch:
                 case = make_batch(batch, max_k, vocab, dtype, device, torch.Generator().manual_seed(batch + vocab))
                 for path in ("probs", "logits"):
                     rows.append(measure(case, path, batch, max_k, vocab, dtype, device, args.repeats))
-                    print(" ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                                   for key, val in rows[-1].items()), flush=True)
+                    print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    report(f"chain speculative sampling, flat vs padded, mixed-length batch (k_b uniform in 0..{max_k}) on {name}", rows,
-           ["path", "dtype", "B", "V", "T", "flat_us", "padded_us", "pad_copy_us", "flat_vs_padded",
+    report(f"chain speculative sampling, flat vs padded, mixed-length batch (k_b uniform in 0..{max_k}) on {name}",
+           rows, ["path", "dtype", "B", "V", "T", "flat_us", "padded_us", "pad_copy_us", "flat_vs_padded",
             "copy_and_padded_vs_flat"])
     save(args, {"title": f"flat vs padded chain sampling, {name}", "device": name}, rows, ["path", "dtype", "B", "V"])
     return 0
