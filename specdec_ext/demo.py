@@ -12,7 +12,7 @@ import torch
 
 import specdec_ext
 from specdec_ext import reference
-from specdec_ext.cli import tree_settings
+from specdec_ext.drafters.registry import drafter_entry, drafters
 
 
 def sampling_demo(device: torch.device) -> bool:
@@ -24,8 +24,8 @@ def sampling_demo(device: torch.device) -> bool:
     q = torch.softmax(torch.log(p) + 0.6 * torch.randn(vocab, generator=g), -1)
     drafts = torch.multinomial(q.expand(n, vocab), k, replacement=True, generator=g).int()
     out = specdec_ext.chain_speculative_sampling(
-        drafts.to(device), p.expand(n, k + 1, vocab).contiguous().to(device), q.expand(n, k, vocab).contiguous().to(device),
-        seed=torch.arange(n, device=device), offset=0)
+        drafts.to(device), p.expand(n, k + 1, vocab).contiguous().to(device),
+        q.expand(n, k, vocab).contiguous().to(device), seed=torch.arange(n, device=device), offset=0)
     first = torch.bincount(out.output_token_ids[:, 0].long().cpu(), minlength=vocab).double() / n
     tv = 0.5 * float((first - p.double()).abs().sum())
     alpha = float(torch.minimum(p, q).sum())
@@ -37,29 +37,36 @@ def sampling_demo(device: torch.device) -> bool:
 
 
 # The demo's two tasks: the product at its typical (an open-ended chat question) and at its best (a rewriting request,
-# as in retrieval-augmented chat or code editing, whose answer reuses the prompt's wording).
-QUESTIONS = {
-    "eagle": "What is the capital of France? Tell me about the city in a few sentences.",
-    "ngram": "Here is a note: 'Paris is the capital of France. The Eiffel Tower in Paris was completed in 1889 and is "
-             "330 metres tall. The Louvre in Paris is the most visited museum in the world.' Rewrite the note as a "
-             "bulleted list, keeping its wording.",
+# as in retrieval-augmented chat or code editing, whose answer reuses the prompt's wording). The drafter of each task,
+# by one rule (not by timing on this machine): an answer asked to reuse the prompt's own text (rewriting, editing,
+# extracting) is drafted by prompt lookup, which copies the prompt's spans for free; an open-ended answer by the
+# trained EAGLE head, which predicts the model's own next tokens (bench/RESULTS.md: prompt lookup gains little on
+# answers that copy nothing).
+TASKS = {  # name -> (what it is, the drafter the rule gives it, its question)
+    "chat": ("an open-ended chat question", "eagle",
+             "What is the capital of France? Tell me about the city in a few sentences."),
+    "rewrite": ("rewriting a note, keeping its wording", "ngram",
+                "Here is a note: 'Paris is the capital of France. The Eiffel Tower in Paris was completed in 1889 and "
+                "is 330 metres tall. The Louvre in Paris is the most visited museum in the world.' Rewrite the note "
+                "as a bulleted list, keeping its wording."),
 }
-QUESTIONS["medusa"] = QUESTIONS["eagle"]
-QUESTIONS["lookahead"] = QUESTIONS["ngram"]  # Lookahead looks the prompt up too, and adds its Jacobi window
-# The drafter of each task, by one rule (not by timing on this machine): an answer asked to reuse the prompt's own
-# text (rewriting, editing, extracting) is drafted by prompt lookup, which copies the prompt's spans for free; an
-# open-ended answer by the trained EAGLE head, which predicts the model's own next tokens (bench/RESULTS.md: prompt
-# lookup gains little on answers that copy nothing).
+# Each task's question by the drafter the rule gives it (bench/cpu_forward.py times the rewriting task's).
+QUESTIONS = {drafter: question for _, drafter, question in TASKS.values()}
 DRAFTER_RULE = ("drafter rule: an answer that reuses the prompt's text (rewriting a note, editing code) -> n-gram "
                 "prompt lookup; an open-ended answer -> the trained EAGLE head")
-TASKS = [  # (name, what it is, drafter)
-    ("chat", "an open-ended chat question", "eagle"),
-    ("rewrite", "rewriting a note, keeping its wording", "ngram"),
-]
-DRAFTER_NAMES = {"eagle": "the shipped EAGLE head", "medusa": "the shipped Medusa heads",
-                 "ngram": "n-gram prompt lookup", "lookahead": "Lookahead decoding (Jacobi window + n-gram pool)"}
-TASK_OF = {"ngram": "rewrite", "lookahead": "rewrite"}  # the task a --drafter runs (else: chat)
 NEW_TOKENS = 96
+
+
+def demo_drafters() -> list:
+    """The names of the registered drafters (drafters/registry.py) `specdec demo --drafter` runs: those that run on the
+    shipped model as they are (no draft model to name)."""
+    return [e.name for e in drafters() if not e.needs_draft_model]
+
+
+def task_of(drafter: str) -> str:
+    """The task a --drafter runs: rewriting the note when it drafts from the request's own text, as prompt lookup
+    does; else the chat question."""
+    return "rewrite" if drafter_entry(drafter).drafts_from_the_text else "chat"
 
 
 def load_shipped_model(device: torch.device):
@@ -74,17 +81,19 @@ def load_shipped_model(device: torch.device):
 
 
 def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded=None, task: str | None = None) -> dict:
-    """The shipped model (SmolLM2-135M-Instruct) answers the question of `drafter` (QUESTIONS) through speculative
-    decoding with that drafter (its shipped EAGLE head, Medusa heads, or n-gram prompt lookup), streamed as it is
-    generated; then the same request by plain decoding: the same tokens (greedy), the speedup and the acceptance
-    stats, timed after a warm run. tree: tree rounds of these settings (TreeSettings) instead of chains. loaded:
-    (path, model, tokenizer) already loaded. Returns the task's row: ok (the check), and the numbers printed."""
+    """The shipped model (SmolLM2-135M-Instruct) answers the question of `task` (TASKS; None: the drafter's task_of)
+    through speculative decoding with `drafter` (one of demo_drafters: its shipped EAGLE head, Medusa heads, n-gram
+    prompt lookup...), streamed as it is generated; then the same request by plain decoding: the same tokens
+    (greedy), the speedup and the acceptance stats, timed after a warm run. tree: tree rounds of these settings
+    (TreeSettings) instead of chains. loaded: (path, model, tokenizer) already loaded. Returns the task's row: ok
+    (the check), and the numbers printed."""
     from specdec_ext import SpeculativeDecoder
     from specdec_ext.factory import make_drafter, prompt_ids
     from specdec_ext.streaming import TextStream
 
     path, model, tokenizer = loaded or load_shipped_model(device)
-    question = QUESTIONS[drafter]
+    task = task or task_of(drafter)
+    question = TASKS[task][2]
     ids = prompt_ids(tokenizer, question, chat=True)
     k = 6 if drafter == "ngram" else 4
     dec = SpeculativeDecoder(model, make_drafter(drafter, model, path), num_speculative_tokens=k, max_batch_size=1,
@@ -119,7 +128,7 @@ def chat_demo(device: torch.device, drafter: str = "eagle", tree=None, *, loaded
     same = spec.sequences == plain.sequences == again.sequences
     print(f"speculative tokens equal plain greedy decoding's: {same}")
     answer = tokenizer.decode(spec.sequences[0], skip_special_tokens=True)
-    return dict(task=task or TASK_OF.get(drafter, "chat"), drafter=drafter, plain=p.tokens_per_second,
+    return dict(task=task, drafter=drafter, plain=p.tokens_per_second,
                 speculative=s.tokens_per_second, speedup=speedup, acceptance=s.acceptance_rate,
                 length=s.mean_acceptance_length, same=same, ok=same and "paris" in answer.lower())
 
@@ -130,12 +139,12 @@ def tasks_demo(device: torch.device, drafter: str | None = None, tree=None) -> b
     loaded = load_shipped_model(device)
     if drafter is None:
         print(DRAFTER_RULE)
-        runs = TASKS
+        runs = [(name, what, d) for name, (what, d, _) in TASKS.items()]
     else:
-        runs = [(TASK_OF.get(drafter, "chat"), "chosen by --drafter", drafter)]
+        runs = [(task_of(drafter), "chosen by --drafter", drafter)]
     rows = []
     for i, (name, what, d) in enumerate(runs, 1):
-        print(f"\n== task {i}/{len(runs)}: {name} ({what}); drafter: {d} ({DRAFTER_NAMES[d]})")
+        print(f"\n== task {i}/{len(runs)}: {name} ({what}); drafter: {d} ({drafter_entry(d).help})")
         rows.append(chat_demo(device, d, tree, loaded=loaded, task=name))
     print(f"\nsummary (up to {NEW_TOKENS} new tokens each, greedy, timed after a warm run, prefill included):")
     print(f"  {'task':<8} {'drafter':<9} {'plain tok/s':>11} {'speculative tok/s':>17} {'speedup':>7} "
@@ -170,19 +179,6 @@ def emulator_check(seeds, steps, ref) -> bool | None:
         return torch.equal(torch.tensor(json.loads(out), dtype=torch.float64).float(), ref)
     except ImportError:
         return None
-
-
-def register(sub) -> None:
-    demo = sub.add_parser("demo", help="the ops end to end, and the shipped model speculative against plain")
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--drafter", default=None, choices=sorted(QUESTIONS),
-                      help="run one task with this drafter: eagle (the trained EAGLE head) or medusa on the chat "
-                           "question, ngram (prompt lookup) or lookahead (Lookahead decoding) on the rewriting task "
-                           "(default: both tasks, each with the "
-                           "drafter the rule gives it)")
-    demo.add_argument("--tree", default=None, type=tree_settings,
-                      help="tree rounds: N (nodes per tree) or nodes=N,depth=D,branching=K")
-    demo.set_defaults(fn=lambda args: main(device=args.device, drafter=args.drafter, tree=args.tree))
 
 
 def main(device: str | None = None, drafter: str | None = None, tree=None) -> int:

@@ -6,8 +6,6 @@ from pathlib import Path
 
 import torch
 
-DRAFTER_SYNTAX = "ngram, lookahead[:W/N/G], model:PATH, eagle[:PATH] or medusa[:PATH]"
-
 
 def choose_device(name: str | None = None) -> torch.device:
     """`name` (cpu, cuda, cuda:1), or CUDA when a GPU is visible, else the CPU."""
@@ -38,70 +36,30 @@ def prompt_ids(tokenizer, text: str, chat: bool = True) -> list:
     return tokenizer(text)["input_ids"]
 
 
-def heads_only_for_the_default_model(kind: str) -> ValueError:
-    return ValueError(f"--drafter {kind}: heads ship for the default model only; give {kind}:PATH, made by "
-                      f"`specdec train-draft --kind {kind}`")
+def check_drafter(spec: str, model_path=None):
+    """The DrafterEntry (drafters/registry.py) of a drafter spec that make_drafter accepts; ValueError when it is not
+    (its syntax, the PATH it names, and whether heads ship for model_path: None is the default model), before anything
+    is loaded."""
+    from .drafters.registry import parse_drafter
 
-
-def check_drafter(spec: str, model_path=None) -> None:
-    """Raises ValueError when a drafter spec is not one make_drafter accepts (its syntax, the PATH it names, and
-    whether heads ship for model_path: None is the default model), before anything is loaded."""
-    from .models import default_model_path
-
-    kind, colon, path = spec.partition(":")
-    if spec == "ngram":
-        return
-    if kind == "lookahead":
-        lookahead_settings(spec)
-        return
-    if kind not in ("model", "eagle", "medusa") or (kind == "model" and not path) or (colon and not path):
-        raise ValueError(f"--drafter must be {DRAFTER_SYNTAX}, got {spec!r}")
-    if path and not Path(path).exists():
-        raise ValueError(f"--drafter {spec}: no such file or directory")
-    if kind != "model" and not path and model_path is not None and \
-            Path(model_path).resolve() != default_model_path().resolve():
-        raise heads_only_for_the_default_model(kind)
-
-
-def lookahead_settings(spec: str) -> dict:
-    """'lookahead' or 'lookahead:W/N/G' -> LookaheadDrafter's arguments (checked by building one)."""
-    from .drafters import LookaheadDrafter
-
-    _, colon, values = spec.partition(":")
-    if not colon:
-        return {}
-    parts = values.split("/")
-    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"--drafter lookahead:W/N/G takes three ints (window, ngram, guesses), got {spec!r}")
-    settings = dict(zip(("window", "ngram", "guesses"), (int(p) for p in parts)))
-    try:
-        LookaheadDrafter(**settings)
-    except ValueError as e:
-        raise ValueError(f"--drafter {spec}: {e}") from None
-    return settings
+    return parse_drafter(spec, lambda: model_path is None or _is_the_default_model(model_path))[0]
 
 
 def make_drafter(spec: str, target, model_path=None, keep_quantized: bool = False):
-    """'ngram', 'lookahead[:W/N/G]' (LookaheadDrafter(window=W, ngram=N, guesses=G); without them its defaults),
-    'model:PATH' (a draft model; keep_quantized: its GGUF block weights kept as stored, whatever the
-    target's), 'eagle[:PATH]' or 'medusa[:PATH]' (trained heads for the target; without a PATH, the heads shipped
-    for the default model, when model_path is that model)."""
-    from .drafters import EagleDrafter, LookaheadDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
-    from .models import LlamaForCausalLM, default_head_path
-    from .models.draft_heads import EagleHead, MedusaHeads
+    """The drafter a spec names, built for `target` by its registry entry (drafters/registry.py): 'ngram',
+    'lookahead[:W/N/G]' (LookaheadDrafter(window=W, ngram=N, guesses=G); without them its defaults), 'model:PATH'
+    (a draft model; keep_quantized: its GGUF block weights kept as stored, whatever the target's), 'eagle[:PATH]' or
+    'medusa[:PATH]' (trained heads for the target; without a PATH, the heads shipped for the default model, when
+    model_path is that model: None, an unknown model, is refused), or any drafter registered besides."""
+    from .drafters.registry import parse_drafter
 
-    kind, _, path = spec.partition(":")
-    if kind in ("eagle", "medusa") and not path and model_path is None:  # no model path: which model is unknown
-        raise heads_only_for_the_default_model(kind)
-    check_drafter(spec, model_path)
-    if spec == "ngram":
-        return NgramDrafter()
-    if kind == "lookahead":
-        return LookaheadDrafter(**lookahead_settings(spec))
-    if kind == "model":
-        return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype,
-                                                             keep_quantized=keep_quantized))
-    path = path or default_head_path(kind)
-    if kind == "eagle":
-        return EagleDrafter(target, EagleHead.load(path, target))
-    return MedusaDrafter(target, MedusaHeads.load(path, target))
+    entry, arguments = parse_drafter(spec, lambda: model_path is not None and _is_the_default_model(model_path))
+    if entry.needs_draft_model:
+        arguments["keep_quantized"] = keep_quantized
+    return entry.build(target, **arguments)
+
+
+def _is_the_default_model(model_path) -> bool:
+    from .models import default_model_path
+
+    return Path(model_path).resolve() == default_model_path().resolve()

@@ -154,7 +154,8 @@ BAD_ARGUMENTS = [
     (["generate", "--prompt", "Hi", "-k", "129"], "-k must be in [1, 128]"),
     (["generate", "--prompt", "Hi", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["generate", "--prompt", "Hi", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
-    (["generate", "--prompt", "Hi", "--drafter", "eagel"], "--drafter must be ngram,"),
+    (["generate", "--prompt", "Hi", "--drafter", "eagel"],
+     "--drafter must be eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH or ngram, got 'eagel'"),
     (["generate", "--prompt", "Hi", "--drafter", "model:/no/such/dir"], "--drafter model:/no/such/dir: no such file"),
     (["generate", "--prompt", "Hi", "--device", "tpu"], "--device 'tpu' is not a device"),
     (["generate", "--prompt", "Hi", "--seed", str(2**64)], "--seed must fit in a signed 64-bit integer"),
@@ -173,15 +174,15 @@ if not torch.cuda.is_available():
 def no_loading(monkeypatch):
     """Every command's loading (and running) raises: a test of checks made before it."""
     import specdec_ext.bench
+    import specdec_ext.cli.train_draft
     import specdec_ext.demo
     import specdec_ext.factory
-    import specdec_ext.training
 
     def no_loading(*a, **k):
         raise AssertionError("loaded a model before checking the arguments")
 
     monkeypatch.setattr(specdec_ext.factory, "load", no_loading)
-    monkeypatch.setattr(specdec_ext.training, "main", no_loading)
+    monkeypatch.setattr(specdec_ext.cli.train_draft, "main", no_loading)
     monkeypatch.setattr(specdec_ext.bench, "run", no_loading)
     monkeypatch.setattr(specdec_ext.demo, "main", no_loading)
 
@@ -241,8 +242,9 @@ def test_bad_cpu_isa_in_the_environment_of_the_command():
 @pytest.mark.parametrize("setting", [None, "sse2", "bogus"])
 def test_info_reports_the_cpu_isa(setting, monkeypatch, capsys):
     from specdec_ext import ops
+    from specdec_ext.cli import info as info_command
 
-    monkeypatch.setattr(cli, "emulator_line", lambda: "not probed by this test")
+    monkeypatch.setattr(info_command, "emulator_line", lambda: "not probed by this test")
     if setting is None:
         monkeypatch.delenv("SPECDEC_CPU_ISA", raising=False)
     else:

@@ -117,8 +117,8 @@ class Drafter(ABC):
 
     def check_tree(self, tree) -> None:
         if not self.supports_trees:
-            raise ValueError(f"tree rounds need a drafter that proposes trees (EagleDrafter, MedusaDrafter, "
-                             f"NgramDrafter, LookaheadDrafter), got {type(self).__name__}")
+            raise ValueError(f"tree rounds need a drafter that proposes trees (one whose supports_trees is True), "
+                             f"got {type(self).__name__}")
 
     def cache_margin(self, k_max: int, tree=None) -> int:
         return 0

@@ -50,7 +50,7 @@ class EagleDrafter(Drafter):
 
     def cost_probe(self):
         """One head step over `rows` pairs (fusion, the decoder layer, the draft-vocabulary LM head)."""
-        from ..engine.policy import table_key
+        from ..cost_tables import table_key
 
         def prepare(rows: int):
             h = self.target.config.hidden_size
@@ -193,3 +193,22 @@ class EagleDrafter(Drafter):
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
                 self.pending[b].append(feedback.hidden_states[b, :a + 1])
+
+
+# --------------------------------------------------------------------------------- its command-line spelling
+from .registry import DrafterEntry, path_value, register_drafter  # noqa: E402
+
+
+def eagle_drafter(target, path=None) -> EagleDrafter:
+    """An EagleDrafter of the head file at `path` (None: the one shipped for the default model)."""
+    from ..models import default_head_path
+    from ..models.draft_heads import EagleHead
+
+    return EagleDrafter(target, EagleHead.load(path or default_head_path("eagle"), target))
+
+
+register_drafter(DrafterEntry(
+    name="eagle", drafter_class=EagleDrafter, syntax="eagle[:PATH]", help="a trained EAGLE head",
+    value_help="without PATH, the one shipped for the default model",
+    parse=lambda spec, value: {"path": path_value(spec, value, required=False)}, build=eagle_drafter,
+    trained_heads=True))

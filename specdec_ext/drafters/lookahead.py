@@ -316,3 +316,28 @@ class LookaheadDrafter(Drafter):
 
         key = {"drafter": "lookahead", "window": self.window, "ngram": self.ngram, "guesses": self.guesses}
         return key, lambda rows: (lambda: step(rows))
+
+
+# --------------------------------------------------------------------------------- its command-line spelling
+from .registry import DrafterEntry, register_drafter  # noqa: E402
+
+
+def lookahead_settings(spec: str, value: str | None) -> dict:
+    """'lookahead' or 'lookahead:W/N/G' -> LookaheadDrafter's arguments (checked by building one)."""
+    if value is None:
+        return {}
+    parts = value.split("/")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--drafter lookahead:W/N/G takes three ints (window, ngram, guesses), got {spec!r}")
+    settings = dict(zip(("window", "ngram", "guesses"), (int(p) for p in parts)))
+    try:
+        LookaheadDrafter(**settings)
+    except ValueError as e:
+        raise ValueError(f"--drafter {spec}: {e}") from None
+    return settings
+
+
+register_drafter(DrafterEntry(
+    name="lookahead", drafter_class=LookaheadDrafter, syntax="lookahead[:W/N/G]",
+    help="Lookahead decoding: a Jacobi window and an n-gram pool; trees of its own", parse=lookahead_settings,
+    build=lambda target, **settings: LookaheadDrafter(**settings), drafts_from_the_text=True))

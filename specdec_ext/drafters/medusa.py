@@ -32,7 +32,7 @@ class MedusaDrafter(Drafter):
 
     def cost_probe(self):
         """The heads over `rows` features (every head in one call)."""
-        from ..engine.policy import table_key
+        from ..cost_tables import table_key
 
         def prepare(rows: int):
             features = torch.ones(rows, self.target.config.hidden_size, dtype=self.target.dtype,
@@ -99,3 +99,22 @@ class MedusaDrafter(Drafter):
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
                 self.features[b] = feedback.hidden_states[b, a]
+
+
+# --------------------------------------------------------------------------------- its command-line spelling
+from .registry import DrafterEntry, path_value, register_drafter  # noqa: E402
+
+
+def medusa_drafter(target, path=None) -> MedusaDrafter:
+    """A MedusaDrafter of the heads file at `path` (None: the one shipped for the default model)."""
+    from ..models import default_head_path
+    from ..models.draft_heads import MedusaHeads
+
+    return MedusaDrafter(target, MedusaHeads.load(path or default_head_path("medusa"), target))
+
+
+register_drafter(DrafterEntry(
+    name="medusa", drafter_class=MedusaDrafter, syntax="medusa[:PATH]", help="trained Medusa heads",
+    value_help="without PATH, the ones shipped for the default model",
+    parse=lambda spec, value: {"path": path_value(spec, value, required=False)}, build=medusa_drafter,
+    trained_heads=True))

@@ -37,7 +37,7 @@ class ModelDrafter(Drafter):
         return k, 1  # one forward per drafted token (the first also feeds the pending tokens)
 
     def cost_probe(self):
-        from ..engine.policy import forward_step, table_key
+        from ..cost_tables import forward_step, table_key
 
         return table_key(self.model), lambda rows: forward_step(self.model, rows)
 
@@ -96,3 +96,22 @@ class ModelDrafter(Drafter):
         for b, (k, a) in enumerate(zip(asked, feedback.num_accepted)):
             self.state.lengths[b] += min(max(a, 0), max(k - 1, 0))
         self.state.restore()
+
+
+# --------------------------------------------------------------------------------- its command-line spelling
+from .registry import DrafterEntry, path_value, register_drafter  # noqa: E402
+
+
+def draft_model_drafter(target, path, keep_quantized: bool = False) -> ModelDrafter:
+    """A ModelDrafter of the model at `path` (HF directory or .gguf), on the target's device and dtype; keep_quantized:
+    its GGUF block weights kept as stored, whatever the target's."""
+    from ..models import LlamaForCausalLM
+
+    return ModelDrafter(LlamaForCausalLM.from_pretrained(path, device=target.device, dtype=target.dtype,
+                                                         keep_quantized=keep_quantized))
+
+
+register_drafter(DrafterEntry(
+    name="model", drafter_class=ModelDrafter, syntax="model:PATH", help="a draft model",
+    parse=lambda spec, value: {"path": path_value(spec, value, required=True)}, build=draft_model_drafter,
+    needs_draft_model=True))

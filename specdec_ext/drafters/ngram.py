@@ -70,3 +70,11 @@ class NgramDrafter(Drafter):
         step = lambda rows: padded([self.lookup(history, 8) for _ in range(rows)], 0, torch.int64, self.device)
         key = {"drafter": "ngram", "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
         return key, lambda rows: (lambda: step(rows))
+
+
+# --------------------------------------------------------------------------------- its command-line spelling
+from .registry import DrafterEntry, no_value, register_drafter  # noqa: E402
+
+register_drafter(DrafterEntry(
+    name="ngram", drafter_class=NgramDrafter, syntax="ngram", help="n-gram prompt lookup", parse=no_value,
+    build=lambda target: NgramDrafter(), drafts_from_the_text=True))

@@ -3,24 +3,28 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import tree_settings
-from .engine.decoder import DEFAULT_SAMPLING, SAMPLING_MODES
-from .factory import check_drafter
+from ..drafters.registry import drafters, spelled
+from ..engine.decoder import DEFAULT_SAMPLING, SAMPLING_MODES
+from ..factory import check_drafter
+from .common import UsageError, tree_settings
 
 
 def validate(args) -> None:
-    """What `specdec generate` checks before loading anything (cli.main runs it; the numeric ranges are cli's)."""
+    """What `specdec generate` checks before loading anything (cli.main runs it; the numeric ranges are
+    cli/checks.py's)."""
     drafter = args.drafter or ("ngram" if args.model else "eagle")
-    check_drafter(drafter, args.model)
-    if args.tree is not None and drafter.startswith("model:"):
-        raise ValueError("--tree: tree rounds need eagle, medusa, ngram or lookahead drafting, not a draft model")
+    entry = check_drafter(drafter, args.model)
+    if args.tree is not None and not entry.draws_trees:
+        trees = spelled([e.name for e in drafters() if e.draws_trees])
+        raise ValueError(f"--tree: tree rounds need {trees} drafting, not {entry.help}")
     if not args.chat and args.prompt == "":
         raise ValueError("--prompt is empty (without --chat there is nothing to continue)")
     if args.keep_quantized and args.model and not str(args.model).endswith(".gguf") and \
             not any(Path(args.model).glob("*.gguf")):
         raise ValueError("--keep-quantized: --model must be a .gguf file (its block weights are what is kept)")
-    if args.draft_keep_quantized and not drafter.startswith("model:"):
-        raise ValueError("--draft-keep-quantized: the drafter must be model:PATH (a draft model)")
+    if args.draft_keep_quantized and not entry.needs_draft_model:
+        models = spelled([f"{e.syntax} ({e.help})" for e in drafters() if e.needs_draft_model])
+        raise ValueError(f"--draft-keep-quantized: the drafter must be {models}")
 
 
 def stats_line(s, drafter: str, shape: str, seconds: float, finish_reason=None) -> str:
@@ -33,11 +37,10 @@ def stats_line(s, drafter: str, shape: str, seconds: float, finish_reason=None) 
 
 
 def main(args) -> int:
-    from .cli import UsageError
-    from .engine import SpeculativeDecoder
-    from .factory import choose_device, load, make_drafter, prompt_ids
-    from .models import default_model_path
-    from .streaming import TextStream
+    from ..engine import SpeculativeDecoder
+    from ..factory import choose_device, load, make_drafter, prompt_ids
+    from ..models import default_model_path
+    from ..streaming import TextStream
 
     device = choose_device(args.device)
     path = args.model or default_model_path()
@@ -49,8 +52,9 @@ def main(args) -> int:
     context = model.config.max_position_embeddings
     if len(ids) >= context:
         raise UsageError(f"--prompt is {len(ids)} tokens; the model's context is {context} tokens")
-    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path, args.draft_keep_quantized), args.k, tree=args.tree,
-                             max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive, sampling=args.sampling)
+    dec = SpeculativeDecoder(model, make_drafter(drafter, model, path, args.draft_keep_quantized), args.k,
+                             tree=args.tree, max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive,
+                             sampling=args.sampling)
     text = TextStream(tokenizer)
 
     def stream(r, new):
@@ -73,15 +77,21 @@ def main(args) -> int:
     return 0
 
 
+def tree_drafters() -> str:
+    """The drafters that draw --tree's trees, for its help: 'eagle, medusa, ngram; lookahead always runs its own'."""
+    chosen = ", ".join(e.name for e in drafters() if e.draws_trees and not e.runs_own_trees)
+    own = [e.name for e in drafters() if e.runs_own_trees]
+    if not own:
+        return chosen
+    return f"{chosen}; {spelled(own)} always {'runs its own' if len(own) == 1 else 'run their own'}"
+
+
 def register(sub) -> None:
     p = sub.add_parser("generate", help="stream text from a model through speculative decoding")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the shipped SmolLM2-135M)")
-    p.add_argument("--drafter", default=None, help="ngram (prompt lookup), lookahead[:W/N/G] (Lookahead decoding: "
-                                                      "a Jacobi window and an n-gram pool; trees of its own), "
-                                                      "model:PATH (a draft model), "
-                                                      "eagle[:PATH] or medusa[:PATH] (trained heads; without PATH, the "
-                                                      "ones shipped for the default model). Default: eagle for the "
-                                                      "default model, ngram otherwise")
+    p.add_argument("--drafter", default=None,
+                   help=f"{spelled([e.help_line() for e in drafters()])}. Default: eagle for the default model, "
+                        f"ngram otherwise")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -99,8 +109,8 @@ def register(sub) -> None:
     p.add_argument("--max-batch-size", type=int, default=1,
                    help="requests decoded at once (default 1: the command decodes one prompt)")
     p.add_argument("--tree", default=None, type=tree_settings,
-                   help="tree rounds (eagle, medusa, ngram; lookahead always runs its own): N (nodes per tree, "
-                        "the last token included) or nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
+                   help=f"tree rounds ({tree_drafters()}): N (nodes per tree, the last token included) or "
+                        f"nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
     p.add_argument("--keep-quantized", action="store_true",
                    help="a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights stay as stored (4-8 bits a weight read per "
                         "step instead of 32); activations float32")
