@@ -22,16 +22,8 @@ import torch
 
 from ..drafters.base import RoundFeedback, RoundInputs
 from ..host import read, upload
-from ..ops import chain_speculative_sampling_from_logits, tree_speculative_sampling_from_logits
-
-
-def sample_without_drafts(logits, *, temperature, seed, offset, coupling, top_k, top_p):  # TEMPORARY until ops has it
-    batch, vocab = logits.shape
-    out = chain_speculative_sampling_from_logits(
-        torch.zeros(batch, 1, dtype=torch.int64, device=logits.device), logits.unsqueeze(1).expand(batch, 2, vocab),
-        temperature=temperature, num_draft_tokens=torch.zeros(batch, dtype=torch.int32, device=logits.device),
-        seed=seed, offset=offset, coupling=coupling, top_k=top_k, top_p=top_p)
-    return out.output_token_ids[:, 0]
+from ..ops import (chain_speculative_sampling_from_logits, sample_without_drafts,
+                   tree_speculative_sampling_from_logits)
 
 
 class Stopwatch:
