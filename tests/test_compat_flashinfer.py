@@ -5,9 +5,12 @@ the paged prefill wrapper against a float64 softmax over the gathered pages, wit
 refusals."""
 import pytest
 import torch
-from helpers import (DOCUMENTED_OUTPUT, TOLERANCE, check_flashinfer_statement, chi_square_pvalue, documented_example,
-                     flashinfer_case, flashinfer_masks, on, pack_segments, paged_batch, plan_and_run,
-                     reference_attention, rel_error)
+from helpers.chi_square import chi_square_pvalue
+from helpers.compat_backends import on
+from helpers.compat_flashinfer import (DOCUMENTED_OUTPUT, check_flashinfer_statement, documented_example,
+                                       flashinfer_case, flashinfer_masks, pack_segments, paged_batch, plan_and_run,
+                                       reference_attention)
+from helpers.verify_attention import TOLERANCE, rel_error
 
 from specdec_ext import compat, ops
 from specdec_ext.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, sampling

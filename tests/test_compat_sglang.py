@@ -6,8 +6,8 @@ import contextlib
 
 import pytest
 import torch
-from helpers import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_buffers, sglang_greedy,
-                     sglang_kernel_case, sglang_sample)
+from helpers.compat_sglang import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_buffers,
+                                   sglang_greedy, sglang_kernel_case, sglang_sample)
 from scipy import stats
 
 from specdec_ext import compat

@@ -8,9 +8,11 @@ import sys
 
 import pytest
 import torch
-from helpers import (ASSISTED_SAMPLING, GENERATE_SAMPLES, LAW_PROMPT, CountingOps, assisted_models, bias_power,
-                     check_law_of_the_shims_call, check_torch_manual_seed_reproduces_generate, complete_sequences,
-                     exact_law, generate_counts, law_pvalue, table_law, table_model, table_round)
+from helpers.chi_square import bias_power, law_pvalue
+from helpers.compat_transformers import (ASSISTED_SAMPLING, GENERATE_SAMPLES, CountingOps, assisted_models,
+                                         check_law_of_the_shims_call, check_torch_manual_seed_reproduces_generate,
+                                         complete_sequences, generate_counts, table_law, table_model, table_round)
+from helpers.laws import LAW_PROMPT, exact_law
 
 from specdec_ext import compat
 from specdec_ext.compat import transformers as shim

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from helpers import (GREEDY_CASES, LOGITS, BonusSampler, argmax_rows, bonus_ids, check_deterministic_when_seeded,
-                     check_emitted_tokens_follow_the_target, check_greedy_case, check_k32,
-                     check_mixed_greedy_and_random_batch, check_rejection_sampler_forward_processes_the_target,
-                     flat, forward_batch, greedy_call, on, processed_law, rows_chi_square_pvalue, sampling_metadata)
+from helpers.chi_square import rows_chi_square_pvalue
+from helpers.compat_backends import on
+from helpers.compat_vllm import (GREEDY_CASES, LOGITS, BonusSampler, argmax_rows, bonus_ids,
+                                 check_deterministic_when_seeded, check_emitted_tokens_follow_the_target,
+                                 check_greedy_case, check_k32, check_mixed_greedy_and_random_batch,
+                                 check_rejection_sampler_forward_processes_the_target, flat, forward_batch, greedy_call,
+                                 processed_law, sampling_metadata)
 
 from specdec_ext.compat import vllm as shim
 

@@ -21,7 +21,7 @@ KNOWN_SCHEMAS = {"philox_uniform", "chain_speculative_sampling", "chain_speculat
                  "rotary_split", "silu_mul"}
 # Public Python ops without a schema of their own: gumbel_sample calls chain_speculative_sampling_from_logits,
 # set_strict is a switch of the wrappers.
-PYTHON_ONLY_OPS = {"gumbel_sample", "set_strict"}
+PYTHON_ONLY_OPS = {"gumbel_sample", "sample_without_drafts", "set_strict"}
 # Schema arguments that a section need not name: error_flags is the device-side error word that the Python wrappers
 # allocate in strict mode and read back; no caller passes it (the conventions section describes it once).
 UNDOCUMENTED_ARGUMENTS = {"error_flags"}
@@ -129,8 +129,10 @@ def anchors(path: Path) -> set:
 
 
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-# Reference-style link definitions: "[name]: target" at the start of a line.
+# Reference-style link definitions: "[name]: target" at the start of a line; uses: "[text][name]".
 _LINK_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?([^\s>]+)>?", re.M)
+_LINK_LABEL = re.compile(r"^ {0,3}\[([^\]]+)\]:", re.M)
+_LINK_USE = re.compile(r"\]\[([^\]]+)\]")
 
 
 def broken_links(path: Path, root: Path = ROOT) -> list:
@@ -148,6 +150,11 @@ def broken_links(path: Path, root: Path = ROOT) -> list:
             problems.append(f"{where}: no file {dest.relative_to(root) if dest.is_relative_to(root) else dest}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             problems.append(f"{where}: no heading with anchor #{anchor} in {dest.relative_to(root)}")
+    labels = [label.lower() for label in _LINK_LABEL.findall(text)]
+    for label in sorted({label for label in labels if labels.count(label) > 1}):
+        problems.append(f"{path.relative_to(root)}: [{label}] is defined twice (the first definition wins)")
+    for label in sorted({label.lower() for label in _LINK_USE.findall(text)} - set(labels)):
+        problems.append(f"{path.relative_to(root)}: [{label}] is used but never defined")
     return list(dict.fromkeys(problems))  # each broken target once
 
 
@@ -182,12 +189,13 @@ def test_repo_paths_in_ops_doc_exist():
     assert not missing, "docs/ops.md names paths that do not exist:\n" + "\n".join(missing)
 
 
-def test_ops_doc_lines_fit():
-    long = [i for i, line in enumerate(OPS_DOC.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
-    assert not long, f"docs/ops.md lines longer than 120 characters: {long}"
-
-
 MARKDOWN_FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("path", MARKDOWN_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_lines_fit(path):
+    long = [i for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
+    assert not long, f"{path.relative_to(ROOT)}: lines longer than 120 characters: {long}"
 
 
 @pytest.mark.parametrize("path", MARKDOWN_FILES, ids=lambda p: str(p.relative_to(ROOT)))

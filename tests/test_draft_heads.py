@@ -4,8 +4,9 @@ draft vocabulary come through the residual), q is zero outside the draft vocabul
 refuse another model. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, LAW_VOCAB, assert_law, law_target, make_drafter, random_medusa, random_prompts,
-                     random_vocab, sample_first_tokens, tiny_hf, tiny_model)
+from helpers.chi_square import assert_law
+from helpers.laws import LAW_CASES, LAW_VOCAB, law_target, sample_first_tokens
+from helpers.models import make_drafter, random_medusa, random_prompts, random_vocab, tiny_hf, tiny_model
 
 from specdec_ext import SpeculativeDecoder
 from specdec_ext.engine import generate_autoregressive

@@ -3,7 +3,8 @@ its position, bit for bit the same on the CPU kernel and the CUDA kernel under t
 they equal it; the law of gumbel_sample is the target's."""
 import pytest
 import torch
-from helpers import chi_square_pvalue, make_chain_inputs, make_tree_inputs, padded_and_flat_trees
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs, padded_and_flat_trees
 
 import specdec_ext
 from specdec_ext import reference, sim

@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import SMALL, hf_case, random_medusa, random_model, random_vocab, save_hf, tiny_model, write_gguf
+from helpers.gguf_files import SMALL, random_model, write_gguf
+from helpers.models import hf_case, random_medusa, random_vocab, save_hf, tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig as HFLlamaConfig

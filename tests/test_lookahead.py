@@ -7,8 +7,10 @@ prefill of the emitted tokens after every step (the window's K/V gone); the plan
 raise naming the argument. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, CacheCheck, assert_law, law_target, random_prompts, record_paths,
-                     sample_first_tokens, shipped_model, tiny_model)
+from helpers.chi_square import assert_law
+from helpers.decoder_probes import CacheCheck, record_paths
+from helpers.laws import LAW_CASES, law_target, sample_first_tokens
+from helpers.models import random_prompts, shipped_model, tiny_model
 
 from specdec_ext import LookaheadDrafter, SpeculativeDecoder
 from specdec_ext.drafters.base import RoundFeedback, RoundInputs

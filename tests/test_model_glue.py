@@ -4,7 +4,7 @@ rounding; and a model forward on them equals the forward on torch's ops."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import shared_hf
+from helpers.models import shared_hf
 
 import specdec_ext.models.llama as llama
 from specdec_ext.models import LlamaForCausalLM

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import ARCH_CASES, VOCAB, arch_hf, hf_case, save_hf, seed_of, shipped_model
+from helpers.models import ARCH_CASES, VOCAB, arch_hf, hf_case, save_hf, seed_of, shipped_model
 from safetensors.torch import load_file, save_file
 
 import specdec_ext
@@ -171,7 +171,7 @@ def test_ragged_prefill_is_one_forward_per_chunk(paged):
     flat forward per chunk of verify_attention's limit (here 3, for the 150), not one per distinct length; each
     row's K/V and hidden states equal a prefill of that prompt alone, rows 1 and 4 are untouched, and the next
     token's logits equal transformers'."""
-    from helpers import assert_cache_holds, cache_rows
+    from helpers.decoder_probes import assert_cache_holds, cache_rows
 
     from specdec_ext.models.llama import MAX_ATTENTION_QUERIES
 

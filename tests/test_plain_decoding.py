@@ -5,7 +5,8 @@ the batch, the sampled tokens follow softmax(logits / T) under transformers' top
 max_new_tokens are per request, bad arguments are refused. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import VOCAB, exact_distribution, random_prompts, shared_hf, tiny_model
+from helpers.laws import exact_distribution
+from helpers.models import VOCAB, random_prompts, shared_hf, tiny_model
 from scipy import stats
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 

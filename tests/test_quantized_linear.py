@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
-from helpers import SMALL, random_model, write_gguf
+from helpers.gguf_files import SMALL, random_model, write_gguf
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 

@@ -5,13 +5,13 @@ import collections
 
 import pytest
 import torch
-from helpers import make_drafter, random_prompts, random_vocab, tiny_hf
+from helpers.models import make_drafter, random_prompts, random_vocab, tiny_hf
 from torch.overrides import TorchFunctionMode
 
 from specdec_ext import Drafter, LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings
+from specdec_ext.cost_tables import draft_costs
 from specdec_ext.drafters import Proposal
 from specdec_ext.engine import CostModel, generate_autoregressive
-from specdec_ext.engine.policy import draft_costs
 from specdec_ext.host import upload
 from specdec_ext.kv_cache import PagedKVCache
 from specdec_ext.models import LlamaForCausalLM

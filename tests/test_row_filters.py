@@ -5,7 +5,8 @@ the processed target's; the CPU kernel and the CUDA kernel under the emulator ag
 naming themselves. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import chi_square_pvalue, make_chain_inputs, make_tree_inputs
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 from scipy import stats
 
 import specdec_ext

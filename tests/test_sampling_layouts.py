@@ -3,7 +3,7 @@ uniforms, reduced draft vocabularies (draft_to_target), FlashInfer's independent
 (K = 128, V up to 2^24), on the CPU kernel and the CUDA kernel under the emulator."""
 import pytest
 import torch
-from helpers import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
+from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 from scipy import stats
 
 import specdec_ext

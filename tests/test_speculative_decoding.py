@@ -5,8 +5,10 @@ prefill would after every round, seeds reproduce and a request ignores its batch
 input. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers import (LAW_CASES, VOCAB, CacheCheck, assert_cache_holds, assert_law, law_draft, law_target,
-                     random_prompts, sample_first_tokens, tiny_hf, tiny_model)
+from helpers.chi_square import assert_law
+from helpers.decoder_probes import CacheCheck, assert_cache_holds
+from helpers.laws import LAW_CASES, law_draft, law_target, sample_first_tokens
+from helpers.models import VOCAB, random_prompts, tiny_hf, tiny_model
 
 import specdec_ext
 from specdec_ext import AcceptanceMonitor, ModelDrafter, NgramDrafter, SpeculativeDecoder

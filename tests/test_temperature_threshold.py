@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_chain_inputs, make_tree_inputs
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
 from specdec_ext import reference, sim

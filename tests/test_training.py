@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import random_prompts, tiny_model
+from helpers.models import random_prompts, tiny_model
 
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads

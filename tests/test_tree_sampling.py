@@ -4,7 +4,8 @@ import math
 
 import pytest
 import torch
-from helpers import chi_square_pvalue, dirichlet, make_tree_inputs, misaligned_copy
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import dirichlet, make_tree_inputs, misaligned_copy
 
 import specdec_ext
 from specdec_ext import reference, sim

@@ -2,7 +2,7 @@
 within fp32 2e-5, bf16 2e-2, fp16 4e-3."""
 import pytest
 import torch
-from helpers import TOLERANCE, random_tree_mask, rel_error
+from helpers.verify_attention import TOLERANCE, random_tree_mask, rel_error
 
 import specdec_ext
 from specdec_ext import reference
