@@ -98,7 +98,8 @@ def extensions() -> list:
                                    extra_compile_args={"cxx": CXX_FLAGS + OPENMP}, extra_link_args=OPENMP))
 
     if not flag("SPECDEC_NO_SIM"):
-        sim_flags = [*HOST_CXX_FLAGS, "-O1", "-g", "-Wno-unknown-pragmas", "-DSPECDEC_SIM", f'-DSPECDEC_VERSION="{VERSION}"']
+        sim_flags = [*HOST_CXX_FLAGS, "-O1", "-g", "-Wno-unknown-pragmas", "-DSPECDEC_SIM",
+                     f'-DSPECDEC_VERSION="{VERSION}"']
         sim_link = []
         if flag("SPECDEC_SIM_ASAN"):
             sim_flags += ["-fsanitize=address", "-fno-omit-frame-pointer"]
@@ -118,7 +119,8 @@ def extensions() -> list:
 setup(
     name="specdec_ext",
     version=VERSION,
-    description="CUDA kernels for lossless speculative decoding: verify attention, rejection sampling, KV-cache truncation",
+    description="CUDA kernels for lossless speculative decoding: verify attention, rejection sampling, KV-cache "
+                "truncation",
     packages=find_packages(include=["specdec_ext", "specdec_ext.*"]),
     package_data={"specdec_ext": ["data/*.jsonl", "data/*.safetensors"]},  # the prompt set, the trained heads
     ext_modules=extensions(),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The test command: builds everything from nothing (scripts/setup_env.sh), then runs
+#   0. ruff over the Python sources and tests (pyproject.toml's rules: E, F, I, lines of at most 120 characters);
 #   1. the C++ unit tests (Philox known answers, the sampling arithmetic, emulator self-tests) under
 #      AddressSanitizer, with ctest;
 #   2. the whole pytest suite, with the emulated CUDA kernels under AddressSanitizer.
@@ -9,6 +10,8 @@ cd "$(dirname "$0")/.."
 mkdir -p build
 export SPECDEC_SIM_ASAN=1  # the emulator under AddressSanitizer (setup_env.sh's default, shared with the demo)
 bash scripts/setup_env.sh
+
+.venv/bin/ruff check .
 
 start=$(date +%s)
 .venv/bin/cmake -S . -B build/cmake-tests -G Ninja -DCMAKE_MAKE_PROGRAM="$PWD/.venv/bin/ninja" \

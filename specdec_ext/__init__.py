@@ -7,7 +7,6 @@ from ._version import __version__
 from .drafters import Drafter, EagleDrafter, LookaheadDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
 from .engine import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
 from .kv_cache import PagedKVCache, StaticKVCache
-from .trees import DraftTree, TreeSettings
 from .ops import (
     SamplingOutput,
     TreeSamplingOutput,
@@ -23,6 +22,7 @@ from .ops import (
     truncate_kv_cache,
     verify_attention,
 )
+from .trees import DraftTree, TreeSettings
 
 
 def build_info() -> dict:

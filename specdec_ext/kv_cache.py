@@ -147,7 +147,8 @@ class PagedKVCache:
         requests = range(len(self._table)) if requests is None else [self._request(b, "reserve") for b in requests]
         counts = num_tokens if isinstance(num_tokens, (list, tuple)) else [num_tokens] * len(requests)
         if len(counts) != len(requests) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts):
-            raise ValueError(f"PagedKVCache.reserve: num_tokens must be an int >= 0 or one per request, got {num_tokens!r}")
+            raise ValueError(f"PagedKVCache.reserve: num_tokens must be an int >= 0 or one per request, got "
+                             f"{num_tokens!r}")
         if self._stale:
             self._mirror(self.cache_seqlens.tolist())
         max_pages = self.block_table.shape[1]

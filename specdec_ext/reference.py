@@ -214,8 +214,9 @@ def _defaults(draft_token_ids, num_draft_tokens, seed, offset):
     """[B] counts (default: all K drafts, or all N nodes of a tree), seeds and offsets."""
     batch, k = draft_token_ids.shape
     device = draft_token_ids.device
-    full = lambda v, dtype: v.to(device=device, dtype=dtype).expand(batch) if isinstance(v, torch.Tensor) else \
-        torch.full((batch,), v, dtype=dtype, device=device)
+    def full(v, dtype):
+        return v.to(device=device, dtype=dtype).expand(batch) if isinstance(v, torch.Tensor) else \
+            torch.full((batch,), v, dtype=dtype, device=device)
     return (full(k if num_draft_tokens is None else num_draft_tokens, torch.int32), full(seed, torch.int64),
             full(0 if offset is None else offset, torch.int64))
 
@@ -481,7 +482,8 @@ def _tree_reference(parents, candidate_token_ids, num_nodes, p_rows, q_rows, gre
 
 def _pad_flat_trees(cu_num_draft_tokens, max_draft_tokens, parents, candidate_token_ids, target_rows, draft_rows,
                     uniforms):
-    """Flat trees (request b's k_b + 1 nodes from cu[b-1] + b) as padded [B, N] trees, N = max_draft_tokens + 1: (parents,
+    """Flat trees (request b's k_b + 1 nodes from cu[b-1] + b) as padded [B, N] trees, N = max_draft_tokens + 1:
+    (parents,
     candidate_token_ids, target rows, draft rows, uniforms, num_nodes). The pad is a valid filler, never read."""
     cu = [0] + cu_num_draft_tokens.long().tolist()
     batch, n = len(cu) - 1, max_draft_tokens + 1

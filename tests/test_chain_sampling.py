@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers.chi_square import chi_square_pvalue
-from helpers.sampling_inputs import dirichlet, make_chain_inputs, misaligned_copy
 
 import specdec_ext
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import dirichlet, make_chain_inputs, misaligned_copy
 from specdec_ext import reference, sim
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
@@ -93,7 +93,8 @@ def test_probs_match_reference(backend, with_draft, dtype, batch, k, vocab, gen)
                                                num_draft_tokens=inp["num_draft_tokens"], greedy=greedy,
                                                seed=inp["seed"], offset=inp["offset"])
     u = reference.philox_uniform(inp["seed"], inp["offset"], 1, stream=1)[:, 0]
-    assert_tokens_match_reference(out, ref, inp["target_probs"].float(), None if not with_draft else inp["draft_probs"].float(),
+    assert_tokens_match_reference(out, ref, inp["target_probs"].float(),
+                                  None if not with_draft else inp["draft_probs"].float(),
                                   inp["ids"], inp["num_draft_tokens"], u, max_boundary_rows=max(1, batch // 50))
 
 

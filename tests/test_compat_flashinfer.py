@@ -5,13 +5,21 @@ the paged prefill wrapper against a float64 softmax over the gathered pages, wit
 refusals."""
 import pytest
 import torch
+
 from helpers.chi_square import chi_square_pvalue
 from helpers.compat_backends import on
-from helpers.compat_flashinfer import (DOCUMENTED_OUTPUT, check_flashinfer_statement, documented_example,
-                                       flashinfer_case, flashinfer_masks, pack_segments, paged_batch, plan_and_run,
-                                       reference_attention)
+from helpers.compat_flashinfer import (
+    DOCUMENTED_OUTPUT,
+    check_flashinfer_statement,
+    documented_example,
+    flashinfer_case,
+    flashinfer_masks,
+    pack_segments,
+    paged_batch,
+    plan_and_run,
+    reference_attention,
+)
 from helpers.verify_attention import TOLERANCE, rel_error
-
 from specdec_ext import compat, ops
 from specdec_ext.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, sampling
 
@@ -31,7 +39,8 @@ def test_documented_example_at_every_seed(backend, seeds):
             assert out.dtype == accepted.dtype == emitted.dtype == torch.int32
         gen = torch.Generator().manual_seed(5)
         for _ in range(seeds // 4):  # keys drawn from a generator, and from torch's default one
-            assert sampling.chain_speculative_sampling(draft, ids, target, generator=gen)[0].tolist() == DOCUMENTED_OUTPUT
+            assert sampling.chain_speculative_sampling(draft, ids, target,
+                                                       generator=gen)[0].tolist() == DOCUMENTED_OUTPUT
             assert sampling.chain_speculative_sampling(draft, ids, target)[0].tolist() == DOCUMENTED_OUTPUT
 
 
@@ -135,7 +144,8 @@ def test_seed_offset_and_generator(backend, gen):
     draft, ids, target, _ = flashinfer_case(gen, batch, k, vocab, onehot=False)
     seeds = torch.randint(-(2**63), 2**63 - 1, (batch,), generator=gen)
     offsets = torch.randint(0, 2**40, (batch,), generator=gen)
-    call = lambda *a, **kw: sampling.chain_speculative_sampling(*a, **kw)
+    def call(*a, **kw):
+        return sampling.chain_speculative_sampling(*a, **kw)
     with on(backend):
         whole = call(draft, ids, target, seed=seeds, offset=offsets)
         for b in range(batch):  # row b depends on its own inputs, seed[b] and offset[b] only
@@ -155,7 +165,8 @@ def test_seed_offset_and_generator(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_shared_seed_draws_independently_per_row(backend):
-    """One seed for the batch (an int, or a tensor of 1 entry) must not give every row the same uniforms, as FlashInfer's
+    """One seed for the batch (an int, or a tensor of 1 entry) must not give every row the same uniforms, as
+    FlashInfer's
     rows each get their own subsequence: 64 identical rows whose one draft is always rejected (p = 0 at it) resample
     from a uniform target over 1000 tokens; equal keys would give one token 64 times, independent ones collide
     rarely (expected pairs 64 * 63 / 2 / 1000 ~ 2)."""
@@ -177,7 +188,8 @@ def test_a_shared_seed_draws_independently_per_row(backend):
     ({"seed": 2**64, "offset": 0}, "seed must be an int that fits in 64 bits"),
     ({"offset": 3}, "seed and offset go together"),
     ({"seed": 3, "offset": torch.zeros(2, dtype=torch.int64)}, "both be tensors or both be ints"),
-    ({"seed": torch.zeros(2, dtype=torch.int32), "offset": torch.zeros(2, dtype=torch.int64)}, "seed must be a 1-D int64"),
+    ({"seed": torch.zeros(2, dtype=torch.int32), "offset": torch.zeros(2, dtype=torch.int64)}, "seed must be a 1-D "
+                                                                                               "int64"),
     ({"seed": torch.zeros(2, dtype=torch.int64), "offset": torch.zeros(3, dtype=torch.int64)}, "offset must be a 1-D"),
     ({"seed": torch.zeros(2, 1, dtype=torch.int64), "offset": torch.zeros(2, dtype=torch.int64)}, "seed must be"),
     ({"maybe_output_accepted_token_num": torch.zeros(3, dtype=torch.int32)}, "maybe_output_accepted_token_num"),
@@ -302,10 +314,12 @@ def refusal_cases(gen):
     masks = flashinfer_masks(gen, "custom", qo_lens, kv_lens)
     hides_prefix = [m.clone() for m in masks]
     hides_prefix[1][1, 2] = False
-    flat = lambda ms: torch.cat([m.reshape(-1) for m in ms])
+    def flat(ms):
+        return torch.cat([m.reshape(-1) for m in ms])
     too_many = torch.tensor([0, MAX_QO + 1], dtype=torch.int32)
     plan_cases = [
-        (dict(custom_mask=flat(hides_prefix)), "custom_mask hides KV position 2 of request 1's prefix from its query 1"),
+        (dict(custom_mask=flat(hides_prefix)),
+         "custom_mask hides KV position 2 of request 1's prefix from its query 1"),
         (dict(packed_custom_mask=pack_segments(hides_prefix)), "custom_mask hides"),
         (dict(custom_mask=flat(masks)[:-1]), "custom_mask has"),
         (dict(custom_mask=flat(masks).float()), "custom_mask must be a flat bool"),
@@ -319,7 +333,8 @@ def refusal_cases(gen):
     table_cases = [
         ((too_many, torch.tensor([0, 100], dtype=torch.int32), torch.arange(100, dtype=torch.int32),
           torch.tensor([1], dtype=torch.int32), HQ, HKV, D, 1), "qo_indptr gives request 0"),
-        ((qo_indptr, kv_indptr, indices, torch.tensor([1, 1], dtype=torch.int32), HQ, HKV, D, PAGE), "query rows but a KV"),
+        ((qo_indptr, kv_indptr, indices, torch.tensor([1, 1], dtype=torch.int32), HQ, HKV, D, PAGE), "query rows but "
+                                                                                                     "a KV"),
         ((qo_indptr, kv_indptr, indices, torch.tensor([9, 1], dtype=torch.int32), HQ, HKV, D, PAGE),
          r"paged_kv_last_page_len\[0\] = 9"),
         ((qo_indptr, kv_indptr[:-1], indices, last, HQ, HKV, D, PAGE), "batch_size"),
@@ -348,7 +363,8 @@ def test_refusals_name_the_argument(gen):
         wrapper.run(q, cache)
     wrapper.plan(*table, causal=True, window_left=4)
     small_pages = torch.zeros(cache.shape[0], 2, PAGE // 2, HKV, D)
-    for args, kwargs, match in (((q, cache, 1.0), {}, "extra positional"), ((q, cache), {"sinks": torch.zeros(HQ)}, "sinks"),
+    for args, kwargs, match in (((q, cache, 1.0), {}, "extra positional"), ((q, cache), {"sinks": torch.zeros(HQ)},
+                                                                            "sinks"),
                                 ((q, cache), {"window_left": 3}, "window_left 3 differs"),
                                 ((q, cache[:, 0]), {}, "paged_kv_cache must be"),
                                 ((q, small_pages), {}, "page_size 8"),

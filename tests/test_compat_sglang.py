@@ -6,10 +6,18 @@ import contextlib
 
 import pytest
 import torch
-from helpers.compat_sglang import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_buffers,
-                                   sglang_greedy, sglang_kernel_case, sglang_sample)
 from scipy import stats
 
+from helpers.compat_sglang import (
+    POISON,
+    SGLANG_EXPECTED,
+    first_two_law_batch,
+    random_lcrs,
+    sglang_buffers,
+    sglang_greedy,
+    sglang_kernel_case,
+    sglang_sample,
+)
 from specdec_ext import compat
 from specdec_ext.bench.compat_sglang import eagle_like_tree, sglang_target_only_torch
 from specdec_ext.compat import sglang

@@ -8,12 +8,22 @@ import sys
 
 import pytest
 import torch
-from helpers.chi_square import bias_power, law_pvalue
-from helpers.compat_transformers import (ASSISTED_SAMPLING, GENERATE_SAMPLES, CountingOps, assisted_models,
-                                         check_law_of_the_shims_call, check_torch_manual_seed_reproduces_generate,
-                                         complete_sequences, generate_counts, table_law, table_model, table_round)
-from helpers.laws import LAW_PROMPT, exact_law
 
+from helpers.chi_square import bias_power, law_pvalue
+from helpers.compat_transformers import (
+    ASSISTED_SAMPLING,
+    GENERATE_SAMPLES,
+    CountingOps,
+    assisted_models,
+    check_law_of_the_shims_call,
+    check_torch_manual_seed_reproduces_generate,
+    complete_sequences,
+    generate_counts,
+    table_law,
+    table_model,
+    table_round,
+)
+from helpers.laws import LAW_PROMPT, exact_law
 from specdec_ext import compat
 from specdec_ext.compat import transformers as shim
 
@@ -199,7 +209,8 @@ SHIM_SAMPLES = 6000
 def test_law_of_the_shim_function():
     """The shim function itself, 6,000 calls (batch 1; its op call costs ~0.25 ms, ~1 ms under AddressSanitizer),
     on the table model: the 3-token sequences against the exact law (50 cells), p > 1e-3. Power against the
-    hardest 1% shift 0.02, 0.56 against 2%, >= 0.99 against 3% (asserted). Catches what the large-batch test cannot: the shim's slicing of
+    hardest 1% shift 0.02, 0.56 against 2%, >= 0.99 against 3% (asserted). Catches what the large-batch test cannot:
+    the shim's slicing of
     the candidates, its temperature, its cut of the output."""
     t, d = table_model()
     law = table_law(t)

@@ -12,14 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+
 from helpers.chi_square import rows_chi_square_pvalue
 from helpers.compat_backends import on
-from helpers.compat_vllm import (GREEDY_CASES, LOGITS, BonusSampler, argmax_rows, bonus_ids,
-                                 check_deterministic_when_seeded, check_emitted_tokens_follow_the_target,
-                                 check_greedy_case, check_k32, check_mixed_greedy_and_random_batch,
-                                 check_rejection_sampler_forward_processes_the_target, flat, forward_batch, greedy_call,
-                                 processed_law, sampling_metadata)
-
+from helpers.compat_vllm import (
+    GREEDY_CASES,
+    LOGITS,
+    BonusSampler,
+    argmax_rows,
+    bonus_ids,
+    check_deterministic_when_seeded,
+    check_emitted_tokens_follow_the_target,
+    check_greedy_case,
+    check_k32,
+    check_mixed_greedy_and_random_batch,
+    check_rejection_sampler_forward_processes_the_target,
+    flat,
+    forward_batch,
+    greedy_call,
+    processed_law,
+    sampling_metadata,
+)
 from specdec_ext.compat import vllm as shim
 
 # "native": specdec_ext's own kernels, chosen by the tensors' device (the CPU kernel here; tests/gpu runs the same
@@ -116,8 +129,9 @@ def test_placeholder_position_follows_the_recovered_law(backend, n, with_draft):
     ids, counts, k, cu = flat([[x0, P]] * n)
     target = torch.stack([p0, p1]).repeat(n, 1)
     draft = torch.stack([torch.eye(vocab)[x0], q1]).repeat(n, 1) if with_draft else None
-    call = lambda: shim.rejection_sample(ids, counts, k, cu, draft, target, bonus_ids([vocab - 1] * n),
-                                         sampling_metadata([1.0] * n))
+    def call():
+        return shim.rejection_sample(ids, counts, k, cu, draft, target, bonus_ids([vocab - 1] * n),
+                                             sampling_metadata([1.0] * n))
     torch.manual_seed(5)
     with on(backend):
         y = call()
@@ -143,8 +157,10 @@ def test_other_bad_draft_ids_still_raise(backend, strict):
     """Ids outside [0, V) other than the placeholder still reach the op, which refuses them (the CPU kernel always,
     CUDA and the emulator in strict mode); placeholders alone pass, strict mode included."""
     vocab = 8
-    call = lambda drafts: shim.rejection_sample(*flat(drafts), None, argmax_rows([0] * sum(map(len, drafts)), vocab),
-                                                bonus_ids([0] * len(drafts)), sampling_metadata([1.0] * len(drafts)))
+    def call(drafts):
+        return shim.rejection_sample(*flat(drafts), None, argmax_rows([0] * sum(map(len, drafts)), vocab),
+                                                    bonus_ids([0] * len(drafts)),
+                                                    sampling_metadata([1.0] * len(drafts)))
     with on(backend):
         for drafts in ([[1, -2]], [[P, 3], [vocab]], [[2, P, -7]]):
             with pytest.raises(ValueError, match="draft_token_ids"):

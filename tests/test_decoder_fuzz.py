@@ -9,8 +9,8 @@ import os
 import random
 
 import pytest
-from helpers.models import VOCAB, make_drafter, random_vocab, tiny_model
 
+from helpers.models import VOCAB, make_drafter, random_vocab, tiny_model
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import generate_autoregressive
 

@@ -13,14 +13,11 @@ import types
 import numpy as np
 import pytest
 import torch
-from helpers.models import VOCAB, make_drafter, random_prompts, random_vocab, tiny_hf, tiny_model
 
-from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings
-from specdec_ext import cost_tables
-from specdec_ext.engine import policy
-from specdec_ext.engine import decoder
+from helpers.models import VOCAB, make_drafter, random_prompts, random_vocab, tiny_hf, tiny_model
+from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings, cost_tables
+from specdec_ext.engine import decoder, generate_autoregressive, policy
 from specdec_ext.engine.requests import check_eos
-from specdec_ext.engine import generate_autoregressive
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -65,7 +62,7 @@ def test_a_second_concurrent_generate_is_refused(target):
         inside.set()
         release.wait(600)  # the timeouts here guard against a hang; none bounds how long a step may take
 
-    results, errors = {}, []
+    results = {}
     first = threading.Thread(target=lambda: results.setdefault("first", dec.generate(prompts, 40, stream=slow_stream)))
     first.start()
     assert inside.wait(600)
@@ -107,7 +104,8 @@ def test_finish_reasons(target):
 def test_the_models_context_bounds_prompts_and_generation(target):
     context = target.config.max_position_embeddings  # 256
     dec = SpeculativeDecoder(target, NgramDrafter(), 4)
-    with pytest.raises(ValueError, match=r"prompt 1 has 256 tokens and the model's context \(max_position_embeddings\)"):
+    with pytest.raises(ValueError,
+                       match=r"prompt 1 has 256 tokens and the model's context \(max_position_embeddings\)"):
         dec.generate([[1, 2], [3] * context], 4)
     with pytest.raises(ValueError, match="max_seq_len must be an int in"):
         SpeculativeDecoder(target, NgramDrafter(), 4, max_seq_len=context + 1)
@@ -131,7 +129,8 @@ def test_caches_are_sized_from_the_call(target):
 def test_an_allocation_that_cannot_succeed_names_what_to_lower(target, monkeypatch):
     monkeypatch.setattr(decoder, "available_memory", lambda device: 1000)
     dec = SpeculativeDecoder(target, NgramDrafter(), 4, max_batch_size=4)
-    with pytest.raises(ValueError, match=r"KV cache needs .* GiB \(max_batch_size=4 \(this call: 2 slots\) x max_seq_len "
+    with pytest.raises(ValueError, match=r"KV cache needs .* GiB \(max_batch_size=4 \(this call: 2 slots\) x "
+                                         r"max_seq_len "
                                          r"17, 2 layers\).*lower max_new_tokens, max_seq_len or max_batch_size"):
         dec.generate(random_prompts(2, [5, 9]), 3)
     monkeypatch.undo()

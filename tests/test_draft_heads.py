@@ -4,13 +4,13 @@ draft vocabulary come through the residual), q is zero outside the draft vocabul
 refuse another model. Fixed seeds throughout."""
 import pytest
 import torch
+
 from helpers.chi_square import assert_law
 from helpers.laws import LAW_CASES, LAW_VOCAB, law_target, sample_first_tokens
 from helpers.models import make_drafter, random_medusa, random_prompts, random_vocab, tiny_hf, tiny_model
-
 from specdec_ext import SpeculativeDecoder
-from specdec_ext.engine import generate_autoregressive
 from specdec_ext.drafters import EagleDrafter
+from specdec_ext.engine import generate_autoregressive
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 
@@ -66,7 +66,8 @@ def test_q_is_zero_outside_the_draft_vocabulary(target):
         for p in seen:
             # The rows drawn from are the draft vocabulary's own columns, reported with their map: q is 0 elsewhere.
             assert p.draft_logits.shape[-1] == len(vocab) and torch.equal(p.draft_to_target.long(), vocab)
-            torch.testing.assert_close(torch.softmax(p.draft_logits / 0.9, dim=-1).sum(-1), torch.ones(p.draft_logits.shape[:2]))
+            torch.testing.assert_close(torch.softmax(p.draft_logits / 0.9, dim=-1).sum(-1),
+                                       torch.ones(p.draft_logits.shape[:2]))
             assert not outside[p.draft_token_ids].any()
 
 

@@ -2,9 +2,9 @@
 (`specdec generate --drafter NAME`) and every list of drafters the commands print, beside the drafters that ship."""
 import pytest
 import torch
-from helpers.models import VOCAB, tiny_model
 
 import specdec_ext.factory
+from helpers.models import VOCAB, tiny_model
 from specdec_ext import cli
 from specdec_ext.drafters import Drafter, Proposal, registry
 from specdec_ext.drafters.base import padded

@@ -84,7 +84,8 @@ def test_softmax_scale_must_be_finite_and_positive(backend, scale, gen):
         BACKENDS[backend].verify_attention(q, kc, kc.clone(), sl, softmax_scale=scale)
     namespace = torch.ops.specdec if backend == "cpu" else torch.ops.specdec_sim
     with pytest.raises(ValueError, match="softmax_scale"):  # the op itself checks too
-        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, torch.empty_like(q), None, None)
+        namespace.verify_attention(q, kc, kc.clone(), sl, None, None, None, None, scale, torch.empty_like(q), None,
+                                   None)
 
 
 def test_lse_only_when_asked(backend, gen):
@@ -335,7 +336,7 @@ def test_sim_bad_page_for_new_tokens_fails_every_row_tile_and_split(gen):
             sim.verify_attention(q, kc, vc, sl, kn, vn, block_table=table)
 
 
-# ----- verify_attention: empty engine forms ----------------------------------------------------------------------------
+# ----- verify_attention: empty engine forms --------------------------------------------------------------------------
 def test_flat_q_without_rows_and_requests_without_pages(backend, gen):
     """T = 0, B = 0, and a CSR request with no pages and no rows: defined, nothing read or written."""
     ops = BACKENDS[backend]
@@ -343,7 +344,8 @@ def test_flat_q_without_rows_and_requests_without_pages(backend, gen):
     kc = randn(4, 8, 2, 64, gen=gen, dtype=dt)
     empty_q = randn(0, 4, 64, gen=gen, dtype=dt)
     out = ops.verify_attention(empty_q, kc, kc.clone(), torch.zeros(2, dtype=torch.int32),
-                               qo_indptr=torch.zeros(3, dtype=torch.int32), block_table=torch.zeros(2, 1, dtype=torch.int32))
+                               qo_indptr=torch.zeros(3, dtype=torch.int32), block_table=torch.zeros(2, 1,
+                                                                                                    dtype=torch.int32))
     assert out.shape == (0, 4, 64)
     out = ops.verify_attention(empty_q, kc, kc.clone(), torch.zeros(0, dtype=torch.int32),
                                qo_indptr=torch.zeros(1, dtype=torch.int32))
@@ -351,8 +353,10 @@ def test_flat_q_without_rows_and_requests_without_pages(backend, gen):
     # Request 0: no pages, no rows; request 1: 2 rows on pages [3, 1] (kv length 8 + 5, the rows its last two).
     q = randn(2, 4, 64, gen=gen, dtype=dt)
     before = kc.clone()
-    args = dict(qo_indptr=torch.tensor([0, 0, 2], dtype=torch.int32), kv_indptr=torch.tensor([0, 0, 2], dtype=torch.int32),
-                kv_indices=torch.tensor([3, 1], dtype=torch.int32), kv_last_page_len=torch.tensor([0, 5], dtype=torch.int32))
+    args = dict(qo_indptr=torch.tensor([0, 0, 2], dtype=torch.int32), kv_indptr=torch.tensor([0, 0, 2],
+                                                                                             dtype=torch.int32),
+                kv_indices=torch.tensor([3, 1], dtype=torch.int32), kv_last_page_len=torch.tensor([0, 5],
+                                                                                                  dtype=torch.int32))
     out = ops.verify_attention(q, kc, kc.clone(), None, **args)
     want = ops.verify_attention(q[None], kc, kc.clone(), torch.tensor([11], dtype=torch.int32),
                                 block_table=torch.tensor([[3, 1]], dtype=torch.int32))
@@ -395,7 +399,7 @@ def test_attention_bits_do_not_depend_on_the_batch(backend, paged, gen):
         assert torch.equal(lse[0], alone_lse[0]), (rows, threads)
 
 
-# ----- PagedKVCache ----------------------------------------------------------------------------------------------------
+# ----- PagedKVCache --------------------------------------------------------------------------------------------------
 def make_paged(num_pages=6, max_batch=2, max_pages=4):
     return PagedKVCache(2, num_pages, 4, 1, 8, max_batch_size=max_batch, max_pages_per_seq=max_pages,
                         dtype=torch.float32)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from helpers.gguf_files import SMALL, random_model, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from helpers.gguf_files import SMALL, random_model, write_gguf
 from specdec_ext.models.gguf_loader import SUPPORTED_TYPES, load_gguf
 
 

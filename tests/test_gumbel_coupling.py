@@ -3,10 +3,10 @@ its position, bit for bit the same on the CPU kernel and the CUDA kernel under t
 they equal it; the law of gumbel_sample is the target's."""
 import pytest
 import torch
-from helpers.chi_square import chi_square_pvalue
-from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs, padded_and_flat_trees
 
 import specdec_ext
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs, padded_and_flat_trees
 from specdec_ext import reference, sim
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
@@ -58,7 +58,8 @@ def test_chain_emits_the_rows_gumbel_tokens(backend, vocab, dtype, gen):
     inp = make_chain_inputs(gen, batch, k, vocab, dtype, with_draft=False)
     t = temperatures(gen, batch)
     rows = inp["target_logits"]
-    expected = torch.stack([row_tokens(backend, rows[:, i], t, inp["seed"], inp["offset"] + i) for i in range(k + 1)], 1)
+    expected = torch.stack([row_tokens(backend, rows[:, i], t, inp["seed"], inp["offset"] + i) for i in range(k + 1)],
+                           1)
     lucky = torch.rand(batch, k, generator=gen) < 0.8
     lucky[2] = True  # row 2 accepts all k drafts, row 1 none
     inp["num_draft_tokens"][1:3] = k
@@ -117,7 +118,8 @@ def test_kernel_matches_the_float64_reference(logits, gen):
     rows = inp["target_logits"][:, 0]
     t = temperatures(gen, batch)
     drawn = specdec_ext.gumbel_sample(rows, temperature=t, seed=inp["seed"], positions=inp["offset"])
-    assert int((drawn != reference.gumbel_sample(rows, temperature=t, seed=inp["seed"], positions=inp["offset"])).sum()) <= 2
+    assert int((drawn != reference.gumbel_sample(rows, temperature=t, seed=inp["seed"],
+                                                 positions=inp["offset"])).sum()) <= 2
 
 
 def test_noise_is_keyed_by_seed_and_position_only():
@@ -130,8 +132,10 @@ def test_noise_is_keyed_by_seed_and_position_only():
     for i in (0, 17, 63):
         alone = specdec_ext.gumbel_sample(logits[:1], temperature=1.0, seed=7, positions=int(positions[i]))
         assert int(alone) == int(tokens[i])
-    assert not torch.equal(tokens, specdec_ext.gumbel_sample(logits, temperature=1.0, seed=seeds, positions=positions + 1))
-    assert not torch.equal(tokens, specdec_ext.gumbel_sample(logits, temperature=1.0, seed=seeds + 1, positions=positions))
+    assert not torch.equal(tokens, specdec_ext.gumbel_sample(logits, temperature=1.0, seed=seeds,
+                                                             positions=positions + 1))
+    assert not torch.equal(tokens, specdec_ext.gumbel_sample(logits, temperature=1.0, seed=seeds + 1,
+                                                             positions=positions))
     assert len(set(tokens.tolist())) > n // 2  # the positions' noises are independent
 
 
@@ -173,7 +177,8 @@ def test_gumbel_sample_errors_name_its_own_arguments(backend):
     """gumbel_sample runs on the chain op, but its errors speak of gumbel_sample, logits and positions."""
     ops = BACKENDS[backend]
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
-    cases = [(dict(positions=torch.zeros(4, dtype=torch.int64)), r"gumbel_sample: positions has 4 entries for a batch of 3"),
+    cases = [(dict(positions=torch.zeros(4, dtype=torch.int64)), r"gumbel_sample: positions has 4 entries for a batch "
+                                                                 r"of 3"),
              (dict(positions=torch.zeros(3)), r"gumbel_sample: positions"),
              (dict(seed=torch.zeros(2, dtype=torch.int64)), r"gumbel_sample: seed"),
              (dict(temperature=-1.0), r"gumbel_sample: temperature must be finite and >= 0"),
@@ -210,7 +215,8 @@ def test_tree_follows_the_gumbel_token_of_each_depth(backend, logits, gen):
         ref = reference.tree_speculative_sampling_from_logits(inp["parents"], inp["tokens"], inp["target_logits"],
                                                               temperature=control, **common)
     else:
-        out = ops.tree_speculative_sampling(inp["parents"], inp["tokens"], inp["target_probs"], greedy=control, **common)
+        out = ops.tree_speculative_sampling(inp["parents"], inp["tokens"], inp["target_probs"], greedy=control,
+                                            **common)
         ref = reference.tree_speculative_sampling(inp["parents"], inp["tokens"], inp["target_probs"], greedy=control,
                                                   **common)
     assert torch.equal(out.output_token_ids, ref[0]) and torch.equal(out.accepted_nodes, ref[1])
@@ -261,7 +267,8 @@ def test_flat_form_equals_padded(gen):
     ids = torch.cat([inp["ids"][b, :int(counts[b])] for b in range(batch)])
     rows = torch.cat([inp["target_logits"][b, :int(counts[b]) + 1] for b in range(batch)])
     flat = specdec_ext.chain_speculative_sampling_from_logits(ids, rows, temperature=t, cu_num_draft_tokens=cu,
-                                                              max_draft_tokens=k, seed=inp["seed"], offset=inp["offset"],
+                                                              max_draft_tokens=k, seed=inp["seed"],
+                                                              offset=inp["offset"],
                                                               coupling="gumbel")
     assert torch.equal(flat.output_token_ids, padded.output_token_ids)
     assert torch.equal(flat.num_accepted, padded.num_accepted)

@@ -2,8 +2,8 @@
 drafter, chains and trees, fixed and adaptive k, alone and in mixed batches, static and paged caches; on tiny random
 models and on the shipped model. Fixed seeds throughout."""
 import pytest
-from helpers.models import make_drafter, random_prompts, random_vocab, shipped_model, tiny_model
 
+from helpers.models import make_drafter, random_prompts, random_vocab, shipped_model, tiny_model
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.factory import make_drafter as make_shipped_drafter

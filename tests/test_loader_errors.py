@@ -9,13 +9,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from helpers.gguf_files import SMALL, random_model, write_gguf
-from helpers.models import hf_case, random_medusa, random_vocab, save_hf, tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from helpers.gguf_files import SMALL, random_model, write_gguf
+from helpers.models import hf_case, random_medusa, random_vocab, save_hf, tiny_model
 from specdec_ext.models import LlamaConfig, LlamaForCausalLM
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 from specdec_ext.models.gguf_loader import load_gguf

@@ -6,12 +6,11 @@ first tokens at temperature > 0 is the target's exact law (with top-k/top-p); th
 prefill of the emitted tokens after every step (the window's K/V gone); the plan follows the costs; bad settings
 raise naming the argument. Fixed seeds throughout."""
 import pytest
-import torch
+
 from helpers.chi_square import assert_law
 from helpers.decoder_probes import CacheCheck, record_paths
 from helpers.laws import LAW_CASES, law_target, sample_first_tokens
 from helpers.models import random_prompts, shipped_model, tiny_model
-
 from specdec_ext import LookaheadDrafter, SpeculativeDecoder
 from specdec_ext.drafters.base import RoundFeedback, RoundInputs
 from specdec_ext.engine import CostModel, generate_autoregressive
@@ -91,7 +90,8 @@ def test_window_is_seeded_from_the_request_and_warms_up_level_by_level(target):
     d.rollback(RoundFeedback([0], None, paths=[[]], block_argmax=[[0, 7, 8, 9]]))
     assert s.levels == [[1, 3, 5], [7, 8, 9]] and s.pool == {}
     d.propose_tree(round_inputs([history], [8]), 64, 3)
-    d.rollback(RoundFeedback([0], None, paths=[[]], block_argmax=[[0] * 16]))  # a level of zeros: the third of N - 1 = 3
+    d.rollback(RoundFeedback([0], None, paths=[[]],
+                             block_argmax=[[0] * 16]))  # a level of zeros: the third of N - 1 = 3
     assert len(s.levels) == 3 and s.pool == {}
     s.pool = {6: [(9, 9, 9)]}
     history = [6, 1, 2, 6, 7, 8, 1, 2, 6]  # after (2, 6): 7 8 1; after 6 alone: also 1 2 6
@@ -255,7 +255,8 @@ def test_shipped_model_lookahead_equals_plain_greedy(paged):
     (dict(ngram=1), "ngram must be an int in [2, 63], got 1"),
     (dict(ngram=2.0), "ngram must be an int in [2, 63], got 2.0"),
     (dict(guesses=-1), "guesses must be an int in [0, 63], got -1"),
-    (dict(window=15, ngram=5, guesses=15), "1 + (W + G) * (N - 1) = 121 nodes, past the tree sampling op's limit of 64"),
+    (dict(window=15, ngram=5, guesses=15),
+     "1 + (W + G) * (N - 1) = 121 nodes, past the tree sampling op's limit of 64"),
     (dict(window=8, ngram=5, guesses=8), "= 65 nodes"),
 ])
 def test_bad_settings_raise(settings, message):

@@ -4,9 +4,9 @@ rounding; and a model forward on them equals the forward on torch's ops."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.models import shared_hf
 
 import specdec_ext.models.llama as llama
+from helpers.models import shared_hf
 from specdec_ext.models import LlamaForCausalLM
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 import transformers
-from helpers.models import ARCH_CASES, VOCAB, arch_hf, hf_case, save_hf, seed_of, shipped_model
 from safetensors.torch import load_file, save_file
 
 import specdec_ext
+from helpers.models import ARCH_CASES, VOCAB, arch_hf, hf_case, save_hf, seed_of, shipped_model
 from specdec_ext.models import LlamaConfig, LlamaForCausalLM, default_model_path
 from specdec_ext.models.llama import rms_norm
 
@@ -172,7 +172,6 @@ def test_ragged_prefill_is_one_forward_per_chunk(paged):
     row's K/V and hidden states equal a prefill of that prompt alone, rows 1 and 4 are untouched, and the next
     token's logits equal transformers'."""
     from helpers.decoder_probes import assert_cache_holds, cache_rows
-
     from specdec_ext.models.llama import MAX_ATTENTION_QUERIES
 
     hf = hf_case("qwen2-gqa2")  # q/k/v biases

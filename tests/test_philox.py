@@ -42,7 +42,8 @@ def test_op_reproduces_known_answers(backend):
     assert torch.equal(u, want)
     counter, key, expected = KNOWN_ANSWERS[2]
     stream_words = reference.philox4x32_10(
-        tuple(torch.tensor([c]) for c in (3, counter[1], counter[2], counter[3])), tuple(torch.tensor([k]) for k in key))
+        tuple(torch.tensor([c]) for c in (3, counter[1], counter[2], counter[3])),
+        tuple(torch.tensor([k]) for k in key))
     u = BACKENDS[backend](key[0] | key[1] << 32, counter[2] | counter[3] << 32, 16, counter[1])[0, 12:]
     assert torch.equal(u, torch.tensor([((int(w) >> 9) * 2 + 1) * 2.0**-24 for w in stream_words], dtype=torch.float32))
 
@@ -94,7 +95,8 @@ def test_rows_depend_only_on_their_own_key(backend, gen):
 def test_streams_offsets_and_seeds_give_independent_draws(gen):
     seed, offset = random_keys(gen, 1)
     base = specdec_ext.philox_uniform(seed, offset, 4096, 0)[0].double()
-    for other in (specdec_ext.philox_uniform(seed, offset, 4096, 1), specdec_ext.philox_uniform(seed, offset + 1, 4096, 0),
+    for other in (specdec_ext.philox_uniform(seed, offset, 4096, 1), specdec_ext.philox_uniform(seed, offset + 1, 4096,
+                                                                                                0),
                   specdec_ext.philox_uniform(seed + 1, offset, 4096, 0)):
         other = other[0].double()
         assert not torch.equal(base, other)
@@ -162,4 +164,5 @@ def test_direct_op_calls_are_checked_too(backend):
 
 def test_emulated_op_rejects_non_cpu_tensors():
     with pytest.raises((ValueError, RuntimeError, NotImplementedError)):
-        torch.ops.specdec_sim.philox_uniform(torch.tensor([1], device="meta"), torch.tensor([1], device="meta"), 4).cpu()
+        torch.ops.specdec_sim.philox_uniform(torch.tensor([1], device="meta"), torch.tensor([1], device="meta"),
+                                             4).cpu()

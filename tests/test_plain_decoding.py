@@ -5,11 +5,11 @@ the batch, the sampled tokens follow softmax(logits / T) under transformers' top
 max_new_tokens are per request, bad arguments are refused. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers.laws import exact_distribution
-from helpers.models import VOCAB, random_prompts, shared_hf, tiny_model
 from scipy import stats
 from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from helpers.laws import exact_distribution
+from helpers.models import VOCAB, random_prompts, shared_hf, tiny_model
 from specdec_ext.engine import generate_autoregressive
 from specdec_ext.reference import filter_logits
 
@@ -145,7 +145,8 @@ def test_eos_and_max_new_tokens_are_per_request(models):
     eos = free[0][3]
     assert eos not in free[0][:3], "pick another prompt seed"
     assert any(eos not in s for s in free[1:]), "pick another prompt seed"
-    cut = lambda s: s[:s.index(eos) + 1] if eos in s else s
+    def cut(s):
+        return s[:s.index(eos) + 1] if eos in s else s
     got = generate_autoregressive(model, prompts, 16, eos_token_id=eos).sequences
     assert got == [cut(s) for s in free]
     assert len(got[0]) == 4 and got[0][-1] == eos

@@ -8,10 +8,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize as gguf_dequantize
-from helpers.gguf_files import SMALL, random_model, write_gguf
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from helpers.gguf_files import SMALL, random_model, write_gguf
 from specdec_ext import ops
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.quantized import QuantizedRowStack, QuantizedWeight

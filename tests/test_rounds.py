@@ -5,9 +5,9 @@ import collections
 
 import pytest
 import torch
-from helpers.models import make_drafter, random_prompts, random_vocab, tiny_hf
 from torch.overrides import TorchFunctionMode
 
+from helpers.models import make_drafter, random_prompts, random_vocab, tiny_hf
 from specdec_ext import Drafter, LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, TreeSettings
 from specdec_ext.cost_tables import draft_costs
 from specdec_ext.drafters import Proposal
@@ -165,9 +165,11 @@ def test_a_drafter_shared_by_decoders_of_different_batch_sizes(target):
     shared = ModelDrafter(draft)
     one = SpeculativeDecoder(target, shared, 3, adaptive=False, max_batch_size=1)
     three = SpeculativeDecoder(target, shared, 3, adaptive=False, max_batch_size=3)
-    fresh = lambda slots: SpeculativeDecoder(target, ModelDrafter(draft), 3, adaptive=False, max_batch_size=slots)
+    def fresh(slots):
+        return SpeculativeDecoder(target, ModelDrafter(draft), 3, adaptive=False, max_batch_size=slots)
     kwargs = dict(temperature=0.8, seed=[1, 2, 3])
-    expected = {1: fresh(1).generate(prompts, 12, **kwargs).sequences, 3: fresh(3).generate(prompts, 12, **kwargs).sequences}
+    expected = {1: fresh(1).generate(prompts, 12, **kwargs).sequences, 3: fresh(3).generate(prompts, 12,
+                                                                                            **kwargs).sequences}
     registries = []
     for dec, slots in ((one, 1), (three, 3), (one, 1)):
         assert dec.generate(prompts, 12, **kwargs).sequences == expected[slots]

@@ -5,11 +5,11 @@ the processed target's; the CPU kernel and the CUDA kernel under the emulator ag
 naming themselves. Fixed seeds throughout."""
 import pytest
 import torch
-from helpers.chi_square import chi_square_pvalue
-from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 from scipy import stats
 
 import specdec_ext
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 from specdec_ext import reference, sim
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
@@ -84,7 +84,8 @@ def test_kept_set_equals_the_reference(backend, vocab):
     # Ties of the threshold: every entry equal to the least kept value survives.
     threshold = rows.gather(1, least_kept.unsqueeze(1))
     tie_rows, tie_cols = ((rows == threshold) & (torch.arange(vocab) != least_kept.unsqueeze(1))).nonzero(as_tuple=True)
-    # Integer rows tie thousands of entries: 64 probes (8 under the emulator, which runs a threshold's ~60 passes slowly).
+    # Integer rows tie thousands of entries: 64 probes (8 under the emulator, which runs a threshold's ~60 passes
+    # slowly).
     pick = torch.randperm(len(tie_rows), generator=gen)[:8 if backend == "sim" else 64]
     tie_rows, tie_cols = tie_rows[pick], tie_cols[pick]
     if len(tie_rows):
@@ -133,7 +134,8 @@ def test_decisions_equal_the_reference(tree):
     assert torch.equal(got.output_token_ids, want[0])
     # The controls matter: without them the same inputs decide differently somewhere.
     plain = {key: value for key, value in kw.items() if key not in ("top_k", "top_p", "min_p")}
-    op = specdec_ext.tree_speculative_sampling_from_logits if tree else specdec_ext.chain_speculative_sampling_from_logits
+    op = (specdec_ext.tree_speculative_sampling_from_logits if tree
+          else specdec_ext.chain_speculative_sampling_from_logits)
     assert not torch.equal(op(*args, **plain).output_token_ids, got.output_token_ids)
 
 
@@ -154,7 +156,8 @@ def test_cpu_equals_emulator_bit_for_bit(coupling, dtype):
     tkw = dict(temperature=t[:8], num_nodes=trees["num_nodes"], seed=torch.arange(8), offset=1, top_k=k[:8],
                top_p=p[:8], min_p=mp[:8], coupling=coupling)
     tdraft = trees["draft_logits"] if coupling == "rejection" else None
-    touts = [ops.tree_speculative_sampling_from_logits(trees["parents"], trees["tokens"], trees["target_logits"], tdraft,
+    touts = [ops.tree_speculative_sampling_from_logits(trees["parents"], trees["tokens"], trees["target_logits"],
+                                                       tdraft,
                                                        **tkw) for ops in BACKENDS.values()]
     for a, b in zip(touts[0], touts[1]):
         assert torch.equal(a, b)
@@ -291,7 +294,8 @@ def test_opcheck_with_controls():
         torch.library.opcheck(ns.chain_speculative_sampling_from_logits.default, args, controls_)
         if ns is torch.ops.specdec_sim:
             continue
-        tree_args = (trees["parents"], trees["tokens"], trees["num_nodes"], trees["target_logits"], trees["draft_logits"],
+        tree_args = (trees["parents"], trees["tokens"], trees["num_nodes"], trees["target_logits"],
+                     trees["draft_logits"],
                      temperature, torch.arange(batch), torch.zeros(batch, dtype=torch.int64),
                      torch.full((batch, 5), -7, dtype=torch.int32), torch.full((batch, 5), -7, dtype=torch.int32),
                      torch.zeros(batch, dtype=torch.int32), None)

@@ -3,10 +3,10 @@ uniforms, reduced draft vocabularies (draft_to_target), FlashInfer's independent
 (K = 128, V up to 2^24), on the CPU kernel and the CUDA kernel under the emulator."""
 import pytest
 import torch
-from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 from scipy import stats
 
 import specdec_ext
+from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 from specdec_ext import reference, sim
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
@@ -206,7 +206,8 @@ def test_reduced_draft_vocabulary_equals_scattered_rows(gen, backend, logits, dt
     assert (got.num_accepted < k).any() and (got.num_accepted > 0).any()
     # A tree: node n's children drawn without replacement from draft row n; here a root with three children.
     parents = torch.tensor([[-1, 0, 0, 0, 1]]).expand(batch, 5).int().contiguous()
-    cand = torch.stack([torch.zeros(batch, dtype=torch.int32), *[d2t[i * 7 % draft_vocab].expand(batch) for i in (1, 2, 3)],
+    cand = torch.stack([torch.zeros(batch, dtype=torch.int32), *[d2t[i * 7 % draft_vocab].expand(batch) for i in (1, 2,
+                                                                                                                  3)],
                         ids[:, 1]], 1).int()
     tree_rows, tree_draft = target[:, [0, 1, 2, 3, 4]].contiguous(), torch.cat([draft, draft[:, :1]], 1).contiguous()
     ops = BACKENDS[backend]
@@ -262,7 +263,8 @@ def test_reduced_draft_vocabulary_law(tree):
 
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
 def test_limits_k128_large_vocab(gen, backend):
-    """K = 128 draft tokens; V = 262,208 (Gemma 3) and 2^20: CPU == emulator bit for bit, acceptance as the reference."""
+    """K = 128 draft tokens; V = 262,208 (Gemma 3) and 2^20: CPU == emulator bit for bit, acceptance as the
+    reference."""
     for batch, k, vocab in ((2, 128, 64), (2, 3, 262_208), (1, 2, 2**20)):
         logits = torch.randn(batch, k + 1, vocab, generator=gen)
         hot = torch.randint(0, vocab, (batch, k + 1), generator=gen)
@@ -316,8 +318,9 @@ def test_bad_flat_layouts_raise(gen, backend, case):
     total, vocab, batch = 4, 50, 3
     probs = torch.softmax(torch.randn(total + batch, vocab, generator=gen), -1)
     ids = torch.randint(0, vocab, (total,), generator=gen, dtype=torch.int32)
-    fn = lambda: BACKENDS[backend].chain_speculative_sampling(
-        ids, probs, None, seed=0, cu_num_draft_tokens=torch.tensor(cu, dtype=torch.int32), max_draft_tokens=max_k)
+    def fn():
+        return BACKENDS[backend].chain_speculative_sampling(
+            ids, probs, None, seed=0, cu_num_draft_tokens=torch.tensor(cu, dtype=torch.int32), max_draft_tokens=max_k)
     with pytest.raises(ValueError, match=name):
         with_strict(backend, fn)
     if backend == "sim":  # without strict mode: defined outputs, the inconsistent request emits nothing
@@ -379,8 +382,10 @@ def test_bad_engine_arguments_raise(gen, backend):
         (dict(draft_to_target=torch.tensor([1, 2, 3, -1, 4, 5], dtype=torch.int32)), "draft_to_target"),
         (dict(draft_to_target=torch.arange(5, dtype=torch.int32)), "draft_to_target"),
         (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.tensor([[0.5, 1.0]] * 3)), "uniforms"),
-        (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.tensor([[0.5, -0.1]] * 3)), "uniforms"),
-        (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.full((3, 2), float("nan"))), "uniforms"),
+        (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.tensor([[0.5, -0.1]] * 3)),
+         "uniforms"),
+        (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.full((3, 2), float("nan"))),
+         "uniforms"),
         (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.zeros(3, 3)), "uniforms"),
         (dict(draft_to_target=torch.arange(6, dtype=torch.int32), uniforms=torch.zeros(3, 2, dtype=torch.float64)),
          "uniforms"),

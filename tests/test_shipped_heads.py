@@ -2,8 +2,8 @@
 with them equals plain greedy decoding, and on held-out prompts (never trained on) they accept at least as well
 as when they were shipped: a regression test of the heads and of the drafters' use of them."""
 import pytest
-from helpers.models import shipped_model
 
+from helpers.models import shipped_model
 from specdec_ext import SpeculativeDecoder
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.factory import make_drafter, prompt_ids

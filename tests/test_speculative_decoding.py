@@ -5,12 +5,12 @@ prefill would after every round, seeds reproduce and a request ignores its batch
 input. Fixed seeds throughout."""
 import pytest
 import torch
+
+import specdec_ext
 from helpers.chi_square import assert_law
 from helpers.decoder_probes import CacheCheck, assert_cache_holds
 from helpers.laws import LAW_CASES, law_draft, law_target, sample_first_tokens
 from helpers.models import VOCAB, random_prompts, tiny_hf, tiny_model
-
-import specdec_ext
 from specdec_ext import AcceptanceMonitor, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext import ops as ops_module
 from specdec_ext.engine import CostModel, generate_autoregressive
@@ -69,7 +69,8 @@ def test_greedy_with_eos_and_max_seq_len(pair):
     free = generate_autoregressive(target, prompts, 16).sequences
     eos = free[0][5]
     assert eos not in free[0][:5], "pick another prompt seed"
-    cut = lambda s: s[:s.index(eos) + 1] if eos in s else s
+    def cut(s):
+        return s[:s.index(eos) + 1] if eos in s else s
     for drafter in (NgramDrafter(), ModelDrafter(target)):  # ModelDrafter(target) drafts across the EOS
         dec = SpeculativeDecoder(target, drafter, 4, max_seq_len=20)
         got = dec.generate(prompts, 16, eos_token_id=eos).sequences
@@ -143,7 +144,8 @@ def test_seeds_reproduce_and_a_request_ignores_its_batch(pair, name):
     a, b, c = repetitive_prompts(9, [11, 6, 17])
     draft_cost = {1: 0.2} if name == "model" else None
     costs = CostModel({1: 1.0, 5: 1.3}, draft_cost)
-    make = lambda costs: SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, costs=costs)
+    def make(costs):
+        return SpeculativeDecoder(target, drafters(target, draft)[name], 4, max_batch_size=3, costs=costs)
     alone = make(costs).generate([a], 24, seed=7, **SAMPLING).sequences[0]
     assert make(costs).generate([a], 24, seed=7, **SAMPLING).sequences[0] == alone
     assert make(costs).generate([a], 24, seed=8, **SAMPLING).sequences[0] != alone
@@ -152,7 +154,8 @@ def test_seeds_reproduce_and_a_request_ignores_its_batch(pair, name):
     batch = make(flat).generate([b, a, c], [10, 24, 30], seed=[3, 7, 11], temperature=[1.0, 0.8, 0.0],
                                 top_k=[0, 20, 3], top_p=[0.5, 0.9, 1.0])
     assert batch.sequences[1] == alone
-    fixed = lambda: SpeculativeDecoder(target, drafters(target, draft)[name], 3, adaptive=False, max_batch_size=3)
+    def fixed():
+        return SpeculativeDecoder(target, drafters(target, draft)[name], 3, adaptive=False, max_batch_size=3)
     alone = fixed().generate([a], 24, seed=7, **SAMPLING).sequences[0]
     assert fixed().generate([c, a], [30, 24], seed=[11, 7], temperature=[0.0, 0.8], top_k=[3, 20],
                             top_p=[1.0, 0.9]).sequences[1] == alone
@@ -192,8 +195,9 @@ def test_adaptive_k_follows_acceptance_and_stats_add_up(pair):
         assert total.num_accepted_tokens == sum(s.num_accepted_tokens for s in out.request_stats)
         assert sum(total.accepted_per_position) == total.num_accepted_tokens
         assert total.draft_s > 0 and total.verify_s > 0 and total.sample_s > 0
-    mean_k = lambda out: sum(sum(s.k_per_round) for s in out.request_stats) / sum(
-        len(s.k_per_round) for s in out.request_stats)
+    def mean_k(out):
+        return sum(sum(s.k_per_round) for s in out.request_stats) / sum(
+            len(s.k_per_round) for s in out.request_stats)
     # The self-drafter is always right: k stays high; the random draft is rarely right: k falls (to 0, with probes).
     assert mean_k(good) > 4 and mean_k(bad) < 1.5, (mean_k(good), mean_k(bad))
     assert good.stats.acceptance_rate == 1.0 and bad.stats.acceptance_rate < 0.2

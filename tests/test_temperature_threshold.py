@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 from specdec_ext import reference, sim
 from specdec_ext.ops import LIMITS
 

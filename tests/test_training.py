@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from helpers.models import random_prompts, tiny_model
 
+from helpers.models import random_prompts, tiny_model
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
 from specdec_ext.training import distillation_data, draft_vocabulary, evaluate, load_prompts, train
@@ -57,8 +57,8 @@ def test_training_lowers_the_loss_writes_files_resumes_and_helps(setup, kind, un
     target, prompts, data = setup
     vocab = draft_vocabulary(data, 64)
     lr = 3e-3 if kind == "eagle" else 1e-2
-    head = train(kind, target, data, vocab, out_dir=tmp_path, epochs=12, tokens_per_batch=120, lr=lr,
-                 unroll=unroll, checkpoint_every=5, progress=False)
+    train(kind, target, data, vocab, out_dir=tmp_path, epochs=12, tokens_per_batch=120, lr=lr, unroll=unroll,
+          checkpoint_every=5, progress=False)
     log = json.loads((tmp_path / f"{kind}_log.json").read_text())["log"]
     first, last = sum(e["loss"] for e in log[:3]) / 3, sum(e["loss"] for e in log[-3:]) / 3
     assert last < 0.8 * first, (first, last)

@@ -6,12 +6,12 @@ formed and best first (EAGLE's scored by the head itself along each path), stats
 follows the costs, bad settings raise. Fixed seeds throughout."""
 import pytest
 import torch
+
+import specdec_ext
 from helpers.chi_square import assert_law
 from helpers.decoder_probes import CacheCheck, cache_rows, record_paths
 from helpers.laws import LAW_CASES, law_target, sample_first_tokens
 from helpers.models import make_drafter, random_prompts, random_vocab, tiny_model
-
-import specdec_ext
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import CostModel, generate_autoregressive
 from specdec_ext.trees import TreeSettings, best_tree, trie

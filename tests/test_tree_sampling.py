@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers.chi_square import chi_square_pvalue
-from helpers.sampling_inputs import dirichlet, make_tree_inputs, misaligned_copy
 
 import specdec_ext
+from helpers.chi_square import chi_square_pvalue
+from helpers.sampling_inputs import dirichlet, make_tree_inputs, misaligned_copy
 from specdec_ext import reference, sim
 
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
@@ -90,7 +90,8 @@ def test_a_chain_shaped_tree_is_the_chain_op(backend, with_draft, logits, gen):
     draft = base[:, :k] + 0.7 * torch.randn(batch, k, vocab, generator=gen)
     ids = torch.multinomial(torch.softmax(draft, -1).reshape(-1, vocab), 1, generator=gen).reshape(batch, k).int()
     for rows in (base[:, :k], draft):  # p(x) and q(x) around 1/2: some drafts accepted, some rejected
-        rows.scatter_(-1, ids.long().unsqueeze(-1), (rows.logsumexp(-1) + torch.randn(batch, k, generator=gen)).unsqueeze(-1))
+        rows.scatter_(-1, ids.long().unsqueeze(-1), (rows.logsumexp(-1) + torch.randn(batch, k,
+                                                                                      generator=gen)).unsqueeze(-1))
     # Whatever the draws: row 1 rejects its first draft (p(x) = 0), row 2 accepts all (p(x) = q(x) = 1).
     base[1, 0, ids[1, 0]] = -1e4
     base[2, torch.arange(k), ids[2].long()] = 1e4
@@ -335,7 +336,8 @@ def test_bad_arguments_are_named(backend, gen):
     ops = BACKENDS[backend]
     args = (inp["parents"], inp["tokens"], inp["target_logits"])
     with pytest.raises(ValueError, match="N must be in"):
-        ops.tree_speculative_sampling_from_logits(torch.zeros(3, 65, dtype=torch.int32), torch.zeros(3, 65, dtype=torch.int32),
+        ops.tree_speculative_sampling_from_logits(torch.zeros(3, 65, dtype=torch.int32), torch.zeros(3, 65,
+                                                                                                     dtype=torch.int32),
                                                   torch.zeros(3, 65, 20), temperature=1.0, seed=0)
     with pytest.raises(ValueError, match="candidate_token_ids must have the shape"):
         ops.tree_speculative_sampling_from_logits(inp["parents"], inp["tokens"][:, :4], inp["target_logits"],

@@ -130,8 +130,9 @@ def test_invalid_requests(backend):
     for kw, message in cases:
         lengths = torch.tensor(kw.pop("lengths", [2, 3]), dtype=torch.int32)
         ks, vs = [t.clone() for t in k], [t.clone() for t in v]
-        call = lambda: BACKENDS[backend].truncate_kv_cache(lengths, kw["num_kept"], kept_indices=kw["kept_indices"],
-                                                            k_caches=ks, v_caches=vs, clear=True)
+        def call():
+            return BACKENDS[backend].truncate_kv_cache(lengths, kw["num_kept"], kept_indices=kw["kept_indices"],
+                                                                    k_caches=ks, v_caches=vs, clear=True)
         if backend == "cpu":  # raises before writing anything
             with pytest.raises(ValueError, match=message):
                 call()
@@ -142,8 +143,10 @@ def test_invalid_requests(backend):
             specdec_ext.set_strict(True)
             try:
                 with pytest.raises(ValueError, match=message):
-                    BACKENDS[backend].truncate_kv_cache(lengths.clone(), kw["num_kept"], kept_indices=kw["kept_indices"],
-                                                        k_caches=[t.clone() for t in k], v_caches=[t.clone() for t in v])
+                    BACKENDS[backend].truncate_kv_cache(lengths.clone(), kw["num_kept"],
+                                                        kept_indices=kw["kept_indices"],
+                                                        k_caches=[t.clone() for t in k],
+                                                        v_caches=[t.clone() for t in v])
             finally:
                 specdec_ext.set_strict(False)
             assert int(lengths[0]) == int(before[0])  # request 0 is the invalid one in every case
@@ -179,8 +182,9 @@ def test_page_listed_twice_within_a_request_is_refused(backend, csr, gen):
         dict(block_table=table)
     lengths = torch.tensor([3, 3], dtype=torch.int32)
     ks, vs = [k[0].clone()], [v[0].clone()]
-    call = lambda lens, ks, vs: BACKENDS[backend].truncate_kv_cache(lens, 2, kept_indices=kept, k_caches=ks,
-                                                                     v_caches=vs, block_len=3, **layout)
+    def call(lens, ks, vs):
+        return BACKENDS[backend].truncate_kv_cache(lens, 2, kept_indices=kept, k_caches=ks,
+                                                                         v_caches=vs, block_len=3, **layout)
     if backend == "cpu":
         with pytest.raises(ValueError, match="request 0: .*a page of the block twice"):
             call(lengths, ks, vs)
@@ -215,7 +219,8 @@ def test_bad_arguments_are_named(backend):
     with pytest.raises(ValueError, match="k_caches and v_caches are needed"):
         f(torch.zeros(2, dtype=torch.int32), 1, block_len=3, clear=True)
     with pytest.raises(ValueError, match=r"v_caches\[0\]|shape, strides and dtype"):
-        f(torch.zeros(2, dtype=torch.int32), 1, k_caches=k, v_caches=[torch.randn(2, 10, 1, 5)], block_len=3, clear=True)
+        f(torch.zeros(2, dtype=torch.int32), 1, k_caches=k, v_caches=[torch.randn(2, 10, 1, 5)], block_len=3,
+          clear=True)
 
 
 @pytest.mark.parametrize("backend", NAMESPACES)
@@ -312,13 +317,16 @@ def test_bad_layout_inputs_are_named(backend):
           kv_indptr=torch.tensor([0, 2, 4], dtype=torch.int32))
     bad = [(torch.tensor([0, 3, 2], dtype=torch.int32), indices, "kv_indptr"),   # decreasing: request 1
            (torch.tensor([0, 2, 5], dtype=torch.int32), indices, "kv_indptr"),   # past len(kv_indices): request 1
-           (torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([3, 1, 9, 5], dtype=torch.int32), "points outside"),
-           (torch.tensor([0, 2, 3], dtype=torch.int32), indices, "outside the cache")]  # request 1's block past its page
+           (torch.tensor([0, 2, 4], dtype=torch.int32), torch.tensor([3, 1, 9, 5], dtype=torch.int32),
+            "points outside"),
+           (torch.tensor([0, 2, 3], dtype=torch.int32), indices,
+            "outside the cache")]  # request 1's block past its page
     for indptr, idx, message in bad:
         lengths = torch.tensor([1, 2], dtype=torch.int32)
         ks, vs = [k[0].clone()], [k[0].clone()]
-        call = lambda lens: f(lens, torch.tensor([2, 1], dtype=torch.int32), kept_indices=kept, k_caches=ks,
-                              v_caches=vs, kv_indptr=indptr, kv_indices=idx)
+        def call(lens):
+            return f(lens, torch.tensor([2, 1], dtype=torch.int32), kept_indices=kept, k_caches=ks,
+                                      v_caches=vs, kv_indptr=indptr, kv_indices=idx)
         if backend == "cpu":
             with pytest.raises(ValueError, match=message):
                 call(lengths)

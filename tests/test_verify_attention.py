@@ -2,9 +2,9 @@
 within fp32 2e-5, bf16 2e-2, fp16 4e-3."""
 import pytest
 import torch
-from helpers.verify_attention import TOLERANCE, random_tree_mask, rel_error
 
 import specdec_ext
+from helpers.verify_attention import TOLERANCE, random_tree_mask, rel_error
 from specdec_ext import reference
 
 
@@ -204,7 +204,8 @@ def test_sim_opcheck(gen, sim):
 @pytest.mark.parametrize("trial", range(8))
 def test_random_shapes_cpu_and_sim(trial, gen, sim):
     # Every dimension drawn fresh per run: batch, queries, GQA ratio, head dim, layout, page size, mask, lengths.
-    pick = lambda *choices: choices[int(torch.randint(0, len(choices), (1,), generator=gen))]
+    def pick(*choices):
+        return choices[int(torch.randint(0, len(choices), (1,), generator=gen))]
     batch, n_q, hkv, ratio, d = pick(1, 2, 5), pick(1, 3, 7, 17), pick(1, 2, 3), pick(1, 2, 3, 5), pick(64, 128)
     dtype = pick(torch.bfloat16, torch.float16)
     lengths = [int(x) for x in torch.randint(0, 700, (batch,), generator=gen)]
@@ -282,7 +283,8 @@ def test_strided_page_views_equal_separate_tensors(backend, layout, engine, gen)
     q, kc, vc, sl, kn, vn, table = make_case(gen, 3, 4, 4, 2, 64, dtype, lengths, paged=8)
     if layout == "HND":
         kc, vc = nhd_to_hnd(kc), nhd_to_hnd(vc)
-    # FlashInfer: one [pages, 2, ...] tensor, K and V interleaved per page (page stride 2x a page); vLLM: [2, pages, ...].
+    # FlashInfer: one [pages, 2, ...] tensor, K and V interleaved per page (page stride 2x a page); vLLM: [2, pages,
+    # ...].
     kv = torch.stack([kc, vc], dim=1 if engine == "flashinfer" else 0)
     k_view, v_view = (kv[:, 0], kv[:, 1]) if engine == "flashinfer" else (kv[0], kv[1])
     assert k_view.data_ptr() != kc.data_ptr() and (engine == "vllm" or not k_view.is_contiguous())
@@ -425,8 +427,10 @@ def layout_bad_cases(gen):
     page = 8
     q = torch.randn(5, 2, 64, generator=gen).half()
     kc, vc = torch.randn(6, page, 1, 64, generator=gen).half(), torch.randn(6, page, 1, 64, generator=gen).half()
-    good = dict(qo_indptr=torch.tensor([0, 2, 5], dtype=torch.int32), kv_indptr=torch.tensor([0, 2, 3], dtype=torch.int32),
-                kv_indices=torch.tensor([4, 0, 2], dtype=torch.int32), kv_last_page_len=torch.tensor([3, 8], dtype=torch.int32))
+    good = dict(qo_indptr=torch.tensor([0, 2, 5], dtype=torch.int32), kv_indptr=torch.tensor([0, 2, 3],
+                                                                                             dtype=torch.int32),
+                kv_indices=torch.tensor([4, 0, 2], dtype=torch.int32), kv_last_page_len=torch.tensor([3, 8],
+                                                                                                     dtype=torch.int32))
     cases = [
         ({"qo_indptr": torch.tensor([0, 3, 2], dtype=torch.int32)}, "qo_indptr"),     # decreasing
         ({"qo_indptr": torch.tensor([0, 2, 6], dtype=torch.int32)}, "qo_indptr"),     # past T
@@ -470,7 +474,8 @@ def test_bad_layout_inputs_are_named(backend, gen):
         f(torch.randn(130, 2, 64).to(q.dtype), kc, vc, **{**good, "qo_indptr": torch.tensor([0, 129, 130],
                                                                                               dtype=torch.int32)})
     # Pages whose slots are not dense (every other slot of a view): refused, not misread.
-    sparse_k, sparse_v = kc.as_strided((6, 4, 1, 64), (512, 128, 64, 1)), vc.as_strided((6, 4, 1, 64), (512, 128, 64, 1))
+    sparse_k, sparse_v = kc.as_strided((6, 4, 1, 64), (512, 128, 64, 1)), vc.as_strided((6, 4, 1, 64), (512, 128, 64,
+                                                                                                        1))
     with pytest.raises(ValueError, match="each page of a paged cache must be dense"):
         f(q, sparse_k, sparse_v, **good)
 
@@ -495,7 +500,8 @@ def test_written_page_listed_twice_within_a_request_is_refused(backend, csr, gen
         args = (None, kn, vn)
     else:
         layout, args = dict(block_table=table), (lengths, kn, vn)
-    call = lambda: f(q, kc.clone(), vc.clone(), *args, **layout)
+    def call():
+        return f(q, kc.clone(), vc.clone(), *args, **layout)
     if backend == "cpu":
         with pytest.raises(ValueError, match="request 1: .*a page the new tokens go to twice"):
             call()

@@ -31,7 +31,8 @@ def make_case(batch, k, vocab, dtype, device, gen):
     draft = logits[:, :k] + 0.8 * torch.randn(batch, k, vocab, generator=gen)
     q = torch.softmax(draft, -1)
     ids = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k).int()
-    to = lambda t: t.to(device=device, dtype=dtype)
+    def to(t):
+        return t.to(device=device, dtype=dtype)
     return {"ids": ids.to(device), "target_logits": to(logits), "draft_logits": to(draft),
             "target_probs": to(torch.softmax(logits, -1)), "draft_probs": to(q),
             "seed": torch.randint(0, 2**62, (batch,), generator=gen).to(device)}
@@ -131,15 +132,21 @@ def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):
     ids, seed = case["ids"], case["seed"]
     if path == "probs":
         tp, dp = case["target_probs"], case["draft_probs"]
-        ours = lambda: specdec_ext.chain_speculative_sampling(ids, tp, dp, seed=seed)
-        base = lambda: torch_sampling(ids, tp, dp)
-        ref = lambda: reference.chain_speculative_sampling(ids, tp, dp, seed=seed)
+        def ours():
+            return specdec_ext.chain_speculative_sampling(ids, tp, dp, seed=seed)
+        def base():
+            return torch_sampling(ids, tp, dp)
+        def ref():
+            return reference.chain_speculative_sampling(ids, tp, dp, seed=seed)
     else:
         tl, dl = case["target_logits"], case["draft_logits"]
         t = torch.ones(batch, device=device)  # a device tensor: ours is also captured in a CUDA graph below
-        ours = lambda: specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed)
-        base = lambda: torch_sampling_from_logits(ids, tl, dl, 1.0)
-        ref = lambda: reference.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=1.0, seed=seed)
+        def ours():
+            return specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed)
+        def base():
+            return torch_sampling_from_logits(ids, tl, dl, 1.0)
+        def ref():
+            return reference.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=1.0, seed=seed)
     big = batch * k * vocab >= 8 * 4 * 128256
     slow_repeats = max(3, repeats // (10 if big else 4))
     ours_us = median_us(ours, device, repeats)

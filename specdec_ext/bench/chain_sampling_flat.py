@@ -37,7 +37,8 @@ def make_batch(batch, max_k, vocab, dtype, device, gen):
     target_rows[starts + torch.arange(batch) + counts] = False  # the bonus rows
     draft_logits = logits[target_rows] + 0.8 * torch.randn(total, vocab, generator=gen)
     ids = torch.multinomial(torch.softmax(draft_logits, -1), 1, generator=gen).reshape(-1).int()
-    to = lambda t: t.to(device=device, dtype=dtype)
+    def to(t):
+        return t.to(device=device, dtype=dtype)
     return {"counts": counts.int().to(device), "cu": counts.cumsum(0).int().to(device), "ids": ids.to(device),
             "target_logits": to(logits), "draft_logits": to(draft_logits),
             "target_probs": to(torch.softmax(logits, -1)), "draft_probs": to(torch.softmax(draft_logits, -1)),
@@ -78,12 +79,16 @@ def measure(case, path, batch, max_k, vocab, dtype, device, repeats):
     target_padded = pad(target, case["target_index"], batch, max_k + 1)
     draft_padded = pad(draft, case["draft_index"], batch, max_k)
     if path == "probs":
-        run = lambda i, t, d, **kw: specdec_ext.chain_speculative_sampling(i, t, d, seed=seed, **kw)
+        def run(i, t, d, **kw):
+            return specdec_ext.chain_speculative_sampling(i, t, d, seed=seed, **kw)
     else:
-        run = lambda i, t, d, **kw: specdec_ext.chain_speculative_sampling_from_logits(i, t, d, temperature=1.0,
-                                                                                    seed=seed, **kw)
-    flat = lambda: run(ids, target, draft, cu_num_draft_tokens=cu, max_draft_tokens=max_k)
-    padded = lambda: run(ids_padded, target_padded, draft_padded, num_draft_tokens=counts)
+        def run(i, t, d, **kw):
+            return specdec_ext.chain_speculative_sampling_from_logits(i, t, d, temperature=1.0,
+                                                                                            seed=seed, **kw)
+    def flat():
+        return run(ids, target, draft, cu_num_draft_tokens=cu, max_draft_tokens=max_k)
+    def padded():
+        return run(ids_padded, target_padded, draft_padded, num_draft_tokens=counts)
 
     def copy_and_padded():
         return run(pad(ids.view(-1, 1), case["draft_index"], batch, max_k).view(batch, max_k),

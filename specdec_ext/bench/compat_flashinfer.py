@@ -68,10 +68,12 @@ def main(args) -> int:
                 seed = torch.randint(0, 2**62, (batch,), device=device)
                 offset = torch.zeros(batch, dtype=torch.int64, device=device)
                 counts = [torch.zeros(batch, dtype=torch.int32, device=device) for _ in range(4)]
-                ours = lambda: sampling.chain_speculative_sampling(draft, ids, target, counts[0], counts[1], seed=seed,
-                                                                   offset=offset)
+                def ours():
+                    return sampling.chain_speculative_sampling(draft, ids, target, counts[0], counts[1], seed=seed,
+                                                                                   offset=offset)
                 torch_gen = torch.Generator(device=device).manual_seed(0)
-                baseline = lambda: torch_chain_speculative_sampling(draft, ids, target, counts[2], counts[3], torch_gen)
+                def baseline():
+                    return torch_chain_speculative_sampling(draft, ids, target, counts[2], counts[3], torch_gen)
                 # Interleaved medians, so that both see the same machine state.
                 ours_us, torch_us = [], []
                 for _ in range(3):

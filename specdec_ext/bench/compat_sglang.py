@@ -81,7 +81,8 @@ def eagle_like_tree(batch, n, branching, device):
     for i in range(n - 1, 0, -1):
         next_sibling[i] = next_token[parent[i]]
         next_token[parent[i]] = i
-    expand = lambda t: t.expand(batch, n).contiguous().to(device)
+    def expand(t):
+        return t.expand(batch, n).contiguous().to(device)
     return (expand(parent), (torch.arange(batch).unsqueeze(-1) * n + c).to(device), expand(next_token),
             expand(next_sibling))
 
@@ -107,9 +108,11 @@ def measure(case, batch, n, vocab, device, repeats):
     accept_token_num = torch.empty(batch, dtype=torch.int32, device=device)
     args = (case["candidates"], case["retrive_index"], case["next_token"], case["next_sibling"], case["coins"],
             case["final"], case["target_probs"])
-    ours = lambda: sglang.tree_speculative_sampling_target_only(
-        predicts, accept_index, accept_token_num, args[0], args[1], args[2], args[3], args[4], args[5], args[6])
-    base = lambda: sglang_target_only_torch(*args, num_steps)
+    def ours():
+        return sglang.tree_speculative_sampling_target_only(
+            predicts, accept_index, accept_token_num, args[0], args[1], args[2], args[3], args[4], args[5], args[6])
+    def base():
+        return sglang_target_only_torch(*args, num_steps)
     ours_us = median_us(ours, device, repeats)
     torch_us = median_us(base, device, repeats)
     _, want_index, want_num = base()

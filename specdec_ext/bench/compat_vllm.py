@@ -49,8 +49,9 @@ def torch_rejection_sample(draft_token_ids, counts, max_spec_len, cu_num_draft_t
     pos = torch.arange(max_spec_len, device=device)
     valid = pos < count.unsqueeze(1)
     index = ((cu_num_draft_tokens.long() - count).unsqueeze(1) + pos).clamp(0, max(ids.numel() - 1, 0))
-    gathered = lambda flat, fill: torch.where(valid, flat[index], fill) if ids.numel() else \
-        torch.full((batch, max_spec_len), fill, device=device)
+    def gathered(flat, fill):
+        return torch.where(valid, flat[index], fill) if ids.numel() else \
+            torch.full((batch, max_spec_len), fill, device=device)
     num_accepted = gathered(accepted, False).int().cumprod(1).sum(1)
     drafts, recovered = gathered(ids, -1), gathered(recovered, -1)
     out = torch.full((batch, max_spec_len + 1), -1, dtype=torch.int32, device=device)
@@ -101,7 +102,8 @@ def measure(case, batch, k, vocab, with_draft, device, repeats):
     meta = types.SimpleNamespace(all_greedy=False, all_random=True, generators={},
                                  temperature=torch.ones(batch, device=device))
     args = (case["ids"], case["counts"], k, case["cu"], draft, case["target"], case["bonus"])
-    ours = lambda: shim.rejection_sample(*args, meta)
+    def ours():
+        return shim.rejection_sample(*args, meta)
 
     def baseline():  # its randomness drawn inside, as the shim's is
         uniforms = torch.rand(batch * k, device=device)

@@ -187,7 +187,7 @@ def plain_rows(args, path, tokenizer, chat, batches, dtypes, new_tokens, repeats
                              "same_tokens": ours_seq[0] == hf_seq[0], "peak_rss_mb": ours_rss})
                 print_row(rows[-1])
         costs += [{"dtype": str(dtype).removeprefix("torch."), **r} for r in forward_costs(ours, max(5, repeats * 3))]
-        del ours, hf
+        ours = hf = None  # free both before the next dtype's load
     report(f"plain greedy decoding, SmolLM2-135M-Instruct, CPU, {torch.get_num_threads()} threads, {new_tokens} new "
            f"tokens (read bandwidth {bandwidth:.1f} GB/s)", rows,
            ["dtype", "B", "prompt", "ours_tok_s", "transformers_tok_s", "speedup", "floor_tok_s", "of_floor",
@@ -239,7 +239,8 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                 sampling = SAMPLING[mode]
                 seeds = list(range(len(prompts)))
                 plain = SpeculativeDecoder(target, None, max_batch_size=batch, sampling=DECODER_SAMPLING[mode])
-                run_plain = lambda: plain.generate_autoregressive(prompts, new_tokens, seed=seeds, **sampling).sequences
+                def run_plain():
+                    return plain.generate_autoregressive(prompts, new_tokens, seed=seeds, **sampling).sequences
                 with torch.no_grad():
                     hf_tps, _ = tokens_per_second(lambda: [s for c in chunks for s in transformers_generate(
                         hf, tokenizer, c, new_tokens, sampling)], repeats)

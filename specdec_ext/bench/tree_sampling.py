@@ -48,7 +48,8 @@ def make_case(batch, n, branching, vocab, sampled, dtype, device, gen):
     target = draft + 0.8 * torch.randn(batch, n, vocab, generator=gen)
     # A draft that is often right, as a trained head is: its candidates are likely under the target too.
     target.scatter_add_(-1, top, torch.full(top.shape, 6.0))
-    to = lambda t: t.to(device=device, dtype=dtype)
+    def to(t):
+        return t.to(device=device, dtype=dtype)
     return {"parents": parents.to(device), "tokens": tokens.to(device), "target_logits": to(target),
             "draft_logits": to(draft) if sampled else None,
             "seed": torch.randint(0, 2**62, (batch,), generator=gen).to(device)}
@@ -113,10 +114,13 @@ def bytes_read(out, n, branching, vocab, elem, sampled):
 def measure(case, batch, n, branching, vocab, sampled, dtype, device, repeats, peak):
     parents, tokens, tl, dl, seed = (case[k] for k in ("parents", "tokens", "target_logits", "draft_logits", "seed"))
     t = torch.ones(batch, device=device)  # a device tensor: ours is also captured in a CUDA graph below
-    ours = lambda: specdec_ext.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=t, seed=seed)
-    base = lambda: torch_tree_sampling(parents, tokens, torch.softmax(tl.float(), -1),
-                                       torch.softmax(dl.float(), -1) if dl is not None else None)
-    ref = lambda: reference.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=1.0, seed=seed)
+    def ours():
+        return specdec_ext.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=t, seed=seed)
+    def base():
+        return torch_tree_sampling(parents, tokens, torch.softmax(tl.float(), -1),
+                                           torch.softmax(dl.float(), -1) if dl is not None else None)
+    def ref():
+        return reference.tree_speculative_sampling_from_logits(parents, tokens, tl, dl, temperature=1.0, seed=seed)
     ours_us = median_us(ours, device, repeats)
     torch_us = median_us(base, device, max(5, repeats // 4), warmup=2)
     ref_us = median_us(ref, device, max(3, repeats // 10), warmup=1)

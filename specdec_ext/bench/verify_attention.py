@@ -66,12 +66,14 @@ def measure(batch, context, n_q, dtype, device, repeats, peak, flex=False):
     k_cache = torch.randn(batch, s, HKV, D, generator=g).to(device=device, dtype=dtype)
     v_cache = torch.randn(batch, s, HKV, D, generator=g).to(device=device, dtype=dtype)
     lengths = torch.full((batch,), context, dtype=torch.int32, device=device)
-    ours = lambda: specdec_ext.verify_attention(q, k_cache, v_cache, lengths)
+    def ours():
+        return specdec_ext.verify_attention(q, k_cache, v_cache, lengths)
     # SDPA on the same cache: [B, H, S, D] views, a [Q, S] mask (the cache, then causal over the new tokens).
     mask = torch.ones(n_q, s, dtype=torch.bool, device=device)
     mask[:, context:] = torch.ones(n_q, n_q, dtype=torch.bool, device=device).tril()
     qt, kt, vt = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    sdpa = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    def sdpa():
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
     ours_us = median_us(ours, device, repeats)
     sdpa_us = median_us(sdpa, device, repeats)
     ref_us = median_us(lambda: reference.verify_attention(q, k_cache, v_cache, lengths, dtype=torch.float32), device,

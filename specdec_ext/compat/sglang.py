@@ -96,7 +96,8 @@ def _check_buffers(op, predicts, accept_index, accept_token_num, candidates, ret
     if not 1 <= n <= LIMITS["max_tree_nodes"]:
         raise ValueError(f"{op}: N = {n} tree nodes, this library takes 1 to {LIMITS['max_tree_nodes']}")
     if accept_index.shape[0] != batch or accept_index.shape[1] < 1:
-        raise ValueError(f"{op}: accept_index must be [B, S] with B = {batch} and S >= 1, got {tuple(accept_index.shape)}")
+        raise ValueError(f"{op}: accept_index must be [B, S] with B = {batch} and S >= 1, got "
+                         f"{tuple(accept_index.shape)}")
     if accept_token_num.shape != (batch,):
         raise ValueError(f"{op}: accept_token_num must be [B] = [{batch}], got {tuple(accept_token_num.shape)}")
     return batch, n, accept_index.shape[1]
@@ -205,14 +206,16 @@ def tree_speculative_sampling_target_only(predicts, accept_index, accept_token_n
                                  retrive_next_token, retrive_next_sibling, device)
     vocab = target_probs.shape[2]
     if target_probs.shape[:2] != (batch, n):
-        raise ValueError(f"{op}: target_probs must be [B, N, V] with B, N = {batch}, {n}, got {tuple(target_probs.shape)}")
+        raise ValueError(f"{op}: target_probs must be [B, N, V] with B, N = {batch}, {n}, got "
+                         f"{tuple(target_probs.shape)}")
     for name, t, shape in (("uniform_samples", uniform_samples, (batch, n)),
                            ("uniform_samples_for_final_sampling", uniform_samples_for_final_sampling, (batch,))):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != shape or t.device != device:
             raise ValueError(f"{op}: {name} must be a float32 tensor of shape {list(shape)} on {device}")
     if draft_probs is not None and (not isinstance(draft_probs, torch.Tensor) or draft_probs.shape != target_probs.shape
                                     or draft_probs.device != device):
-        raise ValueError(f"{op}: draft_probs must be None or a tensor shaped like target_probs {tuple(target_probs.shape)}"
+        raise ValueError(f"{op}: draft_probs must be None or a tensor shaped like target_probs "
+                         f"{tuple(target_probs.shape)}"
                          f" on {device}")
     host = _host_checks(device)
     parent, _, _, in_tree = _read_tree(op, retrive_next_token, retrive_next_sibling, s - 1, host)
@@ -271,8 +274,9 @@ def tree_speculative_sampling_target_only(predicts, accept_index, accept_token_n
     u_point = torch.where(left > 0, (coins.gather(1, par) - tested) / left.clamp_min(1e-30), 0.0).clamp(0.0, _U_MAX)
 
     ops = compat.backend()
-    run = lambda rows_q, u: ops.tree_speculative_sampling(parents, cand, target, rows_q, num_nodes=num_nodes,
-                                                          uniforms=u.contiguous(), final_uniforms=final, seed=0)
+    def run(rows_q, u):
+        return ops.tree_speculative_sampling(parents, cand, target, rows_q, num_nodes=num_nodes,
+                                                              uniforms=u.contiguous(), final_uniforms=final, seed=0)
     if draft is None:
         out = run(None, u_point)
     else:
@@ -314,7 +318,8 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
                        f"[0, {min(predicts.numel(), batch * n)}) (predicts and target_predict are indexed by it)")
     idx = torch.arange(n, device=device).expand(batch, n)
     argmax = target_predict.reshape(-1).long()
-    after = lambda nodes: argmax[flat_index.gather(1, nodes).clamp(0, batch * n - 1)]
+    def after(nodes):
+        return argmax[flat_index.gather(1, nodes).clamp(0, batch * n - 1)]
     match = in_tree & (idx > 0) & (candidates.long() == after(parent.clamp_min(0)))
     # The first matching child of a node in sibling order; a node is on the path when it and its ancestors are.
     beaten = (parent.unsqueeze(1) == parent.unsqueeze(2)) & (rank.unsqueeze(1) < rank.unsqueeze(2)) & match.unsqueeze(1)
@@ -327,5 +332,6 @@ def verify_tree_greedy(predicts, accept_index, accept_token_num, candidates, ret
     j = torch.arange(s, device=device)
     following = candidates.long().gather(1, torch.cat([nodes[:, 1:], nodes[:, :1]], 1).clamp_min(0))
     last = nodes.gather(1, accepted.unsqueeze(-1))
-    tokens = torch.where(j < accepted.unsqueeze(-1), following, torch.where(j == accepted.unsqueeze(-1), after(last), -1))
+    tokens = torch.where(j < accepted.unsqueeze(-1), following, torch.where(j == accepted.unsqueeze(-1), after(last),
+                                                                            -1))
     _write_outputs(predicts, accept_index, accept_token_num, retrive_index, nodes, tokens, accepted.int())

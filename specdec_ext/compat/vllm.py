@@ -36,8 +36,8 @@ norm(max(p - q, 0)) at the final uniform.
 """
 import dataclasses
 import importlib
-import itertools
 import importlib.util
+import itertools
 import logging
 import sys
 from collections.abc import Sequence
@@ -45,9 +45,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from . import backend
 from ..ops import LIMITS, MIN_TEMPERATURE
 from ..reference import filter_logits
+from . import backend
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,7 @@ import torch
 
 from ..host import upload
 from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
-from .base import (DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal,
-                   draw_from_draft_vocab)
+from .base import DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal, draw_from_draft_vocab
 
 
 class EagleDrafter(Drafter):

@@ -156,17 +156,17 @@ class LookaheadDrafter(Drafter):
         column_gain = sum((s.window_hits + 0.05) / (s.window_tries + 0.1) for s in live)
         rows = max(batch, 1)
 
-        def rate(plan):
-            w, g, l = plan
-            return (rows + gain[g, l] + w * column_gain) / \
-                (costs.draft_cost(rows) + costs.verify_cost(rows * (1 + g * l + w * length)))
+        def rate(plan):  # plan = (w, g, l): cut is l, the guesses' length
+            w, g, cut = plan
+            return (rows + gain[g, cut] + w * column_gain) / \
+                (costs.draft_cost(rows) + costs.verify_cost(rows * (1 + g * cut + w * length)))
 
-        plans = [(w, g, l) for w in range(self.window + 1) for g in range(self.guesses + 1)
-                 for l in (range(1, length + 1) if g else (length,))]
-        w, g, l = max(plans, key=rate)
+        plans = [(w, g, cut) for w in range(self.window + 1) for g in range(self.guesses + 1)
+                 for cut in (range(1, length + 1) if g else (length,))]
+        w, g, cut = max(plans, key=rate)
         if round_index % 8 == 7:
-            w, g, l = min(self.window, w + 1), min(self.guesses, g + 1), length
-        self.planned = (w, g, l)
+            w, g, cut = min(self.window, w + 1), min(self.guesses, g + 1), length
+        self.planned = (w, g, cut)
 
     # -------------------------------------------------------------------------------------------- proposing
     def _guesses(self, s: _Request, history, count: int) -> tuple[list, list]:

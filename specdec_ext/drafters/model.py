@@ -79,7 +79,7 @@ class ModelDrafter(Drafter):
             feed = i + 1 < kmax
             grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
             key = ("draft", r.batch, r.coupling, feed)
-            token, next_logits = self.state.graphs.run(key, lambda l, o, g: step(l, o, g, feed),
+            token, next_logits = self.state.graphs.run(key, lambda x, o, g: step(x, o, g, feed),
                                                        (logits, r.steps + i, grow), state=[self.cache.cache_seqlens])
             draft_ids[:, i], draft_logits[:, i] = token, logits
             logits = next_logits.clone() if feed else logits

@@ -67,7 +67,8 @@ class NgramDrafter(Drafter):
         """One lookup per row over a 512-token history of random tokens (a miss scans every suffix: the worst case)
         and the upload of the drafts: one step per round, whatever k."""
         history = np.random.default_rng(0).integers(0, 32000, 512).tolist()
-        step = lambda rows: padded([self.lookup(history, 8) for _ in range(rows)], 0, torch.int64, self.device)
+        def step(rows):
+            return padded([self.lookup(history, 8) for _ in range(rows)], 0, torch.int64, self.device)
         key = {"drafter": "ngram", "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
         return key, lambda rows: (lambda: step(rows))
 

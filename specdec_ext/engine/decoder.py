@@ -205,7 +205,8 @@ class SpeculativeDecoder:
     def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate):
         start = time.perf_counter()
         requests, eos, limit, self._limit_reason = make_requests(
-            self.target.config, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, self.max_seq_len)
+            self.target.config, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+            self.max_seq_len)
         if stream is not None and not callable(stream):
             raise ValueError(f"stream must be a callable(request_index, new_token_ids) or None, got {stream!r}")
         drafter, rounds = (self.drafter, self.speculative) if speculate else (None, self.plain)

@@ -75,7 +75,8 @@ class CostModel:
             steps, rows = work(k)
             return steps * self.draft_cost(batch * rows) + self.verify_cost(batch * (k + 1))
 
-        tokens = lambda k: sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
+        def tokens(k):
+            return sum((1 - a ** (k + 1)) / (1 - a) for a in alphas)
         return max(range(k_max + 1), key=lambda k: tokens(k) / cost(k))
 
 

@@ -126,12 +126,14 @@ def make_requests(config, prompts, max_new_tokens, temperature, top_k, top_p, se
     top_ks = per_request(top_k, "top_k", n, as_int)
     top_ps = per_request(top_p, "top_p", n, as_float)
     seeds = per_request(seed, "seed", n, as_int)
-    check = lambda values, name, ok, what: next(
-        (ValueError(f"{name}{f'[{i}]' if n > 1 else ''} must be {what}, got {v!r}") for i, v in enumerate(values)
-         if not ok(v)), None)
+    def check(values, name, ok, what):
+        return next(
+            (ValueError(f"{name}{f'[{i}]' if n > 1 else ''} must be {what}, got {v!r}") for i, v in enumerate(values)
+             if not ok(v)), None)
     # float32 is what the kernels compute in: a temperature that overflows it would be infinite there.
     error = check(max_new, "max_new_tokens", lambda m: m >= 1, "an int >= 1") or \
-        check(temps, "temperature", lambda t: 0 <= t <= FLOAT32_MAX, f"finite and >= 0 (at most {FLOAT32_MAX:.3g})") or \
+        check(temps, "temperature", lambda t: 0 <= t <= FLOAT32_MAX,
+              f"finite and >= 0 (at most {FLOAT32_MAX:.3g})") or \
         check(top_ks, "top_k", lambda k: k >= 0, "an int >= 0 (0: off)") or \
         check(top_ps, "top_p", lambda p: 0 < p <= 1, "in (0, 1] (1: off)") or \
         check(seeds, "seed", lambda s: -(2**63) <= s < 2**63, "a signed 64-bit integer")

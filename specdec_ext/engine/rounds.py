@@ -22,8 +22,7 @@ import torch
 
 from ..drafters.base import RoundFeedback, RoundInputs
 from ..host import read, upload
-from ..ops import (chain_speculative_sampling_from_logits, sample_without_drafts,
-                   tree_speculative_sampling_from_logits)
+from ..ops import chain_speculative_sampling_from_logits, sample_without_drafts, tree_speculative_sampling_from_logits
 
 
 class Stopwatch:

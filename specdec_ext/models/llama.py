@@ -17,7 +17,8 @@ from ..ops import LIMITS, is_strict
 from .config import LlamaConfig
 from .quantized import is_quantized
 
-MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]  # verify_attention's limit on new tokens per call: longer blocks are chunked
+# verify_attention's limit on new tokens per call: longer blocks are chunked
+MAX_ATTENTION_QUERIES = LIMITS["max_verify_queries"]
 MAX_SKINNY_ROWS = LIMITS["max_skinny_rows"]
 
 
@@ -130,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         c = config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        empty = lambda *shape: nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        def empty(*shape):
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
         self.embed_tokens = empty(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList()
         for _ in range(c.num_hidden_layers):
@@ -185,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
         if parts[:2] == ["model", "layers"] and len(parts) >= 5:
             layer = self.layers[int(parts[2])]
             key = ".".join(parts[3:])
-            fused = {"self_attn.q_proj": (0, q), "self_attn.k_proj": (q, q + kv), "self_attn.v_proj": (q + kv, q + 2 * kv)}
+            fused = {"self_attn.q_proj": (0, q), "self_attn.k_proj": (q, q + kv), "self_attn.v_proj": (q + kv,
+                                                                                                       q + 2 * kv)}
             module, kind = key.rsplit(".", 1)
             if module in fused:
                 lo, hi = fused[module]
@@ -204,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
     def weight_names(self) -> list[str]:
         """The Hugging Face names of every weight this model needs."""
         c = self.config
-        names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if c.tie_word_embeddings else ["lm_head.weight"])
+        names = ["model.embed_tokens.weight",
+                 "model.norm.weight"] + ([] if c.tie_word_embeddings else ["lm_head.weight"])
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             names += [p + n + ".weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",

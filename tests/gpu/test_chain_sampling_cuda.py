@@ -139,10 +139,13 @@ def test_invalid_input_defined_output_and_strict_mode():
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 def test_opcheck_cuda(logits):
     c = {k: v.cuda() for k, v in case(3, 2, 77, torch.bfloat16, 1).items()}
-    fn = torch.ops.specdec.chain_speculative_sampling_from_logits if logits else torch.ops.specdec.chain_speculative_sampling
+    ops = torch.ops.specdec
+    fn = ops.chain_speculative_sampling_from_logits if logits else ops.chain_speculative_sampling
     out = (torch.empty(3, 3, dtype=torch.int32, device="cuda"), torch.empty(3, dtype=torch.int32, device="cuda"))
-    torch.library.opcheck(fn.default, (c["ids"], c["tl"] if logits else c["tp"], c["dl"] if logits else c["dp"], c["nd"],
-                                       c["temp"].float() if logits else c["greedy"], c["seed"], c["offset"], *out, None))
+    torch.library.opcheck(fn.default, (c["ids"], c["tl"] if logits else c["tp"], c["dl"] if logits else c["dp"],
+                                       c["nd"],
+                                       c["temp"].float() if logits else c["greedy"], c["seed"], c["offset"], *out,
+                                       None))
 
 
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])

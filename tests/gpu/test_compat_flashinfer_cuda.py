@@ -1,15 +1,23 @@
-"""The FlashInfer shim on CUDA: the documented example, FlashInfer's test statement at its sizes, the CPU kernel's counts
+"""The FlashInfer shim on CUDA: the documented example, FlashInfer's test statement at its sizes, the CPU kernel's
+counts
 for the same keys, the prefill wrapper against the float64 reference (fp16 / bf16, head dims 64 and 128), CUDA-graph
 capture of both; and, where the real flashinfer is installed, the same calls on it."""
 import importlib.util
 
 import pytest
 import torch
-from helpers.compat_flashinfer import (DOCUMENTED_OUTPUT, check_flashinfer_statement, documented_example,
-                                       flashinfer_case, flashinfer_masks, paged_batch, plan_and_run,
-                                       reference_attention)
-from helpers.verify_attention import TOLERANCE, rel_error
 
+from helpers.compat_flashinfer import (
+    DOCUMENTED_OUTPUT,
+    check_flashinfer_statement,
+    documented_example,
+    flashinfer_case,
+    flashinfer_masks,
+    paged_batch,
+    plan_and_run,
+    reference_attention,
+)
+from helpers.verify_attention import TOLERANCE, rel_error
 from specdec_ext.compat.flashinfer import BatchPrefillWithPagedKVCacheWrapper, sampling
 
 CUDA = torch.device("cuda")
@@ -92,7 +100,8 @@ def test_int64_tables_on_cuda_are_range_checked(gen):
     page, hq, hkv, d = 16, 8, 2, 64
     q, cache, *table, kv_lens = paged_batch(gen, [4, 3], [30, 70], page, hq, hkv, d, torch.float16, "NHD")
     masks = flashinfer_masks(gen, "custom", [4, 3], kv_lens)
-    make = lambda: BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, dtype=torch.uint8, device=CUDA), "NHD")
+    def make():
+        return BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, dtype=torch.uint8, device=CUDA), "NHD")
     want, _ = plan_and_run(make(), to_cuda(q, cache, *table), page, hq, hkv, "custom", masks)
     got, _ = plan_and_run(make(), to_cuda(q, cache, *(t.long() for t in table)), page, hq, hkv, "custom", masks)
     assert torch.equal(got, want)
@@ -116,7 +125,8 @@ def test_wrapper_run_replays_in_a_cuda_graph(gen):
         cases.append((q, cache, table, flashinfer_masks(gen, "custom", [5, 5, 5], [p + 5 for p in prefix_lens])))
     q_buf, cache_buf = cases[0][0].to(CUDA), cases[0][1].to(CUDA)
     out = torch.zeros_like(q_buf)
-    flat = lambda masks: torch.cat([m.reshape(-1) for m in masks]).to(CUDA)
+    def flat(masks):
+        return torch.cat([m.reshape(-1) for m in masks]).to(CUDA)
     wrapper.plan(*to_cuda(*cases[0][2]), hq, hkv, d, page, custom_mask=flat(cases[0][3]))
     wrapper.run(q_buf, cache_buf, out=out)  # warm-up
     graph = torch.cuda.CUDAGraph()

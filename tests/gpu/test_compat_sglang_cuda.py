@@ -2,9 +2,16 @@
 decisions, no host synchronisation, and (where sgl_kernel is installed) sgl_kernel's own outputs."""
 import pytest
 import torch
-from helpers.compat_sglang import (POISON, SGLANG_EXPECTED, first_two_law_batch, random_lcrs, sglang_greedy,
-                                   sglang_kernel_case, sglang_sample)
 
+from helpers.compat_sglang import (
+    POISON,
+    SGLANG_EXPECTED,
+    first_two_law_batch,
+    random_lcrs,
+    sglang_greedy,
+    sglang_kernel_case,
+    sglang_sample,
+)
 from specdec_ext.bench.compat_sglang import eagle_like_tree, sglang_target_only_torch
 
 CUDA = torch.device("cuda")
@@ -116,8 +123,10 @@ def check_last_tokens(tree, target, accept_index, accept_token_num, num_steps, f
     mass = cdf[:, -1]
     coin = final.double() * mass
     tol = CDF_ROUNDING * mass
-    through = lambda t: cdf.gather(1, t.unsqueeze(1)).squeeze(1)  # the CDF through token t
-    before = lambda t: through(t) - residual.gather(1, t.unsqueeze(1)).squeeze(1)  # ... and before it
+    def through(t):
+        return cdf.gather(1, t.unsqueeze(1)).squeeze(1)  # the CDF through token t
+    def before(t):
+        return through(t) - residual.gather(1, t.unsqueeze(1)).squeeze(1)  # ... and before it
     for name, t in (("kernel", got), ("reference", expected)):
         no_mass = residual.gather(1, t.unsqueeze(1)).squeeze(1) <= 0
         assert not bool(no_mass.any()), f"{name}: last tokens without mass in their row: {no_mass.nonzero().tolist()}"
@@ -185,7 +194,8 @@ def test_against_sgl_kernel(gen):
     tree, target, coins, final = eagle_case(gen, batch, n, vocab)
     tree, target, coins, final = to_cuda(tree), target.to(CUDA), coins.to(CUDA), final.to(CUDA)
     want = [torch.full((batch * n,), POISON, dtype=torch.int32, device=CUDA),
-            torch.full((batch, 4), -1, dtype=torch.int32, device=CUDA), torch.zeros(batch, dtype=torch.int32, device=CUDA)]
+            torch.full((batch, 4), -1, dtype=torch.int32, device=CUDA), torch.zeros(batch, dtype=torch.int32,
+                                                                                    device=CUDA)]
     sgl_call(sgl_kernel.tree_speculative_sampling_target_only, *want, tree=tree, uniform_samples=coins,
              uniform_samples_for_final_sampling=final, target_probs=target, draft_probs=torch.zeros_like(target))
     got = sglang_sample(tree, target, coins, final, 4, batch * n)
@@ -193,7 +203,8 @@ def test_against_sgl_kernel(gen):
     # the last token is drawn by inverse CDF on both sides; float32 sums may differ at a bucket's edge
     assert (got[0] == want[0]).float().mean() > 0.98
     want = [torch.full((batch * n,), POISON, dtype=torch.int32, device=CUDA),
-            torch.full((batch, 4), -1, dtype=torch.int32, device=CUDA), torch.zeros(batch, dtype=torch.int32, device=CUDA)]
+            torch.full((batch, 4), -1, dtype=torch.int32, device=CUDA), torch.zeros(batch, dtype=torch.int32,
+                                                                                    device=CUDA)]
     sgl_call(sgl_kernel.verify_tree_greedy, *want, tree=tree, target_predict=target.argmax(-1))
     got = sglang_greedy(tree, target.argmax(-1), 4, batch * n)
     for a, b in zip(got, want):

@@ -3,12 +3,18 @@ target's processed law, the shim's exact call has the target's law at a 1%-bias 
 a call. Helpers, laws and the CPU module's checks from tests/helpers/ (compat_transformers, laws, chi_square)."""
 import pytest
 import torch
-from helpers.chi_square import bias_power, law_pvalue
-from helpers.compat_transformers import (ASSISTED_SAMPLING, GENERATE_SAMPLES, CountingOps, assisted_models,
-                                         check_law_of_the_shims_call, check_torch_manual_seed_reproduces_generate,
-                                         generate_counts)
-from helpers.laws import exact_law
 
+from helpers.chi_square import bias_power, law_pvalue
+from helpers.compat_transformers import (
+    ASSISTED_SAMPLING,
+    GENERATE_SAMPLES,
+    CountingOps,
+    assisted_models,
+    check_law_of_the_shims_call,
+    check_torch_manual_seed_reproduces_generate,
+    generate_counts,
+)
+from helpers.laws import exact_law
 from specdec_ext import compat
 from specdec_ext.compat import transformers as shim
 

@@ -6,12 +6,24 @@ import inspect
 
 import pytest
 import torch
-from helpers.compat_vllm import (GREEDY_CASES, P, BonusSampler, argmax_rows, bonus_ids, check_deterministic_when_seeded,
-                                 check_emitted_tokens_follow_the_target, check_greedy_case, check_k32,
-                                 check_mixed_greedy_and_random_batch,
-                                 check_rejection_sampler_forward_processes_the_target, flat, forward_batch,
-                                 sampling_metadata, spread_batch)
 
+from helpers.compat_vllm import (
+    GREEDY_CASES,
+    BonusSampler,
+    P,
+    argmax_rows,
+    bonus_ids,
+    check_deterministic_when_seeded,
+    check_emitted_tokens_follow_the_target,
+    check_greedy_case,
+    check_k32,
+    check_mixed_greedy_and_random_batch,
+    check_rejection_sampler_forward_processes_the_target,
+    flat,
+    forward_batch,
+    sampling_metadata,
+    spread_batch,
+)
 from specdec_ext.compat import vllm as shim
 
 CUDA = "cuda"

@@ -3,9 +3,9 @@ tokens (greedy and sampled, both drafters, contiguous and paged), and the op wra
 while a graph is captured."""
 import pytest
 import torch
-from helpers.models import random_prompts, tiny_hf
 
 import specdec_ext
+from helpers.models import random_prompts, tiny_hf
 from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import CostModel
 from specdec_ext.models import LlamaForCausalLM
@@ -14,7 +14,8 @@ from specdec_ext.models import LlamaForCausalLM
 @pytest.fixture(scope="module")
 def pair():
     # head dim 64 and bfloat16: what the CUDA verify attention takes
-    load = lambda hf: LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16, device="cuda")
+    def load(hf):
+        return LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16, device="cuda")
     return load(tiny_hf(hidden=128, heads=2, kv_heads=1, seed=1234)), load(tiny_hf(hidden=128, heads=2, kv_heads=1,
                                                                                  layers=1, seed=7))
 

@@ -1,11 +1,12 @@
-"""Gumbel coupling on CUDA: the CUDA kernel's Gumbel-max tokens equal the CPU kernel's bit for bit (chain and tree, every
+"""Gumbel coupling on CUDA: the CUDA kernel's Gumbel-max tokens equal the CPU kernel's bit for bit (chain and tree,
+every
 cluster size), replay from a CUDA graph, and sampling="invariant" decoding on CUDA with graphs equals plain decoding."""
 import pytest
 import torch
-from helpers.models import random_prompts, tiny_hf
-from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
+from helpers.models import random_prompts, tiny_hf
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.models import LlamaForCausalLM
 
@@ -57,7 +58,8 @@ def test_gumbel_sample_replays_from_a_graph():
     seed, positions = torch.arange(8, device="cuda"), torch.arange(8, device="cuda") * 11
     out = torch.empty(8, dtype=torch.int32, device="cuda")
     temperature = torch.full((8,), 0.7, device="cuda")  # a device tensor: the op refuses Python numbers under capture
-    step = lambda: specdec_ext.gumbel_sample(logits, temperature=temperature, seed=seed, positions=positions, out=out)
+    def step():
+        return specdec_ext.gumbel_sample(logits, temperature=temperature, seed=seed, positions=positions, out=out)
     eager = step().clone()
     assert torch.equal(eager.cpu(), specdec_ext.gumbel_sample(logits.cpu(), temperature=0.7, seed=seed.cpu(),
                                                               positions=positions.cpu()))
@@ -71,7 +73,8 @@ def test_gumbel_sample_replays_from_a_graph():
 
 @pytest.mark.parametrize("name", ["ngram", "model"])
 def test_invariant_decoding_with_graphs_equals_plain(name):
-    load = lambda hf: LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16, device="cuda")
+    def load(hf):
+        return LlamaForCausalLM.from_hf(hf, dtype=torch.bfloat16, device="cuda")
     target = load(tiny_hf(hidden=128, heads=2, kv_heads=1, seed=1234, logit_scale=0.3))
     draft = load(tiny_hf(hidden=128, heads=2, kv_heads=1, layers=1, seed=7, logit_scale=0.3))
     prompts = random_prompts(3, [5, 21, 12, 9, 30])

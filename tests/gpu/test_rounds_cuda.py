@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 import torch
-from helpers.models import make_drafter, random_prompts, random_vocab, tiny_hf
 
+from helpers.models import make_drafter, random_prompts, random_vocab, tiny_hf
 from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import rounds
 from specdec_ext.models import LlamaForCausalLM
@@ -90,8 +90,9 @@ def test_shared_drafter_replays_on_its_current_cache(target):
                                      device="cuda")
     prompts = random_prompts(9, [6, 9, 4])
     kwargs = dict(temperature=0.8, seed=[1, 2, 3])
-    make = lambda drafter, slots: SpeculativeDecoder(target, drafter, 3, adaptive=False, max_batch_size=slots,
-                                                     cuda_graphs=True)
+    def make(drafter, slots):
+        return SpeculativeDecoder(target, drafter, 3, adaptive=False, max_batch_size=slots,
+                                                         cuda_graphs=True)
     expected = {s: make(ModelDrafter(draft), s).generate(prompts, 12, **kwargs).sequences for s in (1, 3)}
     shared = ModelDrafter(draft)
     one, three = make(shared, 1), make(shared, 3)

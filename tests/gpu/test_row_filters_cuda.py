@@ -1,11 +1,12 @@
-"""top_k / top_p / min_p on CUDA: the CUDA kernel's decisions and tokens with processed rows equal the CPU kernel's bit for
+"""top_k / top_p / min_p on CUDA: the CUDA kernel's decisions and tokens with processed rows equal the CPU kernel's bit
+for
 bit (chain and tree, every cluster size, both couplings), with the thresholds found by bisection on the GPU and by a
 histogram guess on the CPU; and the ops replay from a CUDA graph."""
 import pytest
 import torch
-from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 import specdec_ext
+from helpers.sampling_inputs import make_chain_inputs, make_tree_inputs
 
 
 def on(inp, device):
@@ -67,7 +68,8 @@ def test_replays_from_a_cuda_graph():
     out = (torch.empty_like(eager.output_token_ids), torch.empty_like(eager.num_accepted))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        specdec_ext.chain_speculative_sampling_from_logits(d["ids"], d["target_logits"], d["draft_logits"], out=out, **kw)
+        specdec_ext.chain_speculative_sampling_from_logits(d["ids"], d["target_logits"], d["draft_logits"], out=out,
+                                                           **kw)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], eager.output_token_ids) and torch.equal(out[1], eager.num_accepted)

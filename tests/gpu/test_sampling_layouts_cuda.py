@@ -3,9 +3,9 @@ uniforms and reduced draft vocabularies give the CPU kernel's tokens bit for bit
 call is capturable in a CUDA graph."""
 import pytest
 import torch
-from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 
 import specdec_ext
+from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
 
 CUDA = torch.device("cuda")
 
@@ -42,9 +42,11 @@ def test_flat_equals_padded_and_cpu(gen, logits, dtype):
 def test_flat_trees_equal_padded_on_cuda(gen):
     padded, flat = padded_and_flat_trees(gen, 12, 9, 5000)
     p, f = to_cuda(padded), to_cuda(flat)
-    want = specdec_ext.tree_speculative_sampling_from_logits(p["parents"], p["cand"], p["target_logits"], p["draft_logits"],
+    want = specdec_ext.tree_speculative_sampling_from_logits(p["parents"], p["cand"], p["target_logits"],
+                                                             p["draft_logits"],
                                                              temperature=0.8, num_nodes=p["num_nodes"], seed=3)
-    got = specdec_ext.tree_speculative_sampling_from_logits(f["parents"], f["cand"], f["target_logits"], f["draft_logits"],
+    got = specdec_ext.tree_speculative_sampling_from_logits(f["parents"], f["cand"], f["target_logits"],
+                                                            f["draft_logits"],
                                                             temperature=0.8, cu_num_draft_tokens=f["cu"],
                                                             max_draft_tokens=8, seed=3)
     for a, b in zip(got, want):
@@ -57,8 +59,10 @@ def test_reduced_draft_vocabulary_on_cuda(gen):
     target = torch.randn(batch, k + 1, vocab, generator=gen) * 2
     target[..., d2t.long()] += 3.0
     draft = target[:, :k, d2t.long()] + 0.5 * torch.randn(batch, k, draft_vocab, generator=gen)
-    ids = d2t[torch.multinomial(torch.softmax(draft, -1).reshape(-1, draft_vocab), 1, generator=gen).reshape(batch, k)].int()
-    args = lambda dev: (ids.to(dev), target.to(dev), draft.to(dev))
+    ids = d2t[torch.multinomial(torch.softmax(draft, -1).reshape(-1, draft_vocab), 1, generator=gen).reshape(batch,
+                                                                                                             k)].int()
+    def args(dev):
+        return (ids.to(dev), target.to(dev), draft.to(dev))
     got = specdec_ext.chain_speculative_sampling_from_logits(*args(CUDA), temperature=1.0, seed=5,
                                                              draft_to_target=d2t.to(CUDA))
     full = specdec_ext.chain_speculative_sampling_from_logits(ids.to(CUDA), target.to(CUDA),
@@ -88,9 +92,10 @@ def test_flat_call_in_a_cuda_graph(gen):
     temperature = torch.full((batch,), 0.7, device=CUDA)  # the op refuses Python numbers under capture
     out = (torch.full((batch, max_k + 1), -7, dtype=torch.int32, device=CUDA),
            torch.zeros(batch, dtype=torch.int32, device=CUDA))
-    call = lambda: specdec_ext.chain_speculative_sampling_from_logits(
-        f["ids"], f["target_logits"], f["draft_logits"], temperature=temperature, seed=seed, offset=seed,
-        cu_num_draft_tokens=f["cu"], max_draft_tokens=max_k, out=out)
+    def call():
+        return specdec_ext.chain_speculative_sampling_from_logits(
+            f["ids"], f["target_logits"], f["draft_logits"], temperature=temperature, seed=seed, offset=seed,
+            cu_num_draft_tokens=f["cu"], max_draft_tokens=max_k, out=out)
     eager = call()
     eager = (eager.output_token_ids.clone(), eager.num_accepted.clone())
     side = torch.cuda.Stream()

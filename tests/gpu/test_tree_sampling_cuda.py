@@ -2,9 +2,9 @@
 canonical order), capturable in a CUDA graph, defined output on malformed trees."""
 import pytest
 import torch
-from helpers.sampling_inputs import make_tree_inputs
 
 import specdec_ext
+from helpers.sampling_inputs import make_tree_inputs
 
 
 def run(inp, device, logits, control, **kw):
@@ -40,9 +40,11 @@ def test_graph_capture_replays_the_same_tokens():
     d = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
     out = tuple(torch.empty(s, dtype=torch.int32, device="cuda") for s in ((8, 32), (8, 32), (8,)))
     temperature = torch.full((8,), 0.8, device="cuda")  # the op refuses Python numbers under capture
-    step = lambda: specdec_ext.tree_speculative_sampling_from_logits(
-        d["parents"], d["tokens"], d["target_logits"], d["draft_logits"], temperature=temperature, num_nodes=d["num_nodes"],
-        seed=d["seed"], offset=d["offset"], out=out)
+    def step():
+        return specdec_ext.tree_speculative_sampling_from_logits(
+            d["parents"], d["tokens"], d["target_logits"], d["draft_logits"], temperature=temperature,
+            num_nodes=d["num_nodes"],
+            seed=d["seed"], offset=d["offset"], out=out)
     eager = [t.clone() for t in step()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

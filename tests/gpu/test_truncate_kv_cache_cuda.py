@@ -73,7 +73,8 @@ def test_cuda_matches_cpu_engine_layouts():
         n = int(num_kept[b])
         kept[b, :n] = torch.randperm(block_len, generator=g)[:n].sort().values.int()
     cpu = (lengths.clone(), kv.clone())
-    specdec_ext.truncate_kv_cache(cpu[0], num_kept, kept_indices=kept, k_caches=cpu[1][:, :, 0], v_caches=cpu[1][:, :, 1],
+    specdec_ext.truncate_kv_cache(cpu[0], num_kept, kept_indices=kept, k_caches=cpu[1][:, :, 0], v_caches=cpu[1][:, :,
+                                                                                                                 1],
                                   kv_indptr=indptr, kv_indices=indices, kv_layout="HND", clear=True)
     gpu = (lengths.cuda(), kv.cuda())
     specdec_ext.truncate_kv_cache(gpu[0], num_kept.cuda(), kept_indices=kept.cuda(), k_caches=gpu[1][:, :, 0],

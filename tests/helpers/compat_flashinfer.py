@@ -3,6 +3,7 @@ example and FlashInfer's test statement; the paged prefill wrapper's batches, ma
 import math
 
 import torch
+
 from helpers.verify_attention import random_tree_mask
 
 
@@ -33,7 +34,8 @@ def flashinfer_case(gen, batch, k, vocab, onehot, device="cpu"):
     else:
         target = torch.rand(batch, k + 1, vocab, generator=gen)
         target /= target.sum(-1, keepdim=True)
-    to = lambda t: None if t is None else t.to(device)
+    def to(t):
+        return None if t is None else t.to(device)
     return to(draft), to(ids), to(target), to(target_ids)
 
 

@@ -66,7 +66,8 @@ def random_lcrs(gen, batch, n, vocab, shuffle):
         order = [0] + order  # node numbers of the tree's 0th, 1st, ... node
         parents = [None] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size)]
         # distinct tokens when the vocabulary allows (the op's trees need distinct siblings; greedy takes repeats)
-        cand[b] = torch.randperm(vocab, generator=gen)[:n] if vocab >= n else torch.randint(0, vocab, (n,), generator=gen)
+        cand[b] = torch.randperm(vocab, generator=gen)[:n] if vocab >= n else torch.randint(0, vocab, (n,),
+                                                                                            generator=gen)
         for i in range(1, size):  # push front or back of the parent's list at random
             p, me = order[parents[i]], order[i]
             if nt[b, p] == -1 or bool(torch.rand(1, generator=gen) < 0.5):
@@ -91,7 +92,8 @@ def first_two_law_batch(gen, trials, sampled):
     q2 = torch.softmax(torch.randn(vocab, vocab, generator=gen), -1)
     if sampled:  # Gumbel top-k: distinct draws, in the order of drawing without replacement
         first = (q1.log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(3, -1).indices
-        second = (q2[first[:, 0]].log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(2, -1).indices
+        second = (q2[first[:, 0]].log() - torch.empty(trials, vocab).exponential_(generator=gen).log()).topk(2,
+                                                                                                             -1).indices
     else:
         first, second = torch.tensor([[2, 0, 5]]).expand(trials, 3), torch.tensor([[1, 4]]).expand(trials, 2)
     cand = torch.cat([torch.zeros(trials, 1, dtype=torch.long), first, second], 1)

@@ -1,10 +1,10 @@
 """The transformers shim's checks (its CPU tests, rerun by tests/gpu on CUDA): assisted generate() on the law models,
 and the shim's exact call on table models whose law is exact."""
 import torch
+
 from helpers.chi_square import bias_power, law_pvalue
 from helpers.laws import LAW_DRAFT, LAW_PROMPT, LAW_TARGET, LAW_TOKENS
 from helpers.models import tiny_hf
-
 from specdec_ext import compat
 from specdec_ext.compat import transformers as transformers_shim
 
@@ -112,8 +112,10 @@ OP_SAMPLES = 50_000
 
 def check_law_of_the_shims_call(device):
     """The exact call the shim makes (drafts, processed target rows, processed draft rows, temperature 1), at a
-    batch of 50,000 rounds (~5 s: the CPU kernel costs ~0.1 ms a row at any V below one tile) whose drafts are sampled from the draft tables; completed by exact target draws, the
-    3-token sequences must have the target's law (50 cells; acceptance ~0.6): p > 1e-3, with the power against the hardest 1%
+    batch of 50,000 rounds (~5 s: the CPU kernel costs ~0.1 ms a row at any V below one tile) whose drafts are sampled
+    from the draft tables; completed by exact target draws, the
+    3-token sequences must have the target's law (50 cells; acceptance ~0.6): p > 1e-3, with the power against the
+    hardest 1%
     shift checked >= 0.99. A filtered token emitted fails at once."""
     t, d = table_model()
     check_table_tables(t, d)

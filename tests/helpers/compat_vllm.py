@@ -3,9 +3,9 @@ emitted tokens, seeded requests, mixed greedy/random batches, RejectionSampler.f
 import types
 
 import torch
+
 from helpers.chi_square import rows_chi_square_pvalue
 from helpers.compat_backends import on
-
 from specdec_ext.compat import vllm as vllm_shim
 
 P = vllm_shim.PLACEHOLDER_TOKEN_ID  # what vLLM writes in a row's unused slots
@@ -257,7 +257,8 @@ def spec_metadata(counts, draft_ids, device="cpu"):
         target_idx += range(row, row + k)
         bonus_idx.append(row + k)
         row += k + 1
-    as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    def as_t(x):
+        return torch.tensor(x, dtype=torch.int32, device=device)
     return types.SimpleNamespace(draft_token_ids=draft_ids, num_draft_tokens=counts, max_spec_len=max(counts),
                                  cu_num_draft_tokens=as_t(counts).cumsum(0).int(),
                                  target_logits_indices=as_t(target_idx),

@@ -7,9 +7,9 @@ import types
 from collections.abc import Mapping
 
 import torch
-from helpers.models import tiny_hf, tiny_model
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from helpers.models import tiny_hf, tiny_model
 from specdec_ext import SpeculativeDecoder
 from specdec_ext.models import LlamaForCausalLM
 

@@ -161,7 +161,8 @@ def padded_and_flat_trees(gen, batch, max_nodes, vocab, dtype=torch.float32):
     draft = logits + 0.5 * torch.randn(batch, max_nodes, vocab, generator=gen)
     padded = {"parents": parents, "cand": cand, "num_nodes": counts, "target_logits": logits.to(dtype),
               "draft_logits": draft.to(dtype), "target_probs": torch.softmax(logits, -1).to(dtype),
-              "draft_probs": torch.softmax(draft, -1).to(dtype), "uniforms": torch.rand(batch, max_nodes, generator=gen)}
+              "draft_probs": torch.softmax(draft, -1).to(dtype), "uniforms": torch.rand(batch, max_nodes,
+                                                                                        generator=gen)}
     flat = {"cu": (counts - 1).cumsum(0).int()}
     for key in ("parents", "cand", "target_logits", "draft_logits", "target_probs", "draft_probs", "uniforms"):
         flat[key] = torch.cat([padded[key][b, :counts[b]] for b in range(batch)])

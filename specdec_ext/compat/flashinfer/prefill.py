@@ -91,7 +91,8 @@ def _new_token_mask(custom: torch.Tensor, qo_lens: list, kv_lens: list) -> torch
         hidden = ~block[:, :s - n]
         if hidden.any():
             i, j = hidden.nonzero()[0].tolist()
-            raise ValueError(f"{_OP}.plan: custom_mask hides KV position {j} of request {b}'s prefix from its query {i}; "
+            raise ValueError(f"{_OP}.plan: custom_mask hides KV position {j} of request {b}'s prefix from its query "
+                             f"{i}; "
                              "only masks over the new tokens (the last qo_len positions) are supported, with the whole "
                              "prefix visible, as in a verify step")
         parts.append(block[:, s - n:].reshape(-1))
@@ -154,18 +155,21 @@ class BatchPrefillWithPagedKVCacheWrapper:
         """Checks the batch and converts its mask (a host step, as FlashInfer's plan); run() then launches only the
         kernel. Arguments as FlashInfer's (module docstring for what is refused)."""
         if pos_encoding_mode != "NONE":
-            raise ValueError(f"{_OP}.plan: pos_encoding_mode {pos_encoding_mode!r} is not supported: apply the position "
+            raise ValueError(f"{_OP}.plan: pos_encoding_mode {pos_encoding_mode!r} is not supported: apply the "
+                             f"position "
                              'encoding to q and k before attention and pass "NONE"')
         for name, value in (("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
                             ("max_item_len_ptr", max_item_len_ptr)):
             if value is not None:
                 raise ValueError(f"{_OP}.plan: {name} (multi-item scoring masks) is not supported")
-        num_qo_heads, num_kv_heads = _positive_int(num_qo_heads, "num_qo_heads"), _positive_int(num_kv_heads, "num_kv_heads")
+        num_qo_heads, num_kv_heads = _positive_int(num_qo_heads, "num_qo_heads"), _positive_int(num_kv_heads,
+                                                                                                "num_kv_heads")
         head_dim_qk, page_size = _positive_int(head_dim_qk, "head_dim_qk"), _positive_int(page_size, "page_size")
         if head_dim_vo is not None and head_dim_vo != head_dim_qk:
             raise ValueError(f"{_OP}.plan: head_dim_vo {head_dim_vo} != head_dim_qk {head_dim_qk} is not supported")
         if num_qo_heads % num_kv_heads:
-            raise ValueError(f"{_OP}.plan: num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(f"{_OP}.plan: num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
         if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
             raise ValueError(f"{_OP}.plan: window_left must be an int, -1 (off) or >= 0, got {window_left!r}")
         if o_data_type is not None and not isinstance(o_data_type, torch.dtype):
@@ -190,10 +194,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise ValueError(f"{_OP}.plan: paged_kv_indptr must start at >= 0, not decrease and end within "
                              f"paged_kv_indices ({indices.numel()} entries), and qo_indptr start at >= 0")
         kv_lens = []
-        for b, (n, p, l) in enumerate(zip(qo_lens, pages, last.tolist())):
-            if p and not 1 <= l <= page_size:
-                raise ValueError(f"{_OP}.plan: paged_kv_last_page_len[{b}] = {l} is outside [1, page_size = {page_size}]")
-            kv_lens.append((p - 1) * page_size + l if p else 0)
+        for b, (n, p, last_len) in enumerate(zip(qo_lens, pages, last.tolist())):
+            if p and not 1 <= last_len <= page_size:
+                raise ValueError(f"{_OP}.plan: paged_kv_last_page_len[{b}] = {last_len} is outside [1, page_size = "
+                                 f"{page_size}]")
+            kv_lens.append((p - 1) * page_size + last_len if p else 0)
             if kv_lens[-1] < n:
                 raise ValueError(f"{_OP}.plan: request {b} has {n} query rows but a KV length of {kv_lens[-1]} from "
                                  "paged_kv_indptr / paged_kv_last_page_len, which must include the new tokens")
@@ -210,7 +215,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
             custom = custom_mask.cpu().reshape(-1)
             expected = sum(n * s for n, s in zip(qo_lens, kv_lens))
             if custom.numel() != expected:
-                raise ValueError(f"{_OP}.plan: custom_mask has {custom.numel()} entries; sum of qo_len * kv_len over the "
+                raise ValueError(f"{_OP}.plan: custom_mask has {custom.numel()} entries; sum of qo_len * kv_len over "
+                                 f"the "
                                  f"requests is {expected}")
         else:
             custom = None
@@ -224,7 +230,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if self._use_cuda_graph:
             qo_buf, kv_ptr_buf, indices_buf, last_buf = self._graph_bufs
             if batch != qo_buf.numel() - 1:
-                raise ValueError(f"{_OP}.plan: batch size {batch} differs from the {qo_buf.numel() - 1} of the CUDA-graph "
+                raise ValueError(f"{_OP}.plan: batch size {batch} differs from the {qo_buf.numel() - 1} of the "
+                                 f"CUDA-graph "
                                  "buffers")
             if indices.numel() > indices_buf.numel():
                 raise ValueError(f"{_OP}.plan: paged_kv_indices has {indices.numel()} entries, more than "

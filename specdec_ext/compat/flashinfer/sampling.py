@@ -12,7 +12,8 @@ FlashInfer 0.7.0rc3 (flashinfer/sampling.py).
 - seed and offset, both given (both ints, or both int64/uint64 tensors of 1 or B entries): the Philox key and
   counter base of specdec_ext's RNG contract; the output depends only on the inputs, seed[b] and offset[b], and a
   new offset gives fresh draws. A seed shared by the batch (an int, or 1 entry) keys row b with seed ^ (b << 32), so
-  that the rows draw independently, as FlashInfer's rows do (one seed, one Philox subsequence per row). Without them each request's key is drawn from `generator` (torch's default generator
+  that the rows draw independently, as FlashInfer's rows do (one seed, one Philox subsequence per row). Without them
+  each request's key is drawn from `generator` (torch's default generator
   of the inputs' device when None), which therefore advances on every call, as FlashInfer's does.
 - deterministic is accepted: this kernel is always deterministic.
 No host synchronisation: with seed and offset tensors the call can be captured in a CUDA graph.
