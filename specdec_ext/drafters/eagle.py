@@ -4,6 +4,7 @@ import torch
 from ..host import upload
 from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
 from .base import DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal, draw_from_draft_vocab
+from .registry import DrafterEntry, path_value, register_drafter
 
 
 class EagleDrafter(Drafter):
@@ -195,7 +196,6 @@ class EagleDrafter(Drafter):
 
 
 # --------------------------------------------------------------------------------- its command-line spelling
-from .registry import DrafterEntry, path_value, register_drafter  # noqa: E402
 
 
 def eagle_drafter(target, path=None) -> EagleDrafter:

@@ -29,6 +29,7 @@ from ..host import upload
 from ..trees import MAX_TREE_NODES, DraftTree, TreeSettings, trie_paths
 from .base import Drafter, Proposal, RoundFeedback, RoundInputs, padded
 from .ngram import NgramDrafter
+from .registry import DrafterEntry, register_drafter
 
 
 @dataclass
@@ -319,7 +320,6 @@ class LookaheadDrafter(Drafter):
 
 
 # --------------------------------------------------------------------------------- its command-line spelling
-from .registry import DrafterEntry, register_drafter  # noqa: E402
 
 
 def lookahead_settings(spec: str, value: str | None) -> dict:

@@ -4,6 +4,7 @@ import torch
 from ..host import upload
 from ..trees import Candidates, last_tokens
 from .base import Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal, draw_from_draft_vocab
+from .registry import DrafterEntry, path_value, register_drafter
 
 
 class MedusaDrafter(Drafter):
@@ -102,7 +103,6 @@ class MedusaDrafter(Drafter):
 
 
 # --------------------------------------------------------------------------------- its command-line spelling
-from .registry import DrafterEntry, path_value, register_drafter  # noqa: E402
 
 
 def medusa_drafter(target, path=None) -> MedusaDrafter:

@@ -3,6 +3,7 @@ import torch
 
 from ..host import upload
 from .base import DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draw_draft, padded
+from .registry import DrafterEntry, path_value, register_drafter
 
 
 class ModelDrafter(Drafter):
@@ -99,7 +100,6 @@ class ModelDrafter(Drafter):
 
 
 # --------------------------------------------------------------------------------- its command-line spelling
-from .registry import DrafterEntry, path_value, register_drafter  # noqa: E402
 
 
 def draft_model_drafter(target, path, keep_quantized: bool = False) -> ModelDrafter:

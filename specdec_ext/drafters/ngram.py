@@ -5,6 +5,7 @@ import torch
 
 from ..trees import best_tree, last_tokens, trie
 from .base import Drafter, Proposal, RoundInputs, padded
+from .registry import DrafterEntry, no_value, register_drafter
 
 
 class NgramDrafter(Drafter):
@@ -74,7 +75,6 @@ class NgramDrafter(Drafter):
 
 
 # --------------------------------------------------------------------------------- its command-line spelling
-from .registry import DrafterEntry, no_value, register_drafter  # noqa: E402
 
 register_drafter(DrafterEntry(
     name="ngram", drafter_class=NgramDrafter, syntax="ngram", help="n-gram prompt lookup", parse=no_value,
