@@ -115,7 +115,7 @@ def main(args) -> int:
 def noise_cost(vocab, dtype, device, repeats, rows=64):
     """Microseconds per row of a token drawn from rows of logits by gumbel_sample (the noise of every in-reach
     entry: Philox and two logarithms) and by the chain op's bonus draw (softmax statistics and inverse CDF)."""
-    from ..sampling import sample_from_logits
+    from ..ops import sample_without_drafts
 
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(rows, vocab, generator=gen) * 2.5).to(device=device, dtype=dtype)
@@ -123,7 +123,8 @@ def noise_cost(vocab, dtype, device, repeats, rows=64):
     seed, positions = torch.arange(rows, device=device), torch.arange(rows, device=device) * 7
     gumbel = median_us(lambda: specdec_ext.gumbel_sample(logits, temperature=t, seed=seed, positions=positions), device,
                        repeats)
-    inverse = median_us(lambda: sample_from_logits(logits, t, seed, positions), device, repeats)
+    inverse = median_us(lambda: sample_without_drafts(logits, temperature=t, seed=seed, offset=positions), device,
+                        repeats)
     return {"dtype": str(dtype).replace("torch.", ""), "V": vocab, "gumbel_us_per_row": gumbel / rows,
             "inverse_cdf_us_per_row": inverse / rows, "ratio": gumbel / inverse}
 

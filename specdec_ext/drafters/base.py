@@ -41,7 +41,7 @@ import torch
 
 from ..graphs import StepGraphs
 from ..host import upload
-from ..sampling import sample_from_logits
+from ..ops import sample_without_drafts
 
 # A draft model's or head's Philox key is the request's seed XOR this (the golden-ratio constant as a signed
 # int64), so its draws never reuse the target's; its counter is the position of the drafted token. Under Gumbel
@@ -183,7 +183,8 @@ def draw_draft(logits: torch.Tensor, r: RoundInputs, offset: torch.Tensor) -> to
     wherever the two argmaxes of log-probability plus noise agree; the noise is indexed by target id, so the columns
     must be target ids)."""
     seed = r.seed if r.coupling == "gumbel" else r.seed ^ DRAFT_KEY
-    return sample_from_logits(logits, r.temperature, seed, offset, r.coupling, top_k=r.top_k, top_p=r.top_p).long()
+    return sample_without_drafts(logits, temperature=r.temperature, seed=seed, offset=offset, coupling=r.coupling,
+                                 top_k=r.top_k, top_p=r.top_p).long()
 
 
 def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, r: RoundInputs,
