@@ -12,17 +12,20 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // Chain speculative sampling (docs/design.md §3.1). Writes output_token_ids [B, K+1] int32 (accepted drafts, then
   // the resampled or bonus token, then -1) and num_accepted [B] int32; ORs the invalid-input bits into
   // error_flags when given (the CPU kernel raises on them instead). Engine layouts (docs/design.md §3.4): with
-  // cu_num_draft_tokens [B] the inputs are flat (draft_token_ids [T], rows [T + B, V] / [T, V]) and num_draft_tokens
-  // is None, K being output_token_ids' width less one (max_draft_tokens); bonus_token_ids [B] replaces the bonus
+  // cu_num_draft_tokens [B] the inputs are flat (draft_token_ids [T], rows [T + B, V] / [T, V]), num_draft_tokens
+  // is None or a [B] cap on each request's judged drafts (in [0, cu[b] - cu[b-1]]), K being output_token_ids' width
+  // less one (max_draft_tokens); bonus_token_ids [B] replaces the bonus
   // draw; uniforms ([B, K] or [T]) and final_uniforms [B] replace the Philox draws; target_to_draft [V] int32 maps
   // target ids to the columns of draft rows with a reduced vocabulary (-1: none); accepted_independently [B] gets
-  // FlashInfer's count of drafts accepted when each is judged on its own.
+  // FlashInfer's count of drafts accepted when each is judged on its own. verification="block": a sampled request's
+  // drafts are judged jointly (Sun et al. 2024; specdec/chain_sampling.h, chain_block_verify), not with
+  // coupling="gumbel" or accepted_independently; "token" (default): one by one.
   m.def(
       "chain_speculative_sampling(Tensor draft_token_ids, Tensor target_probs, Tensor? draft_probs, "
       "Tensor? num_draft_tokens, Tensor greedy, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
-      "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\") -> ()");
+      "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\", str verification=\"token\") -> ()");
   // The same from logits: softmax(logits / temperature[b]) in float32 inside the kernel; temperature 0 = greedy.
   // top_k [B] int32 (0: off), top_p [B] float32 (1: off), min_p [B] float32 (0: off) process every target and draft
   // row of a sampled request inside the kernel, after temperature, in transformers' order (specdec/row_filter.h).
@@ -32,7 +35,7 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
       "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\", Tensor? top_k=None, Tensor? top_p=None, "
-      "Tensor? min_p=None) -> ()");
+      "Tensor? min_p=None, str verification=\"token\") -> ()");
 
   // coupling="gumbel" (every sampling op): a sampled request's token at row i is the Gumbel-max sample of the row with
   // the noise of position offset[b] + i (a tree node: + its depth), uniform v of Philox stream 2 for token v

@@ -364,7 +364,8 @@ def _target_to_draft(op: str, draft_to_target, vocab: int, draft, dname: str, de
 
 def _flat_form(op: str, cu_num_draft_tokens, max_draft_tokens, counts, counts_name: str, device, tname: str):
     """The flat form's (cu_num_draft_tokens as int32, B, max_draft_tokens), checked: cu a [B] integer tensor on
-    `device`, max_draft_tokens a host int in range, and no padded-form counts besides."""
+    `device`, max_draft_tokens a host int in range, and no padded-form counts besides (`counts`: the trees' num_nodes;
+    the chain ops pass None, their num_draft_tokens being a cap in the flat form)."""
     if counts is not None:
         raise ValueError(f"{op}: {counts_name} and cu_num_draft_tokens are two forms of one thing: pass one")
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int) or \
@@ -387,6 +388,7 @@ def _check_out_shape(op: str, t: torch.Tensor, name: str, shape: tuple, spelled:
 
 
 COUPLINGS = ("rejection", "gumbel")
+VERIFICATIONS = ("token", "block")
 
 
 _ROW_FILTER_RANGES = {"top_k": (lambda v: v >= 0, ">= 0 (0: off)"),
@@ -446,10 +448,25 @@ def _check_coupling(op: str, coupling, draft, dname: str, uniforms, final_unifor
                 raise ValueError(f"{op}: coupling='gumbel' draws its noise from (seed, position); {name} must be None")
 
 
+def _check_verification(op: str, verification, coupling, accepted_independently) -> None:
+    """verification="block" (Sun et al. 2024) judges a sampled request's drafts jointly by their probabilities: not with
+    coupling="gumbel" (which takes none), nor with accepted_independently (FlashInfer's token-wise count)."""
+    if not isinstance(verification, str) or verification not in VERIFICATIONS:
+        raise ValueError(f"{op}: verification must be one of {VERIFICATIONS}, got {verification!r}")
+    if verification == "block":
+        if coupling == "gumbel":
+            raise ValueError(f"{op}: verification='block' judges the drafts by their probabilities, which "
+                             "coupling='gumbel' does not take: use verification='token' with it")
+        if accepted_independently is not None:
+            raise ValueError(f"{op}: accepted_independently is FlashInfer's token-by-token count, which "
+                             "verification='block' does not define: pass accepted_independently=None")
+
+
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
                     offset, generator, out, cu_num_draft_tokens, max_draft_tokens, bonus_token_ids, uniforms,
                     final_uniforms, draft_to_target, accepted_independently, coupling, records_errors,
-                    top_k=None, top_p=None, min_p=None, names: _MessageNames | None = None) -> SamplingOutput:
+                    top_k=None, top_p=None, min_p=None, names: _MessageNames | None = None,
+                    verification="token") -> SamplingOutput:
     """The chain ops' checks and defaults, then the schema; names: the caller's words for its messages (default the
     schema's)."""
     schema_names = _chain_names(logits)
@@ -457,6 +474,7 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     op, tname = names.op, names.target
     dname = names.draft or schema_names.draft  # a caller without draft rows passes none: the name is never said
     _check_coupling(op, coupling, draft, dname, uniforms, final_uniforms)
+    _check_verification(op, verification, coupling, accepted_independently)
     flat = cu_num_draft_tokens is not None
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{op}: {tname} must be a tensor, got {type(target).__name__}")
@@ -466,7 +484,8 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     if flat:
         if not isinstance(draft_token_ids, torch.Tensor) or draft_token_ids.dim() != 1:
             raise ValueError(f"{op}: draft_token_ids must be a [T] tensor with cu_num_draft_tokens (the flat form)")
-        cu_num_draft_tokens, batch, k = _flat_form(op, cu_num_draft_tokens, max_draft_tokens, num_draft_tokens,
+        # num_draft_tokens, when given, caps the drafts each request judges (checked against cu by the kernels).
+        cu_num_draft_tokens, batch, k = _flat_form(op, cu_num_draft_tokens, max_draft_tokens, None,
                                                    "num_draft_tokens", device, tname)
     else:
         if max_draft_tokens is not None:
@@ -480,6 +499,8 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
     if not flat:
         num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device) if num_draft_tokens is None else \
             _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
+    elif num_draft_tokens is not None:
+        num_draft_tokens = _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
     if bonus_token_ids is not None:
         if not isinstance(bonus_token_ids, torch.Tensor) or bonus_token_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{op}: bonus_token_ids must be a [B] int32 or int64 tensor")
@@ -514,12 +535,12 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
             ops.chain_speculative_sampling_from_logits(
                 draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids,
                 out.num_accepted, kernel_flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms,
-                target_to_draft, accepted_independently, coupling, *filters)
+                target_to_draft, accepted_independently, coupling, *filters, verification)
         else:
             ops.chain_speculative_sampling(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset,
                                            out.output_token_ids, out.num_accepted, kernel_flags, cu_num_draft_tokens,
                                            bonus_token_ids, uniforms, final_uniforms, target_to_draft,
-                                           accepted_independently, coupling)
+                                           accepted_independently, coupling, verification)
         _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
     if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, k, bonus_token_ids is not None, logits)
@@ -933,7 +954,8 @@ class Ops:
                                    greedy=None, seed=None, offset=None, generator=None, out=None,
                                    cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
                                    final_uniforms=None, draft_to_target=None,
-                                   accepted_independently=None, coupling="rejection") -> SamplingOutput:
+                                   accepted_independently=None, coupling="rejection",
+                                   verification="token") -> SamplingOutput:
         """Chain speculative sampling from probabilities: the lossless check of K drafts per request.
 
         Accepts draft token x at position i with probability min(1, p_i(x) / q_i(x)); at the first rejection draws
@@ -951,7 +973,9 @@ class Ops:
             [B, K, V] (or [B, K, Vd] with draft_to_target), target_probs' dtype; None: point proposals (q is one-hot
             at the draft token).
         num_draft_tokens : torch.Tensor or int, optional
-            [B] (ragged batches) or an int; default K.
+            [B] (ragged batches) or an int; default K. With cu_num_draft_tokens: a cap, request b judging only its
+            first num_draft_tokens[b] (in [0, cu[b] - cu[b-1]]) drafts, its all-accepted token from its target row
+            num_draft_tokens[b]; the drafts past the cap are never read (e.g. vLLM's -1 placeholders).
         greedy : torch.Tensor or bool, optional
             [B] bool or a bool: follow the target's argmax; default False.
         seed : torch.Tensor or int, optional
@@ -989,6 +1013,13 @@ class Ops:
             that token, and the first one that does not is replaced by it. The emitted tokens are exactly what plain
             sampling with gumbel_sample draws at those positions, whatever the drafts; draft_probs, uniforms and
             final_uniforms must be None. Greedy rows are unchanged.
+        verification : {"token", "block"}
+            "token": each draft judged on its own, up to the first rejection (the above). "block": block verification
+            (Sun et al. 2024, arXiv 2403.10444; vLLM's rejection_sample_method="block"): a sampled request's drafts are
+            judged jointly, so that as many are accepted in expectation as any lossless verification reading only the
+            rows along the drafts allows (never fewer than "token"); the emitted tokens keep the target's law. It reads
+            every target and draft row of the block (docs/ops.md). Greedy requests are judged token by token either way.
+            Not with coupling="gumbel" or accepted_independently.
 
         Returns
         -------
@@ -1000,8 +1031,8 @@ class Ops:
         ------
         ValueError
             Invalid input, naming the argument: on the CPU before anything is written; on CUDA an invalid request gets
-            defined outputs and set_strict(True) raises. Wrong shapes or types, K above LIMITS["max_draft_tokens"] and
-            the coupling rules raise on every backend.
+            defined outputs and set_strict(True) raises. Wrong shapes or types, K above LIMITS["max_draft_tokens"],
+            the coupling rules and the verification rules raise on every backend.
 
         Examples
         --------
@@ -1016,6 +1047,13 @@ class Ops:
         ...                                      final_uniforms=torch.zeros(1))  # u = 0: every draft with p > 0 kept
         >>> out.output_token_ids.tolist(), out.num_accepted.tolist()
         ([[1, 2, 0]], [2])
+        >>> draft = torch.tensor([[[0.1, 0.8, 0.1], [0.2, 0.2, 0.6]]])  # q(1) > p(1) at position 0: u = 0.9 rejects it
+        >>> u = torch.tensor([[0.9, 0.0]])
+        >>> token = ops.chain_speculative_sampling(drafts, target, draft, seed=0, uniforms=u, final_uniforms=u[:, 1])
+        >>> block = ops.chain_speculative_sampling(drafts, target, draft, seed=0, uniforms=u, final_uniforms=u[:, 1],
+        ...                                        verification="block")  # u_2 = 0 < c_2 = (0.7/0.8)(0.1/0.6)
+        >>> token.num_accepted.tolist(), block.num_accepted.tolist()
+        ([0], [2])
         """
         return _chain_sampling(self.namespace, draft_token_ids, target_probs, draft_probs, logits=False,
                                num_draft_tokens=num_draft_tokens, greedy_or_temperature=greedy, seed=seed,
@@ -1023,7 +1061,7 @@ class Ops:
                                max_draft_tokens=max_draft_tokens, bonus_token_ids=bonus_token_ids, uniforms=uniforms,
                                final_uniforms=final_uniforms, draft_to_target=draft_to_target,
                                accepted_independently=accepted_independently, coupling=coupling,
-                               records_errors=self.records_errors(target_probs))
+                               records_errors=self.records_errors(target_probs), verification=verification)
 
     def chain_speculative_sampling_from_logits(self, draft_token_ids, target_logits, draft_logits=None, *, temperature,
                                                num_draft_tokens=None, seed=None, offset=None, generator=None,
@@ -1031,7 +1069,7 @@ class Ops:
                                                bonus_token_ids=None, uniforms=None, final_uniforms=None,
                                                draft_to_target=None, accepted_independently=None,
                                                coupling="rejection", top_k=None, top_p=None,
-                                               min_p=None) -> SamplingOutput:
+                                               min_p=None, verification="token") -> SamplingOutput:
         """Chain speculative sampling from logits: chain_speculative_sampling with p and q computed in the kernel.
 
         p = softmax(target_logits / temperature[b]) and likewise q are computed inside the kernel in float32 and never
@@ -1058,7 +1096,7 @@ class Ops:
             As in chain_speculative_sampling.
         cu_num_draft_tokens, max_draft_tokens, bonus_token_ids : optional
             The engine layouts of chain_speculative_sampling.
-        uniforms, final_uniforms, draft_to_target, accepted_independently, coupling : optional
+        uniforms, final_uniforms, draft_to_target, accepted_independently, coupling, verification : optional
             As in chain_speculative_sampling.
 
         Returns
@@ -1101,7 +1139,7 @@ class Ops:
                                final_uniforms=final_uniforms, draft_to_target=draft_to_target,
                                accepted_independently=accepted_independently, coupling=coupling,
                                records_errors=self.records_errors(target_logits), top_k=top_k, top_p=top_p,
-                               min_p=min_p)
+                               min_p=min_p, verification=verification)
 
     def sample_without_drafts(self, logits, *, temperature, seed, offset, coupling="rejection", top_k=None,
                               top_p=None, min_p=None, out=None) -> torch.Tensor:

@@ -169,10 +169,43 @@ def _inverse_cdf(mass: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, threshold, right=True).clamp_max(mass.shape[-1] - 1).squeeze(-1)
 
 
+def block_verification(ids, p_rows, q_rows, num_draft_tokens, u) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block verification (Sun et al., arXiv 2403.10444) of every request in float64: ids [B, K] (in range below
+    num_draft_tokens [B]), target rows p_rows [B, K+1, V], draft rows q_rows [B, K, V] or None (point proposals),
+    acceptance uniforms u [B, K]. Returns (tau [B], c [B, K+1], h [B, K]): the accepted count, the weights c_0..c_K
+    and the thresholds h_1..h_K. c_0 = 1, c_j = min(1, c_{j-1} p_{j-1}(x_j) / q_{j-1}(x_j)) (0 where q = 0). With
+    n = num_draft_tokens[b]: h_j = R_j / (R_j + 1 - c_j) for j < n, R_j = sum_v max(c_j p_j(v) - q_j(v), 0) (h_j = 1
+    where R_j + 1 - c_j = 0), h_n = c_n, and tau = the largest j <= n with u_j < h_j (0 if none). The last token is
+    the caller's: from norm(max(c_tau p_tau - q_tau, 0)) when tau < n, else the all-accepted token."""
+    batch, k = ids.shape
+    vocab = p_rows.shape[-1]
+    ids = ids.long().clamp(0, vocab - 1)  # past num_draft_tokens: any value, never judged
+    q_full = torch.nn.functional.one_hot(ids, vocab).double() if q_rows is None else q_rows[:, :k].double()
+    p_x = p_rows[:, :k].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    q_x = q_full.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.where(q_x > 0, p_x / torch.where(q_x > 0, q_x, 1.0), 0.0)
+    c = [torch.ones(batch, dtype=torch.float64, device=ids.device)]
+    for j in range(k):
+        c.append((c[-1] * ratio[:, j]).clamp(0.0, 1.0))
+    c = torch.stack(c, -1)  # [B, K+1]
+    n = num_draft_tokens.long()
+    h = c[:, 1:].clone()  # h_j at index j - 1; h_n = c_n
+    for j in range(1, k):
+        residual = (c[:, j, None] * p_rows[:, j] - q_full[:, j]).clamp_min(0).sum(-1)
+        denominator = residual + (1 - c[:, j])
+        h_j = torch.where(denominator > 0, residual / torch.where(denominator > 0, denominator, 1.0), 1.0)
+        h[:, j - 1] = torch.where(j < n, h_j, h[:, j - 1])
+    j = torch.arange(1, k + 1, device=ids.device)
+    accept = (u.double() < h) & (j <= n.unsqueeze(-1))
+    tau = (accept.long() * j).amax(-1) if k else torch.zeros(batch, dtype=torch.long, device=ids.device)
+    return tau, c, h
+
+
 def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset,
-                     layout):
+                     layout, verification="token"):
     """Shared by both reference ops. p_rows [B, K+1, V] and q_rows [B, K, V] (or None) are float64 masses;
-    p_accept/q_accept [B, K] the float32 p(x), q(x) the acceptance test uses; layout the _EngineLayout."""
+    p_accept/q_accept [B, K] the float32 p(x), q(x) the acceptance test uses; layout the _EngineLayout;
+    verification "token" or "block" (block_verification, for the requests that are not greedy)."""
     batch, k = draft_token_ids.shape
     device = draft_token_ids.device
     ids = draft_token_ids.long()
@@ -184,8 +217,17 @@ def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy
     argmax = p_rows.argmax(-1)  # [B, K+1]
     accept = torch.where(greedy.unsqueeze(-1), ids == argmax[:, :k], (q_accept > 0) & (u * q_accept < p_accept))
     accepted = (accept & active).long().cumprod(-1).sum(-1)  # leading accepted drafts
-    j = accepted  # the row the last token comes from
     rows = torch.arange(batch, device=device)
+    weight = torch.ones(batch, dtype=torch.float64, device=device)  # of p in the residual: c_tau in block mode
+    if verification == "block":
+        if layout.accepted_independently is not None:
+            raise ValueError("accepted_independently is not defined with verification='block'")
+        tau, c, _ = block_verification(ids, p_rows, q_rows, num_draft_tokens, u)
+        accepted = torch.where(greedy, accepted, tau)
+        weight = torch.where(greedy, weight, c[rows, accepted])
+    elif verification != "token":
+        raise ValueError(f"verification must be 'token' or 'block', got {verification!r}")
+    j = accepted  # the row the last token comes from
     p_j = p_rows[rows, j]
     rejected = j < num_draft_tokens.long()
     if k == 0:  # nothing drafted: the token comes from p_0
@@ -196,7 +238,7 @@ def _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy
         q_j = torch.zeros_like(p_j)
         x = ids[rows, j.clamp_max(k - 1)]
         q_j[rows[rejected], x[rejected]] = 1.0
-    residual = (p_j - q_j).clamp_min(0)
+    residual = (weight.unsqueeze(-1) * p_j - q_j).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_j)  # p == q: sample p itself
     token = torch.where(greedy, argmax[rows, j], _inverse_cdf(residual, u_resample))
     if layout.bonus_token_ids is not None:
@@ -253,30 +295,37 @@ def _full_draft_rows(draft_rows, draft_to_target, vocab: int, logits: bool):
     return full
 
 
-def _pad_flat(cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus):
+def _pad_flat(cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus,
+              caps=None):
     """The flat form (vLLM's: request b owns draft positions cu[b-1]..cu[b], target rows from cu[b-1] + b, or
     cu[b-1] with caller bonus tokens) as the padded form: ([B, K] ids, [B, K+1, V] target rows, [B, K, V] draft rows,
-    [B, K] uniforms, [B] counts), K = max_draft_tokens. The pad is zeros (never read: past each request's count)."""
+    [B, K] uniforms, [B] counts), K = max_draft_tokens. The pad is zeros (never read: past each request's count).
+    caps: the flat form's num_draft_tokens ([B], each in [0, cu[b] - cu[b-1]]): request b keeps its first caps[b]
+    drafts, and its target rows up to its layout's row caps[b] (where its all-accepted token comes from)."""
     cu = cu_num_draft_tokens.long().tolist()
     batch, k, total = len(cu), max_draft_tokens, draft_token_ids.shape[0]
     starts = [0] + cu[:-1]
     if any(not 0 <= s <= e <= total or e - s > k for s, e in zip(starts, cu)):
         raise ValueError("cu_num_draft_tokens must be non-decreasing in [0, T] with steps of at most max_draft_tokens")
+    counts = [e - s for s, e in zip(starts, cu)]
+    if caps is not None:
+        caps = torch.as_tensor(caps).to(torch.int64).expand(batch).tolist()
+        if any(not 0 <= c <= n for c, n in zip(caps, counts)):
+            raise ValueError("num_draft_tokens must be in [0, cu[b] - cu[b-1]] in the flat form")
+        counts = caps
     ids = draft_token_ids.new_zeros((batch, k))
     target = target_rows.new_full((batch, k + 1, target_rows.shape[-1]), 1.0)
     draft = None if draft_rows is None else draft_rows.new_full((batch, k, draft_rows.shape[-1]), 1.0)
     u = None if uniforms is None else uniforms.new_full((batch, k), 0.5)
-    for b, (s, e) in enumerate(zip(starts, cu)):
-        n = e - s
-        ids[b, :n] = draft_token_ids[s:e]
+    for b, (s, n) in enumerate(zip(starts, counts)):  # the first n of the request's drafts and rows
+        ids[b, :n] = draft_token_ids[s:s + n]
         first = s if bonus is not None else s + b
         target[b, :n + (bonus is None)] = target_rows[first:first + n + (bonus is None)]
         if draft is not None:
-            draft[b, :n] = draft_rows[s:e]
+            draft[b, :n] = draft_rows[s:s + n]
         if u is not None:
-            u[b, :n] = uniforms[s:e]
-    counts = torch.tensor([e - s for s, e in zip(starts, cu)], dtype=torch.int32, device=draft_token_ids.device)
-    return ids, target, draft, u, counts
+            u[b, :n] = uniforms[s:s + n]
+    return ids, target, draft, u, torch.tensor(counts, dtype=torch.int32, device=draft_token_ids.device)
 
 
 def _chain_inputs(draft_token_ids, target_rows, draft_rows, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
@@ -287,7 +336,8 @@ def _chain_inputs(draft_token_ids, target_rows, draft_rows, num_draft_tokens, cu
     columns, before it is expanded)."""
     if cu_num_draft_tokens is not None:
         draft_token_ids, target_rows, draft_rows, uniforms, num_draft_tokens = _pad_flat(
-            cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus_token_ids)
+            cu_num_draft_tokens, max_draft_tokens, draft_token_ids, target_rows, draft_rows, uniforms, bonus_token_ids,
+            num_draft_tokens)
     elif bonus_token_ids is not None and target_rows.shape[1] == draft_token_ids.shape[1]:
         target_rows = torch.cat([target_rows, torch.ones_like(target_rows[:, :1])], 1)  # the bonus row, never used
     if process is not None:
@@ -304,9 +354,10 @@ def _chain_inputs(draft_token_ids, target_rows, draft_rows, num_draft_tokens, cu
 def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, *, num_draft_tokens=None, greedy=None,
                                seed, offset=None, cu_num_draft_tokens=None, max_draft_tokens=None, bonus_token_ids=None,
                                uniforms=None, final_uniforms=None, draft_to_target=None, accepted_independently=None,
-                               coupling="rejection"):
+                               coupling="rejection", verification="token"):
     """Reference of specdec_ext.chain_speculative_sampling (seed required), engine layouts included (the flat form is
-    padded first). Returns (output_token_ids, num_accepted)."""
+    padded first; num_draft_tokens is then its cap). verification="block": block_verification. Returns
+    (output_token_ids, num_accepted)."""
     draft_token_ids, target_probs, draft_probs, num_draft_tokens, layout = _chain_inputs(
         draft_token_ids, target_probs, draft_probs, num_draft_tokens, cu_num_draft_tokens, max_draft_tokens,
         bonus_token_ids, uniforms, final_uniforms, draft_to_target, accepted_independently, logits=False)
@@ -314,6 +365,8 @@ def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, 
     v = target_probs.shape[-1]
     num_draft_tokens, seed, offset = _defaults(draft_token_ids, num_draft_tokens, seed, offset)
     greedy = torch.as_tensor(False if greedy is None else greedy, device=draft_token_ids.device).expand(batch)
+    if coupling == "gumbel" and verification == "block":
+        raise ValueError("verification='block' is not defined with coupling='gumbel'")
     if coupling == "gumbel":  # every row's token is fixed by its noise: a greedy walk over one-hot rows
         target_probs = _gumbel_rows(target_probs.double().log(), greedy, seed, offset)
         greedy = torch.ones_like(greedy)
@@ -324,7 +377,7 @@ def chain_speculative_sampling(draft_token_ids, target_probs, draft_probs=None, 
         draft_probs.float().gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     q_rows = None if draft_probs is None else draft_probs.double()
     return _chain_reference(draft_token_ids, p32.double(), q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed,
-                            offset, layout)
+                            offset, layout, verification)
 
 
 def _temperature(temperature, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,7 +391,8 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
                                            num_draft_tokens=None, seed, offset=None, cu_num_draft_tokens=None,
                                            max_draft_tokens=None, bonus_token_ids=None, uniforms=None,
                                            final_uniforms=None, draft_to_target=None, accepted_independently=None,
-                                           coupling="rejection", top_k=None, top_p=None, min_p=None):
+                                           coupling="rejection", top_k=None, top_p=None, min_p=None,
+                                           verification="token"):
     """Reference of specdec_ext.chain_speculative_sampling_from_logits: softmax(logits / temperature) in float64
     (so acceptance can differ from the kernels' float32 where u * q is within rounding of p); greedy below
     MIN_TEMPERATURE; top_k, top_p, min_p by filter_logits (a draft row over its own columns)."""
@@ -352,6 +406,8 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     scale = torch.where(greedy, 1.0, 1.0 / t).view(-1, 1, 1)
     p_rows = torch.softmax(target_logits.double() * scale, -1)
     q_rows = None if draft_logits is None else torch.softmax(draft_logits.double() * scale, -1)
+    if coupling == "gumbel" and verification == "block":
+        raise ValueError("verification='block' is not defined with coupling='gumbel'")
     if coupling == "gumbel":
         p_rows = _gumbel_rows(torch.log_softmax(target_logits.double() * scale, -1), greedy, seed, offset)
         greedy = torch.ones_like(greedy)
@@ -359,7 +415,7 @@ def chain_speculative_sampling_from_logits(draft_token_ids, target_logits, draft
     p_accept = p_rows[:, :k].gather(-1, ids).squeeze(-1).float()
     q_accept = torch.ones_like(p_accept) if q_rows is None else q_rows.gather(-1, ids).squeeze(-1).float()
     return _chain_reference(draft_token_ids, p_rows, q_rows, p_accept, q_accept, greedy, num_draft_tokens, seed, offset,
-                            layout)
+                            layout, verification)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ emulator (the CUDA kernels' source): chain_speculative_sampling's documented exa
 statement, accumulation into the caller's counts, the law of the counts and of the emitted tokens, the RNG arguments;
 the paged prefill wrapper against a float64 softmax over the gathered pages, with FlashInfer's masks, and its
 refusals."""
+import math
+
 import pytest
 import torch
 
@@ -427,3 +429,61 @@ def test_a_tree_mask_sees_exactly_its_ancestors(gen):
     values = cache[indices[pos // PAGE].long(), 1, pos % PAGE, 0]  # [S, D]
     want = torch.stack([values[masks[0][i]].mean(0) for i in range(4)])
     assert torch.allclose(out[:, 0], want, atol=1e-5)
+
+
+def test_flashinfer_0_7_4_lse_base_and_layout(gen):
+    """FlashInfer 0.7.4's run(lse_base, lse_layout): "ln" is the natural log, "HN" the contiguous [Hq, T] transpose,
+    into a caller's buffer of that layout too; the output does not change."""
+    qo_lens, prefix_lens = [2, 3], [5, 9]
+    q, cache, qo_indptr, kv_indptr, indices, last, _ = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                                    torch.float32, "NHD")
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+    wrapper.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE, causal=True, uniform_q_len=3)
+    out, lse2 = wrapper.run(q, cache, return_lse=True)
+    for base, factor in (("log2", 1.0), ("ln", math.log(2.0))):
+        out_nh, nh = wrapper.run(q, cache, return_lse=True, lse_base=base)
+        out_hn, hn = wrapper.run(q, cache, return_lse=True, lse_base=base, lse_layout="HN")
+        assert torch.equal(out_nh, out) and torch.equal(out_hn, out)
+        assert torch.allclose(nh, lse2 * factor) and hn.is_contiguous() and torch.equal(hn, nh.t())
+        buf = torch.empty(HQ, 5)
+        _, given = wrapper.run(q, cache, return_lse=True, lse_base=base, lse_layout="HN", lse=buf)
+        assert given is buf and torch.equal(buf, hn)
+    with pytest.raises(ValueError, match=f"lse must be a float32 tensor of shape \\({HQ}, 5\\)"):
+        wrapper.run(q, cache, return_lse=True, lse_layout="HN", lse=torch.empty(5, HQ))
+
+
+def test_flashinfer_0_7_4_arguments_accepted_or_refused(gen):
+    """The arguments FlashInfer 0.7.0rc3 / 0.7.4 added: scheduling hints are accepted (the result does not depend on
+    them), lossy or unsupported modes are refused naming the argument."""
+    q, cache, table, _, _ = refusal_cases(gen)
+    for backend in ("cute-dsl", "cute-dsl-prims"):
+        BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), backend=backend)
+    wrapper = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1))
+    wrapper.plan(*table, causal=True)
+    want = wrapper.run(q, cache)
+    got = wrapper.run(q, cache, use_fp16_softmax=True, uses_spcompress=False)
+    assert torch.equal(got, want)
+    for kwargs, match in ((dict(variant_owns_mask=True), "variant_owns_mask"),
+                          (dict(max_total_num_rows=8), "max_total_num_rows requires use_cuda_graph")):
+        with pytest.raises(ValueError, match=match):
+            BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), **kwargs)
+    for kwargs, match in ((dict(use_token_head_sf=True), "use_token_head_sf"),
+                          (dict(uniform_q_len=2.5), "uniform_q_len")):
+        with pytest.raises(ValueError, match=match):
+            BatchPrefillWithPagedKVCacheWrapper(torch.empty(1)).plan(*table, **kwargs)
+    for kwargs, match in ((dict(kv_cache_sf=(torch.ones(1), torch.ones(1))), "kv_cache_sf"),
+                          (dict(skip_softmax_threshold_scale_factor=1.0), "skip-softmax"),
+                          (dict(return_lse=True, lse_base="log10"), "lse_base"),
+                          (dict(return_lse=True, lse_layout="TN"), "lse_layout")):
+        with pytest.raises(ValueError, match=match):
+            wrapper.run(q, cache, **kwargs)
+    capped = BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD", use_cuda_graph=True, max_total_num_rows=1,
+                                                 qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
+                                                 paged_kv_indptr_buf=torch.zeros(3, dtype=torch.int32),
+                                                 paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32),
+                                                 paged_kv_last_page_len_buf=torch.zeros(2, dtype=torch.int32))
+    qo_lens, prefix_lens = [2, 3], [5, 9]
+    _, _, qo_indptr, kv_indptr, indices, last, _ = paged_batch(gen, qo_lens, prefix_lens, PAGE, HQ, HKV, D,
+                                                               torch.float32, "NHD")
+    with pytest.raises(ValueError, match="max_total_num_rows"):
+        capped.plan(qo_indptr, kv_indptr, indices, last, HQ, HKV, D, PAGE, causal=True)

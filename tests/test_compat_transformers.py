@@ -230,3 +230,24 @@ def test_law_of_the_shim_function():
     pvalue, df = law_pvalue(counts, law)
     assert bias_power(law, SHIM_SAMPLES, df, 0.03) >= 0.99
     assert pvalue > 1e-3, (pvalue, df)
+
+
+def test_transformers_5_17_call_form():
+    """transformers 5.17 called `_speculative_sampling(ids, logits, K, new_logits, is_done_candidate,
+    assistant_ensemble_weight=w)`, is_done_candidate a [1] bool tensor from its stopping criteria; 5.18 on pass only
+    the weight, by keyword. Both bind, and 5.17's flag keeps its meaning (no bonus token after an accepted EOS)."""
+    vocab, k = 5, 2
+    drafts = torch.tensor([[0, 3, 1]])
+    target = torch.full((1, k + 1, vocab), -1e4).index_fill_(2, torch.tensor([3]), 0.0)
+    target[0, 1, 1] = 0.0
+    target[0, 1, 3] = -1e4
+    draft = target[:, :k].clone()
+    for flag, want in ((torch.tensor([True]), [[3, 1]]), (torch.tensor([False]), None)):
+        tokens, n = shim.speculative_sampling(drafts, draft, k, target, flag,
+                                                           assistant_ensemble_weight=None)
+        assert int(n) == (k - 1 if want else k) and (want is None or tokens.tolist() == want)
+    tokens, n = shim.speculative_sampling(drafts, draft, k, target, assistant_ensemble_weight=None)
+    assert int(n) == k and tokens[0, :k].tolist() == [3, 1]
+    with pytest.raises(ValueError, match="lossy"):
+        shim.speculative_sampling(drafts, draft, k, target, torch.tensor([False]),
+                                               assistant_ensemble_weight=0.5)

@@ -16,8 +16,9 @@ namespace specdec {
 // Checks the arguments of both chain sampling ops and gathers them into the kernels' parameters. Padded form:
 // draft_token_ids [B, K], num_draft_tokens [B], target rows [B, K+1, V] ([B, K, V] allowed with bonus_token_ids),
 // draft rows [B, K, V or Vd], uniforms [B, K]. Flat form (cu_num_draft_tokens [B]): draft_token_ids [T], target rows
-// [T + B, V] or [T, V] with bonus_token_ids, draft rows [T, V or Vd], uniforms [T]. Outputs [B, K + 1] (K =
-// max_draft_tokens in the flat form) and [B].
+// [T + B, V] or [T, V] with bonus_token_ids, draft rows [T, V or Vd], uniforms [T], and num_draft_tokens [B] optional
+// (a cap on each request's judged drafts). Outputs [B, K + 1] (K = max_draft_tokens in the flat form) and [B].
+// verification: "token" or "block" (not with coupling="gumbel" or accepted_independently).
 inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, const at::Tensor& target,
                                              const std::optional<at::Tensor>& draft,
                                              const std::optional<at::Tensor>& num_draft_tokens,
@@ -26,8 +27,17 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
                                              const at::Tensor& num_accepted, const std::optional<at::Tensor>& error_flags,
                                              const std::optional<at::Tensor>& cu_num_draft_tokens,
                                              const std::optional<at::Tensor>& bonus_token_ids, const EngineLayoutArgs& E,
-                                             const std::optional<at::Tensor>& accepted_independently, bool logits) {
+                                             const std::optional<at::Tensor>& accepted_independently, bool logits,
+                                             c10::string_view verification = "token") {
   const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
+  TORCH_CHECK_VALUE(verification == "token" || verification == "block", op,
+                    ": verification must be \"token\" or \"block\", got \"", std::string(verification), "\"");
+  const bool block = verification == "block";
+  TORCH_CHECK_VALUE(!block || E.coupling != "gumbel", op,
+                    ": verification=\"block\" judges the drafts by their probabilities; coupling=\"gumbel\" takes none");
+  TORCH_CHECK_VALUE(!block || !accepted_independently.has_value(), op,
+                    ": accepted_independently (FlashInfer's count, token by token) is not defined with "
+                    "verification=\"block\"");
   const bool flat = cu_num_draft_tokens.has_value();
   TORCH_CHECK_VALUE(draft_token_ids.scalar_type() == at::kInt || draft_token_ids.scalar_type() == at::kLong, op,
                     ": draft_token_ids must be int32 or int64, got ", draft_token_ids.scalar_type());
@@ -57,6 +67,10 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
     A.vector_of(*cu_num_draft_tokens, "cu_num_draft_tokens", at::kInt);
     P.cu_num_draft_tokens = cu_num_draft_tokens->data_ptr<int32_t>();
     P.flat_positions = T;
+    if (num_draft_tokens.has_value()) {  // a cap on the drafts each request judges, in [0, cu[b] - cu[b-1]]
+      A.vector_of(*num_draft_tokens, "num_draft_tokens", at::kInt);
+      P.num_draft_tokens = num_draft_tokens->data_ptr<int32_t>();
+    }
   } else {
     // With the caller's bonus tokens the bonus row is never read: [B, K, V] will do.
     const int64_t rows = bonus && target.dim() == 3 && target.size(1) == K ? K : K + 1;
@@ -91,6 +105,7 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
   P.output_token_ids = output_token_ids.data_ptr<int32_t>();
   P.num_accepted = num_accepted.data_ptr<int32_t>();
   P.num_draft = K;
+  P.block = block;
   return P;
 }
 
@@ -98,7 +113,7 @@ inline constexpr ErrorBit kSamplingErrorBits[] = {
     {kErrTargetNonFinite, "{target} holds NaN or inf (-inf is allowed in logits)"},
     {kErrDraftNonFinite, "{draft} holds NaN or inf (-inf is allowed in logits)"},
     {kErrDraftTokenId, "draft_token_ids holds ids outside [0, V) below num_draft_tokens"},
-    {kErrNumDraftTokens, "num_draft_tokens holds values outside [0, K]"},
+    {kErrNumDraftTokens, "num_draft_tokens holds values outside [0, K] (flat form: [0, cu[b] - cu[b-1]])"},
     {kErrTemperature, "temperature must be finite and >= 0"},
     {kErrTargetNoMass, "{target} has a row to sample from with no mass (every logit -inf, or every probability 0)"},
     {kErrUniform, "uniforms and final_uniforms must be in [0, 1)"},

@@ -23,13 +23,13 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
                            const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
                            const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                            const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                           const Opt& accepted_independently, c10::string_view coupling, const Opt& top_k = std::nullopt,
-                           const Opt& top_p = std::nullopt, const Opt& min_p = std::nullopt) {
+                           const Opt& accepted_independently, c10::string_view coupling, const Opt& top_k,
+                           const Opt& top_p, const Opt& min_p, c10::string_view verification) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
                         output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
                         EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p},
-                        accepted_independently, kLogits);
+                        accepted_independently, kLogits, verification);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "chain sampling: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
@@ -50,10 +50,12 @@ void chain_sampling_probs(const at::Tensor& draft_token_ids, const at::Tensor& t
                           const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
                           const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
-                          const Opt& accepted_independently, c10::string_view coupling) {
+                          const Opt& accepted_independently, c10::string_view coupling,
+                          c10::string_view verification) {
   chain_sampling_launch<false>(draft_token_ids, target, draft, num_draft_tokens, greedy, seed, offset, output_token_ids,
                                num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms,
-                               target_to_draft, accepted_independently, coupling);
+                               target_to_draft, accepted_independently, coupling, std::nullopt, std::nullopt,
+                               std::nullopt, verification);
 }
 
 }  // namespace

@@ -13,7 +13,9 @@
 //
 // Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
-// rejected rows. Rows after the first rejection are never read.
+// rejected rows. Rows after the first rejection are never read. Block verification (chain_block_verify) reads
+// every row pair of a sampled request's block: rows 1..k-1 in full for their residual masses (total(), after the
+// statistics pass from logits), then one more pass for the draw at row tau.
 // Instructions per logit in the statistics pass: det_exp2 (13), the subtract and multiply that shift and
 // scale it, the block sum, and an eighth of the block's max, rescale and check: about 20, against ~40 for an
 // online softmax that rescales at every entry.

@@ -1,5 +1,5 @@
-"""transformers shim (contract of transformers 5.24): `generate(..., assistant_model=..., do_sample=True)` verifies
-the assistant's candidates with specdec_ext's from-logits chain sampling kernel instead of transformers' own
+"""transformers shim (contract of transformers 5.17 to 5.25): `generate(..., assistant_model=..., do_sample=True)`
+verifies the assistant's candidates with specdec_ext's from-logits chain sampling kernel instead of transformers' own
 `_speculative_sampling`.
 
     from specdec_ext.compat import transformers as specdec_transformers
@@ -35,9 +35,10 @@ _lock = threading.Lock()
 _original = None  # transformers' own function while ours is installed
 
 
-def speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits,
+def speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits, is_done_candidate=None,
                          assistant_ensemble_weight=None):
-    """transformers' `_speculative_sampling` (5.24) on specdec_ext's kernel: same arguments, same return convention.
+    """transformers' `_speculative_sampling` (5.17 to 5.25) on specdec_ext's kernel: same arguments, same return
+    convention.
 
     candidate_input_ids [1, S + K] (the prompt so far, then the assistant's K = candidate_length candidates),
     candidate_logits [1, K, V] (the assistant's processed scores), new_logits [1, K + 1, V] float32 (the target's
@@ -45,13 +46,20 @@ def speculative_sampling(candidate_input_ids, candidate_logits, candidate_length
     Returns (valid_tokens [1, n + 1] int64: the n accepted candidates, then the resampled or bonus token;
     n_matches: a 0-d int64 tensor, n). Batch size 1 only, as transformers' assisted decoding.
 
-    transformers 4.x called it with a fifth positional `is_done_candidate` (bool): when all candidates are
-    accepted and the last one ended the sequence, no bonus token follows (valid_tokens are the K candidates,
-    n_matches = K - 1). 5.24 crops at EOS / max_length in the caller instead; a bool there is read as 4.x's flag.
+    transformers 4.x to 5.17 called it with a fifth positional `is_done_candidate` (a bool, or 5.17's [1] bool tensor
+    from its stopping criteria), and 5.17 with
+    `assistant_ensemble_weight=` besides: when all candidates are accepted and the last one ended the sequence, no
+    bonus token follows (valid_tokens are the K candidates, n_matches = K - 1). 5.18 on drop that argument (the
+    caller crops at EOS / max_length) and pass the weight by keyword; a fifth positional that is not a bool is read
+    as their assistant_ensemble_weight.
     """
-    is_done_candidate = False
-    if isinstance(assistant_ensemble_weight, bool):
-        is_done_candidate, assistant_ensemble_weight = assistant_ensemble_weight, None
+    flag = isinstance(is_done_candidate, bool) or (isinstance(is_done_candidate, torch.Tensor) and
+                                                   is_done_candidate.dtype == torch.bool)
+    if is_done_candidate is not None and not flag:
+        if assistant_ensemble_weight is not None:
+            raise TypeError("speculative_sampling: assistant_ensemble_weight given twice")
+        is_done_candidate, assistant_ensemble_weight = None, is_done_candidate
+    is_done_candidate = bool(is_done_candidate) if is_done_candidate is not None else False  # 5.17: a [1] bool tensor
     if assistant_ensemble_weight is not None:
         raise ValueError("specdec_ext.compat.transformers: assistant_ensemble_weight="
                          f"{assistant_ensemble_weight} relaxes verification (lossy); this library is lossless: "

@@ -37,6 +37,7 @@ norm(max(p - q, 0)) at the final uniform.
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import itertools
 import logging
 import sys
@@ -55,6 +56,9 @@ PLACEHOLDER_TOKEN_ID = -1
 MAX_SPEC_LEN = LIMITS["max_draft_tokens"]
 # Where vLLM defines its RejectionSampler; register() also patches every loaded vllm module that imported the name.
 VLLM_MODULE = "vllm.v1.sample.rejection_sampler"
+# The rejection_sample this module follows (vLLM 0.12-0.19; 0.20 passes target logits in target_probs' place).
+V1_REJECTION_SAMPLE_PARAMETERS = ["draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens",
+                                  "draft_probs", "target_probs", "bonus_token_ids", "sampling_metadata"]
 
 _vllm_rejection_sampler = None  # vLLM's own class, kept by register() for the batches this shim hands back
 
@@ -319,38 +323,92 @@ def _vllm_importable() -> bool:
         return False
 
 
-def register() -> list[str]:
-    """vLLM plugin entry point (group vllm.general_plugins): replaces vLLM's v1 RejectionSampler by this module's in
-    vllm.v1.sample.rejection_sampler and in every loaded vllm module that imported the name (the GPU model runner).
-    Idempotent. Returns the attribute paths it changed; without vLLM it logs that and changes nothing."""
-    if not _vllm_importable():
-        logger.info("specdec_ext: vllm is not importable; the vLLM rejection sampler was not replaced")
+def _parameters(fn) -> list[str]:
+    try:
+        return [p for p in inspect.signature(fn).parameters if p != "self"]
+    except (TypeError, ValueError):
         return []
+
+
+def _v1_contract_differs(module) -> str | None:
+    """Why Model Runner V1's sampler in `module` is not the form this shim follows (vLLM 0.12-0.19), or None."""
+    constructor = _parameters(module.RejectionSampler.__init__)
+    if constructor[:1] != ["sampler"] or "spec_config" in constructor:  # 0.20+ builds it from the spec config
+        return f"its RejectionSampler takes ({', '.join(constructor)})"
+    function = getattr(module, "rejection_sample", None)
+    if function is not None and _parameters(function)[:8] != V1_REJECTION_SAMPLE_PARAMETERS:
+        return f"its rejection_sample takes ({', '.join(_parameters(function))})"
+    return None
+
+
+def _patch_model_runner_v1() -> list[str]:
+    """Replaces Model Runner V1's RejectionSampler in VLLM_MODULE and in every loaded vllm module that imported it.
+    Returns the attribute paths changed; [] when V1 is absent (vLLM 0.34 removed it) or has another contract."""
+    global _vllm_rejection_sampler
     try:
         module = importlib.import_module(VLLM_MODULE)
     except ImportError as e:
-        logger.warning("specdec_ext: %s could not be imported (%s); the vLLM rejection sampler was not replaced",
-                       VLLM_MODULE, e)
+        logger.debug("specdec_ext: %s is not importable (%s)", VLLM_MODULE, e)
         return []
-    global _vllm_rejection_sampler
     current = getattr(module, "RejectionSampler", None)
     if current is None:
-        logger.warning("specdec_ext: %s has no RejectionSampler; nothing replaced", VLLM_MODULE)
+        logger.debug("specdec_ext: %s has no RejectionSampler", VLLM_MODULE)
         return []
     if current is not RejectionSampler:
+        differs = _v1_contract_differs(module)
+        if differs is not None:
+            logger.warning("specdec_ext: Model Runner V1's rejection sampler in %s has another contract than the one "
+                           "specdec_ext.compat.vllm follows (%s); it was not replaced", VLLM_MODULE, differs)
+            return []
         _vllm_rejection_sampler = current
     original = _vllm_rejection_sampler
     patched = []
-    # Only references to vLLM's v1 class are swapped: another class of that name (model runner v2's) has another
-    # contract and stays.
+    # Only references to vLLM's V1 class are swapped: another class of that name (Model Runner V2's) is patched by
+    # vllm_v2.patch_model_runner_v2.
     for name, mod in list(sys.modules.items()):
         if (name == "vllm" or name.startswith("vllm.")) and mod is not None and \
                 getattr(mod, "RejectionSampler", None) is original:
             setattr(mod, "RejectionSampler", RejectionSampler)
             patched.append(f"{name}.RejectionSampler")
-    if patched:
-        logger.info("specdec_ext: vLLM's RejectionSampler replaced by specdec_ext.compat.vllm.RejectionSampler at %s",
-                    ", ".join(sorted(patched)))
-    else:
-        logger.debug("specdec_ext: vLLM's RejectionSampler already replaced")
     return sorted(patched)
+
+
+def register() -> list[str]:
+    """vLLM plugin entry point (group vllm.general_plugins), called in every vLLM process before the model runner is
+    chosen: points both runners' verification at specdec_ext's kernels where their contract is one this package
+    follows. Model Runner V1 (vLLM 0.12-0.19): its RejectionSampler replaced by this module's, in
+    vllm.v1.sample.rejection_sampler and in every loaded vllm module that imported it. Model Runner V2 (vLLM 0.34):
+    its rejection_sample and RejectionSampler (specdec_ext.compat.vllm_v2.patch_model_runner_v2). Idempotent.
+    Returns the attribute paths it changed and logs which runner's; never raises: without vLLM it logs that, and for a
+    vLLM whose samplers have other contracts it warns and changes nothing."""
+    if not _vllm_importable():
+        logger.info("specdec_ext: vllm is not importable; the vLLM rejection sampler was not replaced")
+        return []
+    from .vllm_v2 import patch_model_runner_v2
+
+    patched = {"V1": [], "V2": []}
+    for runner, patch in (("V1", _patch_model_runner_v1), ("V2", patch_model_runner_v2)):
+        try:
+            patched[runner] = patch()
+        except Exception as e:  # a plugin must not stop vLLM from starting: say why and leave vLLM as it is
+            logger.warning("specdec_ext: patching Model Runner %s's rejection sampler failed (%s: %s); not replaced",
+                           runner, type(e).__name__, e)
+    for runner, paths in patched.items():
+        if paths:
+            logger.info("specdec_ext: Model Runner %s verifies with specdec_ext's kernels: replaced %s", runner,
+                        ", ".join(paths))
+    if not any(patched.values()) and not _already_registered():
+        version = getattr(sys.modules.get("vllm"), "__version__", "unknown")
+        logger.warning("specdec_ext: vLLM %s has no rejection sampler with a contract specdec_ext follows (Model "
+                       "Runner V1 of vLLM 0.12-0.19, V2 of vLLM 0.34); nothing was replaced", version)
+    return sorted(patched["V1"] + patched["V2"])
+
+
+def _already_registered() -> bool:
+    """Whether an earlier register() call left its replacements in place (a second call then changes nothing)."""
+    v1 = sys.modules.get(VLLM_MODULE)
+    v2 = sys.modules.get("vllm.v1.worker.gpu.spec_decode.rejection_sampler")
+    from . import vllm_v2
+
+    return getattr(v1, "RejectionSampler", None) is RejectionSampler or \
+        getattr(v2, "rejection_sample", None) is vllm_v2.rejection_sample

@@ -6,6 +6,8 @@
 // Row i of request b is read only while the round is still going at position i: the flow stops at the
 // first rejection, and the rows after it are never touched. With top_k / top_p / min_p (row_filter.h) each row of a
 // sampled request is processed as the flow reaches it (filter_rows): its threshold found, then applied by every read.
+// Block verification (P.block; Sun et al. 2024, chain_block_verify below) judges a sampled request's drafts jointly
+// and reads every row pair of its block; greedy requests are verified token by token in either mode.
 #pragma once
 #include "row_filter.h"
 #include "sampling_math.h"
@@ -19,7 +21,10 @@ struct ChainSamplingParams {
   const void* draft;            // [B, K, Vd] or [T, Vd], or nullptr: point proposals
   int64_t target_stride_b, target_stride_k;  // in elements (flat: stride_b 0, stride_k the row stride); the
   int64_t draft_stride_b, draft_stride_k;    // vocabulary dimension is contiguous
-  const int32_t* num_draft_tokens;  // [B] (padded); unused in the flat form
+  // [B]: the drafts request b judges. Padded form: required, in [0, K]. Flat form: nullptr (every draft its
+  // layout holds), or a cap in [0, cu[b] - cu[b-1]]: request b judges its first num_draft_tokens[b] drafts, and its
+  // all-accepted token comes from its target row num_draft_tokens[b]; the drafts past the cap are never read.
+  const int32_t* num_draft_tokens;
   // Engine layouts (docs/design.md §3.4). Flat form: request b owns draft positions [cu[b-1], cu[b]) (cu[-1] = 0)
   // of draft_ids, the draft rows and uniforms, and target rows from cu[b-1] + b (its bonus row last) or, with
   // bonus_ids, from cu[b-1]. num_draft is then max_draft_tokens, the outputs' width less one.
@@ -37,6 +42,9 @@ struct ChainSamplingParams {
   // the request's position offset[b] + the row's depth; a draft is accepted when it equals it. No draft row or
   // uniform is read. The emitted tokens are then the ones plain decoding with the same noise draws.
   bool gumbel;
+  // verification="block" (Sun et al. 2024, arXiv 2403.10444): a sampled request's drafts are judged jointly
+  // (chain_block_verify); never with gumbel or accepted_independently (refused by the checks).
+  bool block;
   // Logits processing (row_filter.h), per request, or nullptr (off): applied to target and draft rows alike.
   const int32_t* top_k;         // [B], 0: off
   const float* top_p;           // [B], 1: off
@@ -58,10 +66,17 @@ SPECDEC_HD int64_t draft_start(const ChainSamplingParams& P, int64_t b) {
   return b > 0 ? P.cu_num_draft_tokens[b - 1] : 0;
 }
 
-// Request b's draft count as given (not clamped): num_draft_tokens[b], or cu[b] - cu[b-1] in the flat form.
-SPECDEC_HD int64_t given_num_drafts(const ChainSamplingParams& P, int64_t b) {
-  if (P.cu_num_draft_tokens == nullptr) return P.num_draft_tokens[b];
+// The draft positions request b's layout holds: K (padded form), or cu[b] - cu[b-1] (flat form).
+SPECDEC_HD int64_t layout_num_drafts(const ChainSamplingParams& P, int64_t b) {
+  if (P.cu_num_draft_tokens == nullptr) return P.num_draft;
   return static_cast<int64_t>(P.cu_num_draft_tokens[b]) - draft_start(P, b);
+}
+
+// Request b's draft count as given (not clamped): num_draft_tokens[b] (padded form, or the flat form's cap), else
+// cu[b] - cu[b-1].
+SPECDEC_HD int64_t given_num_drafts(const ChainSamplingParams& P, int64_t b) {
+  if (P.num_draft_tokens != nullptr) return P.num_draft_tokens[b];
+  return layout_num_drafts(P, b);
 }
 
 // Whether request b's rows can be found: always in the padded form (a bad count is clamped); in the flat form its
@@ -190,9 +205,10 @@ SPECDEC_HD int32_t check_request_controls(const ChainSamplingParams& P, int64_t 
   int32_t bits = 0;
   if (!request_rows_valid(P, b)) return kErrCuNumDraftTokens;
   int64_t k = given_num_drafts(P, b);
-  if (k < 0 || k > P.num_draft) {
+  const int64_t limit = layout_num_drafts(P, b);
+  if (k < 0 || k > limit) {
     bits |= kErrNumDraftTokens;
-    k = k < 0 ? 0 : P.num_draft;
+    k = k < 0 ? 0 : limit;
   }
   for (int64_t i = 0; i < k; ++i) {
     const int64_t x = draft_token(P, b, i);
@@ -222,24 +238,27 @@ SPECDEC_HD bool request_greedy(const ChainSamplingParams& P, int64_t b, float* s
   return greedy;
 }
 
-// Whether draft position i of request b (0 <= i < its count) is accepted when judged on its own. Sampled rows fill
-// *spec with the rows' statistics (for the residual draw), greedy ones *best with the target's argmax.
+// Request b's draft count as judged: given_num_drafts clamped to [0, layout_num_drafts] (flagged by
+// check_request_controls when it was outside).
+SPECDEC_HD int32_t request_num_drafts(const ChainSamplingParams& P, int64_t b) {
+  const int64_t given = given_num_drafts(P, b), limit = layout_num_drafts(P, b);
+  return static_cast<int32_t>(given < 0 ? 0 : given > limit ? limit : given);
+}
+
+// Whether draft id x is in the vocabulary (an id outside it has no probability: token verification rejects it, and it
+// ends a block).
+SPECDEC_HD bool draft_id_valid(const ChainSamplingParams& P, int64_t x) { return x >= 0 && x < P.vocab; }
+
+// The statistics of a sampled request's row pair (row_p, row_q; row_q null for point proposals), whose thresholds
+// filter_rows has set, into *spec (point: x when q is a point mass), and the target's and the draft's probability of
+// token x there into *p, *q (x = -1: p = 0, and q = 0, or 1 for a point mass).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
 #endif
-template <typename Engine>
-SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t i, bool greedy,
-                                       float scale, uint64_t seed, uint64_t offset, MassSpec* spec, int32_t* best) {
-  const bool has_q = P.draft != nullptr;
-  int64_t x = draft_token(P, b, i);
-  if (x < 0 || x >= P.vocab) x = -1;  // rejected: an id that is not in the vocabulary has no probability
-  const auto* row_p = e.row_target(b, i);
-  const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
-  filter_rows(e, P, b, greedy, row_p, row_q, scale);
-  if (greedy || P.gumbel) {
-    *best = greedy ? e.argmax(row_p) : e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(i));
-    return *best >= 0 && x == *best;
-  }
+template <typename Engine, typename Row>
+SPECDEC_FLOW void chain_row_probs(Engine& e, const ChainSamplingParams& P, int64_t x, const Row* row_p, const Row* row_q,
+                                  float scale, MassSpec* spec, float* p_out, float* q_out) {
+  const bool has_q = row_q != nullptr;
   *spec = MassSpec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
   float p = 0.0f, q = has_q ? 0.0f : 1.0f;
   if (P.logits) {
@@ -257,9 +276,125 @@ SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, 
     p = e.load(row_p, x, true);
     if (has_q) q = e.load(row_q, x, false);
   }
+  *p_out = p;
+  *q_out = q;
+}
+
+// Whether draft position i of request b (0 <= i < its count) is accepted when judged on its own. Sampled rows fill
+// *spec with the rows' statistics (for the residual draw), greedy ones *best with the target's argmax.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine>
+SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t i, bool greedy,
+                                       float scale, uint64_t seed, uint64_t offset, MassSpec* spec, int32_t* best) {
+  const bool has_q = P.draft != nullptr;
+  int64_t x = draft_token(P, b, i);
+  if (!draft_id_valid(P, x)) x = -1;  // rejected: an id that is not in the vocabulary has no probability
+  const auto* row_p = e.row_target(b, i);
+  const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
+  filter_rows(e, P, b, greedy, row_p, row_q, scale);
+  if (greedy || P.gumbel) {
+    *best = greedy ? e.argmax(row_p) : e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(i));
+    return *best >= 0 && x == *best;
+  }
+  float p, q;
+  chain_row_probs(e, P, x, row_p, row_q, scale, spec, &p, &q);
   // Accept with probability min(1, p/q): u < p/q, as u * q < p so that q == 0 always rejects.
   const float u = accept_uniform(P, b, i, seed, offset);
   return x >= 0 && q > 0.0f && fmul(u, q) < p;
+}
+
+// The token drawn from request b's target row i alone (the all-accepted row, or the row where a block of i drafts
+// ends before an invalid id): its argmax (greedy), its Gumbel-max token, or a draw from p_i by inverse CDF at the final
+// uniform. -1 if the row has no mass.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine>
+SPECDEC_FLOW int32_t draw_from_target_row(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t i, bool greedy,
+                                          float scale, uint64_t seed, uint64_t offset) {
+  const auto* row_p = e.row_target(b, i);
+  filter_rows(e, P, b, greedy, row_p, static_cast<decltype(row_p)>(nullptr), scale);
+  if (greedy) return e.argmax(row_p);
+  if (P.gumbel) return e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(i));
+  MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
+  if (P.logits) {
+    MaxSum sp, sq;
+    e.softmax_stats(row_p, nullptr, scale, &sp, &sq);
+    spec.m_p = sp.m;
+    spec.inv_z_p = fdiv(1.0f, sp.s);
+  }
+  return e.sample(row_p, nullptr, spec, final_uniform(P, b, seed, offset));
+}
+
+// Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding", arXiv 2403.10444; vLLM's
+// rejection_sample_method="block") of sampled request b's k drafts x_1..x_k. Row i (0 <= i < k) judges x_{i+1}; P_i,
+// Q_i are its processed target and draft laws as token verification computes them (Q_i the point mass at x_{i+1}
+// without draft rows). The block ends early at an id outside [0, V): n drafts precede it (n = k if none).
+//   c_0 = 1; c_j = min(1, c_{j-1} P_{j-1}(x_j) / Q_{j-1}(x_j)) in float32 as clamp01(fdiv(fmul(c_{j-1}, p), q)), and
+//     0 when q == 0 (clamp01(r): 1 for r >= 1, r for 0 < r < 1, else 0, NaN included).
+//   R_j = sum_v max(fmul(P_j(v), c_j) - Q_j(v), 0) over row j (1 <= j < n), the engines' canonical total() with
+//     MassSpec::p_scale = c_j; h_j = fdiv(R_j, fadd(R_j, fadd(1, -c_j))), or 1 when that denominator is not > 0;
+//     h_n = c_n.
+//   tau = the largest j in 1..n with u_j < h_j (u_j = accept_uniform of draft position j - 1), 0 if none.
+// Writes *accepted = tau and, when tau < k, *token: tau < n draws from norm(max(c_tau P_tau - Q_tau, 0)) at row tau
+// by the inverse CDF at the final uniform (from P_tau if that has no mass: token verification's fallback; tau = 0 is
+// token verification's residual at row 0); tau = n < k draws from P_n (draw_from_target_row). tau = k is left to the
+// caller's all-accepted path (bonus_ids, or a draw from row k), *token -1.
+// Rows read: the target and draft rows 0..n-1 (row 0's statistics and its p, q at x_1; rows 1..n-1 in full for R_j),
+// then row tau again for the draw. Lossless for any draft law Q: every emitted sequence has the target's law.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine>
+SPECDEC_FLOW void chain_block_verify(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t k, float scale,
+                                     uint64_t seed, uint64_t offset, int32_t* accepted, int32_t* token) {
+  const bool has_q = P.draft != nullptr;
+  int32_t n = 0;
+  while (n < k && draft_id_valid(P, draft_token(P, b, n))) ++n;
+  float c = 1.0f;          // c_i, the weight of the prefix x_1..x_i (i the row being read)
+  int32_t tau = 0;
+  MassSpec tau_spec{};     // row tau's statistics, p_scale = c_tau
+  for (int32_t i = 0; i < n; ++i) {
+    const auto* row_p = e.row_target(b, i);
+    const auto* row_q = has_q ? e.row_draft(b, i) : nullptr;
+    filter_rows(e, P, b, false, row_p, row_q, scale);
+    MassSpec spec;
+    float p, q;
+    chain_row_probs(e, P, draft_token(P, b, i), row_p, row_q, scale, &spec, &p, &q);
+    spec.p_scale = c;
+    if (i == 0) {
+      tau_spec = spec;
+    } else {  // h_i from the residual mass of row i at weight c_i
+      const float residual = e.total(row_p, row_q, spec);
+      const float denominator = fadd(residual, fadd(1.0f, -c));
+      const float h = denominator > 0.0f ? fdiv(residual, denominator) : 1.0f;
+      if (accept_uniform(P, b, i - 1, seed, offset) < h) {
+        tau = i;
+        tau_spec = spec;
+      }
+    }
+    const float r = q > 0.0f ? fdiv(fmul(c, p), q) : 0.0f;
+    c = r >= 1.0f ? 1.0f : r > 0.0f ? r : 0.0f;
+  }
+  if (n > 0 && accept_uniform(P, b, n - 1, seed, offset) < c) tau = n;  // h_n = c_n
+  *accepted = tau;
+  *token = -1;
+  if (tau == k) return;
+  if (tau == n) {
+    *token = draw_from_target_row(e, P, b, n, false, scale, seed, offset);
+    return;
+  }
+  const auto* row_p = e.row_target(b, tau);
+  const auto* row_q = has_q ? e.row_draft(b, tau) : nullptr;
+  filter_rows(e, P, b, false, row_p, row_q, scale);  // row tau's thresholds again (the statistics are kept)
+  const float u_resample = final_uniform(P, b, seed, offset);
+  *token = e.sample(row_p, row_q, tau_spec, u_resample);
+  if (*token < 0) {  // max(0, c P - Q) sums to 0: sample P itself
+    tau_spec.p_only = true;
+    *token = e.sample(row_p, nullptr, tau_spec, u_resample);
+  }
 }
 
 // The flow for one request. Engine supplies:
@@ -278,61 +413,48 @@ SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, 
 #endif
 template <typename Engine>
 SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P, int64_t b) {
-  const int64_t K = P.num_draft;
   e.flag(check_request_controls(P, b));
   if (!request_rows_valid(P, b)) {
     e.write(b, 0, -1, 0);
     return;
   }
-  const int64_t given = given_num_drafts(P, b);
-  const int32_t k = static_cast<int32_t>(given < 0 ? 0 : given > K ? K : given);
+  const int32_t k = request_num_drafts(P, b);
   float scale;  // log2(e) / temperature: softmax in base 2
   const bool greedy = request_greedy(P, b, &scale);
   const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
 
   int32_t accepted = 0, token = -1;
-  while (accepted < k) {
-    MassSpec spec{};
-    int32_t best = -1;
-    if (chain_draft_accepted(e, P, b, accepted, greedy, scale, seed, offset, &spec, &best)) {
-      ++accepted;
-      continue;
-    }
-    if (greedy || P.gumbel) {
-      token = best;
+  if (P.block && !greedy && !P.gumbel) {  // a sampled request under block verification
+    chain_block_verify(e, P, b, k, scale, seed, offset, &accepted, &token);
+  } else {  // token by token, up to the first rejection
+    while (accepted < k) {
+      MassSpec spec{};
+      int32_t best = -1;
+      if (chain_draft_accepted(e, P, b, accepted, greedy, scale, seed, offset, &spec, &best)) {
+        ++accepted;
+        continue;
+      }
+      if (greedy || P.gumbel) {
+        token = best;
+        break;
+      }
+      const auto* row_p = e.row_target(b, accepted);
+      const auto* row_q = P.draft != nullptr ? e.row_draft(b, accepted) : nullptr;
+      const float u_resample = final_uniform(P, b, seed, offset);
+      token = e.sample(row_p, row_q, spec, u_resample);
+      if (token < 0) {  // max(0, p - q) sums to 0 (p == q): sample p itself
+        spec.p_only = true;
+        token = e.sample(row_p, nullptr, spec, u_resample);
+      }
       break;
     }
-    const auto* row_p = e.row_target(b, accepted);
-    const auto* row_q = P.draft != nullptr ? e.row_draft(b, accepted) : nullptr;
-    const float u_resample = final_uniform(P, b, seed, offset);
-    token = e.sample(row_p, row_q, spec, u_resample);
-    if (token < 0) {  // max(0, p - q) sums to 0 (p == q): sample p itself
-      spec.p_only = true;
-      token = e.sample(row_p, nullptr, spec, u_resample);
-    }
-    break;
   }
   if (accepted == k) {  // every draft accepted: the caller's bonus token, or one drawn from p_k
     if (P.bonus_ids != nullptr) {
       const int64_t x = bonus_token(P, b);
       token = x >= 0 && x < P.vocab ? static_cast<int32_t>(x) : -1;
     } else {
-      const auto* row_p = e.row_target(b, k);
-      filter_rows(e, P, b, greedy, row_p, static_cast<decltype(row_p)>(nullptr), scale);
-      if (greedy) {
-        token = e.argmax(row_p);
-      } else if (P.gumbel) {
-        token = e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(k));
-      } else {
-        MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
-        if (P.logits) {
-          MaxSum sp, sq;
-          e.softmax_stats(row_p, nullptr, scale, &sp, &sq);
-          spec.m_p = sp.m;
-          spec.inv_z_p = fdiv(1.0f, sp.s);
-        }
-        token = e.sample(row_p, nullptr, spec, final_uniform(P, b, seed, offset));
-      }
+      token = draw_from_target_row(e, P, b, k, greedy, scale, seed, offset);
       if (token < 0) e.flag(kErrTargetNoMass);  // the row of the last token has no mass: -1 is emitted
     }
   } else if (token < 0) {

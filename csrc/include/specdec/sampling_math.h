@@ -257,14 +257,18 @@ struct FloatSum {
 };
 
 // What one sampling pass draws from: the mass of entry v is
-//   logits == false: max(0, p_v - q_v), with q_v = [v == point] when q is absent, or p_v alone (p_only);
+//   logits == false: max(0, fmul(p_v, p_scale) - q_v), with q_v = [v == point] when q is absent, or p_v alone
+//                    (p_only, unscaled);
 //   logits == true : p_v = 2^((l_v - m_p) * scale) * inv_z_p, likewise q from the draft logits.
-// Masses are clamped to >= 0 and NaN counts as 0.
+// Masses are clamped to >= 0 and NaN counts as 0. p_scale is block verification's weight c_j (chain_sampling.h);
+// token verification leaves it 1, and fmul(p, 1) == p, so its masses are unchanged bit for bit. The code builds
+// MassSpec by positional aggregate initialisation of the first eight members: p_scale keeps its default there.
 struct MassSpec {
   bool logits;
   bool p_only;
   int32_t point;  // the draft token when q is a point mass (no draft row), else -1
   float scale, m_p, inv_z_p, m_q, inv_z_q;
+  float p_scale = 1.0f;
 };
 
 // Softmax probability of one raw logit given its row's statistics (m, 1 / sum; MaxSum) at `scale`.
@@ -277,7 +281,7 @@ SPECDEC_HD float entry_mass(const MassSpec& s, int32_t v, float pv, float qv, bo
   float p = s.logits ? softmax_prob(pv, s.scale, s.m_p, s.inv_z_p) : pv;
   if (s.p_only) return p > 0.0f ? p : 0.0f;
   float q = has_q ? (s.logits ? softmax_prob(qv, s.scale, s.m_q, s.inv_z_q) : qv) : (v == s.point ? 1.0f : 0.0f);
-  const float r = fadd(p, -q);
+  const float r = fadd(fmul(p, s.p_scale), -q);
   return r > 0.0f ? r : 0.0f;
 }
 

@@ -1,5 +1,5 @@
 """`flashinfer.BatchPrefillWithPagedKVCacheWrapper` (plan / run) on specdec_ext.verify_attention, for the verify step
-of speculative decoding; follows the contract of FlashInfer 0.7.0rc3 (flashinfer/prefill.py).
+of speculative decoding; follows the contract of FlashInfer 0.7.0rc3 to 0.7.4 (flashinfer/prefill.py).
 
 The same calls as FlashInfer's: `plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
 num_qo_heads, num_kv_heads, head_dim_qk, page_size, ...)` once per step, then `run(q, paged_kv_cache)` per layer with
@@ -13,16 +13,20 @@ every query sees all kv_len positions; custom_mask: flat bool, request b's [qo_l
 visible); packed_custom_mask: that mask as plan() packs it, uint8, request b's qo_len_b * kv_len_b bits from a byte
 boundary, little-endian bit order (FlashInfer's segment_packbits; equal to packbits(custom_mask, "little") when there
 is one request). The mask is converted in plan() to the kernel's [Q, Q] mask over the new tokens.
-run(..., return_lse=True) returns the log-sum-exp in base 2, as FlashInfer's.
+run(..., return_lse=True) returns the log-sum-exp in base 2 [T, Hq], as FlashInfer's; FlashInfer 0.7.4's lse_base="ln"
+(natural log) and lse_layout="HN" ([Hq, T], contiguous) are followed too.
 
 Supported: qo_len_b in [0, LIMITS["max_verify_queries"]], head_dim_vo == head_dim_qk, pos_encoding_mode "NONE",
 window_left, logits_soft_cap, sm_scale, q_scale / k_scale / v_scale as Python numbers, use_cuda_graph (plan copies the
 table into the buffers given, as FlashInfer's), index tables in int64 as FlashInfer's (the kernel reads int32).
 Refused with ValueError naming the argument: an index table holding a value outside int32's range (never wrapped),
 masks that hide part of a request's prefix (not a verify step), RoPE / ALiBi inside attention, multi-item scoring,
-attention sinks, custom JIT variants (jit_args, extra run arguments). Scheduling knobs (backend, fixed_split_size,
-disable_split_kv, max_*, use_fp16_qk_reduction, enable_pdl, non_blocking, the data-type hints) are accepted and
-ignored: the kernel's result does not depend on them (the QK reduction is always float32).
+attention sinks, custom JIT variants (jit_args, variant_owns_mask, extra run arguments), scale factors of an FP4 /
+FP8 KV cache (kv_cache_sf, use_token_head_sf), skip-softmax sparsity (skip_softmax_threshold_scale_factor: an
+approximation). Scheduling knobs (backend, fixed_split_size, disable_split_kv, max_*, uniform_q_len,
+use_fp16_qk_reduction, enable_pdl, non_blocking, the data-type hints, and trtllm-gen's cubin choices use_fp16_softmax /
+uses_spcompress) are accepted and ignored: the kernel's result does not depend on them (softmax and QK reduction are
+always float32). max_total_num_rows (0.7.4, CUDA-graph mode) is checked as FlashInfer checks it.
 Known difference: a packed_custom_mask passed to FlashInfer's plan directly is addressed with bit offsets as byte
 offsets; here it is read in the layout FlashInfer's own packing produces, described above.
 """
@@ -35,7 +39,8 @@ from ... import ops
 from .. import backend as _backend
 
 _OP = "BatchPrefillWithPagedKVCacheWrapper"
-_BACKENDS = ("auto", "fa2", "fa3", "cudnn", "trtllm-gen")
+_BACKENDS = ("auto", "fa2", "fa3", "cudnn", "trtllm-gen", "cute-dsl", "cute-dsl-prims")
+_LSE_BASES, _LSE_LAYOUTS = ("log2", "ln"), ("NH", "HN")
 _LOG2E = 1.0 / math.log(2.0)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _FITS_INT32 = (torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -104,7 +109,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
 
     def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
                  paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
-                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None):
+                 custom_mask_buf=None, mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None,
+                 variant_owns_mask=False, max_total_num_rows=None):
         if not isinstance(float_workspace_buffer, torch.Tensor):
             raise ValueError(f"{_OP}: float_workspace_buffer must be a tensor (it sets the device; this kernel needs "
                              "no workspace)")
@@ -112,8 +118,16 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise ValueError(f'{_OP}: kv_layout must be "NHD" or "HND", got {kv_layout!r}')
         if backend not in _BACKENDS:
             raise ValueError(f"{_OP}: backend must be one of {_BACKENDS}, got {backend!r}")
-        if jit_args is not None or jit_kwargs is not None:
-            raise ValueError(f"{_OP}: jit_args / jit_kwargs (custom attention variants) are not supported")
+        if jit_args is not None or jit_kwargs is not None or variant_owns_mask:
+            raise ValueError(f"{_OP}: jit_args / jit_kwargs / variant_owns_mask (custom attention variants) are not "
+                             "supported")
+        if max_total_num_rows is not None:
+            if not use_cuda_graph:
+                raise ValueError(f"{_OP}: max_total_num_rows requires use_cuda_graph=True")
+            if isinstance(max_total_num_rows, bool) or not isinstance(max_total_num_rows, int) or \
+                    max_total_num_rows < 0:
+                raise ValueError(f"{_OP}: max_total_num_rows must be a nonnegative int, got {max_total_num_rows!r}")
+        self._max_total_num_rows = max_total_num_rows
         self.device = float_workspace_buffer.device
         self._kv_layout = kv_layout
         self._use_cuda_graph = bool(use_cuda_graph)
@@ -151,13 +165,18 @@ class BatchPrefillWithPagedKVCacheWrapper:
              logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
              o_data_type=None, non_blocking=True, prefix_len_ptr=None, token_pos_in_items_ptr=None,
              token_pos_in_items_len=0, max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
-             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False) -> None:
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None, disable_split_kv=False,
+             uniform_q_len=None, use_token_head_sf=False) -> None:
         """Checks the batch and converts its mask (a host step, as FlashInfer's plan); run() then launches only the
         kernel. Arguments as FlashInfer's (module docstring for what is refused)."""
         if pos_encoding_mode != "NONE":
             raise ValueError(f"{_OP}.plan: pos_encoding_mode {pos_encoding_mode!r} is not supported: apply the "
                              f"position "
                              'encoding to q and k before attention and pass "NONE"')
+        if use_token_head_sf:
+            raise ValueError(f"{_OP}.plan: use_token_head_sf (an FP8 KV cache with per-token scales) is not supported")
+        if uniform_q_len is not None and (isinstance(uniform_q_len, bool) or not isinstance(uniform_q_len, int)):
+            raise ValueError(f"{_OP}.plan: uniform_q_len must be an int or None, got {uniform_q_len!r}")
         for name, value in (("prefix_len_ptr", prefix_len_ptr), ("token_pos_in_items_ptr", token_pos_in_items_ptr),
                             ("max_item_len_ptr", max_item_len_ptr)):
             if value is not None:
@@ -233,6 +252,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 raise ValueError(f"{_OP}.plan: batch size {batch} differs from the {qo_buf.numel() - 1} of the "
                                  f"CUDA-graph "
                                  "buffers")
+            if self._max_total_num_rows is not None and int(qo[-1]) > self._max_total_num_rows:
+                raise ValueError(f"{_OP}.plan: {int(qo[-1])} query rows, more than max_total_num_rows = "
+                                 f"{self._max_total_num_rows}")
             if indices.numel() > indices_buf.numel():
                 raise ValueError(f"{_OP}.plan: paged_kv_indices has {indices.numel()} entries, more than "
                                  f"paged_kv_indices_buf's {indices_buf.numel()}")
@@ -265,10 +287,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
                          "tuple of 4-D tensors")
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse=False, enable_pdl=None, window_left=None, sinks=None):
+            return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None, window_left=None, sinks=None,
+            kv_cache_sf=None, skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None, uses_spcompress=None):
         """Attention of q [T, Hq, D] against the paged cache for the planned batch: out [T, Hq, D] (rows no request
-        owns are left as they are: zeros when out is None), and with return_lse the log-sum-exp [T, Hq] float32 in
-        base 2 (written into lse when given)."""
+        owns are left as they are: zeros when out is None), and with return_lse the log-sum-exp, float32, in base 2
+        (lse_base "log2") or e ("ln"), [T, Hq] (lse_layout "NH") or [Hq, T] ("HN"), written into lse when given."""
         plan = self._planned
         if plan is None:
             raise RuntimeError(f"{_OP}.run: call plan() first")
@@ -276,6 +299,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise ValueError(f"{_OP}.run: extra positional arguments (custom JIT variants) are not supported")
         if sinks is not None:
             raise ValueError(f"{_OP}.run: sinks (attention sinks) are not supported")
+        if kv_cache_sf is not None:
+            raise ValueError(f"{_OP}.run: kv_cache_sf (scale factors of an FP4 / FP8 KV cache) is not supported")
+        if skip_softmax_threshold_scale_factor is not None:
+            raise ValueError(f"{_OP}.run: skip_softmax_threshold_scale_factor (skip-softmax sparsity) approximates "
+                             "attention and is not supported")
+        if lse_base not in _LSE_BASES or lse_layout not in _LSE_LAYOUTS:
+            raise ValueError(f"{_OP}.run: lse_base must be one of {_LSE_BASES} and lse_layout one of {_LSE_LAYOUTS}, "
+                             f"got {lse_base!r}, {lse_layout!r}")
         if window_left is not None and window_left != plan["window_left"]:
             raise ValueError(f"{_OP}.run: window_left {window_left} differs from plan()'s {plan['window_left']}")
         k_cache, v_cache = self._caches(paged_kv_cache)
@@ -310,13 +341,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
             out.mul_(v_scale)
         if not return_lse:
             return out
-        natural = result[1]
+        natural = result[1]  # [T, Hq], base e
+        scale = _LOG2E if lse_base == "log2" else 1.0  # FlashInfer's default log-sum-exp is in base 2
+        shape = tuple(natural.shape) if lse_layout == "NH" else tuple(natural.shape[::-1])
         if lse is None:
-            return out, natural.mul_(_LOG2E)  # FlashInfer's log-sum-exp is in base 2
-        if not isinstance(lse, torch.Tensor) or lse.shape != natural.shape or lse.dtype != torch.float32 or \
+            value = natural.mul_(scale)
+            return out, value if lse_layout == "NH" else value.t().contiguous()
+        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != shape or lse.dtype != torch.float32 or \
                 lse.device != q.device:
-            raise ValueError(f"{_OP}.run: lse must be a float32 tensor of shape {tuple(natural.shape)} on {q.device}")
-        torch.mul(natural, _LOG2E, out=lse)
+            raise ValueError(f"{_OP}.run: lse must be a float32 tensor of shape {shape} (lse_layout {lse_layout}) on "
+                             f"{q.device}")
+        torch.mul(natural if lse_layout == "NH" else natural.t(), scale, out=lse)
         return out, lse
 
     run_return_lse = functools.partialmethod(run, return_lse=True)

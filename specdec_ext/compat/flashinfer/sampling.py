@@ -1,5 +1,5 @@
 """`flashinfer.sampling.chain_speculative_sampling` on specdec_ext's chain sampling kernel, following the contract of
-FlashInfer 0.7.0rc3 (flashinfer/sampling.py).
+FlashInfer 0.7.0rc3 to 0.7.4 (flashinfer/sampling.py; unchanged between them).
 
 - draft_probs [B, K, V], draft_token_ids [B, K] (int32 or int64), target_probs [B, K+1, V]; float32, bfloat16 or
   float16, read as they are (FlashInfer first casts them to float32 copies).
