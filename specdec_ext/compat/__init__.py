@@ -6,6 +6,8 @@ The shims call the public ops of specdec_ext (CPU and CUDA kernels, chosen by th
 runs them on the CUDA kernels' source under the SIMT emulator instead (CPU tensors; for tests).
 """
 import contextlib
+import inspect
+import sys
 import threading
 
 from .. import ops
@@ -29,3 +31,23 @@ def emulated():
         yield
     finally:
         _selected.ops = previous
+
+
+def parameters(fn) -> list[str]:
+    """The names of fn's parameters, self left out ([] when it has no signature)."""
+    try:
+        return [p for p in inspect.signature(fn).parameters if p != "self"]
+    except (TypeError, ValueError):
+        return []
+
+
+def replace_in_vllm_modules(name: str, old, new) -> list[str]:
+    """Sets attribute `name` to `new` in every loaded vllm module whose `name` is `old` (the modules that imported
+    vLLM's object); returns the attribute paths changed, sorted."""
+    patched = []
+    for module_name, module in list(sys.modules.items()):
+        if (module_name == "vllm" or module_name.startswith("vllm.")) and module is not None and \
+                getattr(module, name, None) is old:
+            setattr(module, name, new)
+            patched.append(f"{module_name}.{name}")
+    return sorted(patched)

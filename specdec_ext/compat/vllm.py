@@ -37,7 +37,6 @@ norm(max(p - q, 0)) at the final uniform.
 import dataclasses
 import importlib
 import importlib.util
-import inspect
 import itertools
 import logging
 import sys
@@ -48,7 +47,7 @@ import torch.nn as nn
 
 from ..ops import LIMITS, MIN_TEMPERATURE
 from ..reference import filter_logits
-from . import backend
+from . import backend, parameters, replace_in_vllm_modules
 
 logger = logging.getLogger(__name__)
 
@@ -323,21 +322,14 @@ def _vllm_importable() -> bool:
         return False
 
 
-def _parameters(fn) -> list[str]:
-    try:
-        return [p for p in inspect.signature(fn).parameters if p != "self"]
-    except (TypeError, ValueError):
-        return []
-
-
 def _v1_contract_differs(module) -> str | None:
     """Why Model Runner V1's sampler in `module` is not the form this shim follows (vLLM 0.12-0.19), or None."""
-    constructor = _parameters(module.RejectionSampler.__init__)
+    constructor = parameters(module.RejectionSampler.__init__)
     if constructor[:1] != ["sampler"] or "spec_config" in constructor:  # 0.20+ builds it from the spec config
         return f"its RejectionSampler takes ({', '.join(constructor)})"
     function = getattr(module, "rejection_sample", None)
-    if function is not None and _parameters(function)[:8] != V1_REJECTION_SAMPLE_PARAMETERS:
-        return f"its rejection_sample takes ({', '.join(_parameters(function))})"
+    if function is not None and parameters(function)[:8] != V1_REJECTION_SAMPLE_PARAMETERS:
+        return f"its rejection_sample takes ({', '.join(parameters(function))})"
     return None
 
 
@@ -362,15 +354,9 @@ def _patch_model_runner_v1() -> list[str]:
             return []
         _vllm_rejection_sampler = current
     original = _vllm_rejection_sampler
-    patched = []
     # Only references to vLLM's V1 class are swapped: another class of that name (Model Runner V2's) is patched by
     # vllm_v2.patch_model_runner_v2.
-    for name, mod in list(sys.modules.items()):
-        if (name == "vllm" or name.startswith("vllm.")) and mod is not None and \
-                getattr(mod, "RejectionSampler", None) is original:
-            setattr(mod, "RejectionSampler", RejectionSampler)
-            patched.append(f"{name}.RejectionSampler")
-    return sorted(patched)
+    return replace_in_vllm_modules("RejectionSampler", original, RejectionSampler)
 
 
 def register() -> list[str]:

@@ -39,14 +39,12 @@ expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_ste
 No host synchronisation: every step is a device op, so the call can be captured in a CUDA graph. Nothing here
 imports vLLM; `register()` in specdec_ext.compat.vllm patches vLLM's module tree (`patch_model_runner_v2`).
 """
-import inspect
 import logging
-import sys
 
 import torch
 
 from ..ops import LIMITS
-from . import backend
+from . import backend, parameters, replace_in_vllm_modules
 
 logger = logging.getLogger("specdec_ext.compat.vllm")
 
@@ -179,13 +177,6 @@ def _sampler_class(base):
     return RejectionSampler
 
 
-def _parameters(fn) -> list[str]:
-    try:
-        return list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return []
-
-
 def patch_model_runner_v2() -> list[str]:
     """Points Model Runner V2's verification at this module: `rejection_sample` in its rejection_sampler and
     rejection_sampler_utils modules, and `RejectionSampler` (a subclass refusing lossy methods) wherever a loaded
@@ -200,7 +191,7 @@ def patch_model_runner_v2() -> list[str]:
         logger.debug("specdec_ext: Model Runner V2's rejection sampler is not importable (%s)", e)
         return []
     theirs = getattr(utils_module, "rejection_sample", None)
-    ours, known = _parameters(rejection_sample), _parameters(theirs)
+    ours, known = parameters(rejection_sample), parameters(theirs)
     # The positional core in vLLM's order, and no keyword this shim does not know (a call with it would fail here).
     if theirs is not rejection_sample and (known[:CORE_PARAMETERS] != ours[:CORE_PARAMETERS] or
                                            not set(known) <= set(ours)):
@@ -216,9 +207,5 @@ def patch_model_runner_v2() -> list[str]:
     if original is not None:
         base = getattr(original, "specdec_ext_base", original)
         ours_class = original if original is not base else _sampler_class(base)
-        for name, module in list(sys.modules.items()):
-            if (name == "vllm" or name.startswith("vllm.")) and module is not None and \
-                    getattr(module, "RejectionSampler", None) is base:
-                setattr(module, "RejectionSampler", ours_class)
-                patched.append(f"{name}.RejectionSampler")
+        patched += replace_in_vllm_modules("RejectionSampler", base, ours_class)
     return sorted(patched)
