@@ -337,7 +337,8 @@ def test_bad_argument_exits_2_before_loading_without_a_traceback():
 def test_unknown_sampling_mode_exits_2_naming_the_choices():
     r = run_cli("generate", "--prompt", "Hi", "--sampling", "gumbel")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "argument --sampling: invalid choice: 'gumbel' (choose from 'invariant', 'rejection')" in r.stderr, r.stderr
+    choices = "(choose from 'block', 'invariant', 'rejection')"
+    assert f"argument --sampling: invalid choice: 'gumbel' {choices}" in r.stderr, r.stderr
 
 
 def test_non_utf8_prompt_is_a_usage_error():
@@ -405,8 +406,10 @@ def test_generate_passes_batch_size_and_adaptive_and_reports_calibration(monkeyp
     assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "--no-adaptive",
                      "--max-batch-size", "4"]) == 0
     made = FakeDecoder.made
-    assert made["max_batch_size"] == 4 and made["adaptive"] is False, made
+    assert made["max_batch_size"] == 4 and made["adaptive"] is False and made["sampling"] == "rejection", made
     assert "k <= 4, fixed" in capsys.readouterr().err
+    assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "--sampling", "block"]) == 0
+    assert FakeDecoder.made["sampling"] == "block", FakeDecoder.made
 
 
 def test_generate_streams_whole_characters(monkeypatch):

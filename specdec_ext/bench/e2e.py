@@ -60,11 +60,17 @@ def add_arguments(parser) -> None:
                         f"{registry.spelled([e.syntax for e in registry.drafters()])} (default ngram,eagle,medusa: "
                         "prompt lookup and the shipped model's trained heads)")
     parser.add_argument("--sampling", default=None,
-                        help="greedy,sampled,invariant (sampled: temperature 0.7, top-p 0.9, rejection sampling; "
-                             "invariant: the same with Gumbel coupling; default greedy,sampled)")
+                        help="greedy,sampled,block,invariant (sampled: temperature 0.7, top-p 0.9, rejection "
+                             "sampling; block: the same with block verification, chain rows only; invariant: the "
+                             "same with Gumbel coupling; default greedy,sampled)")
+    parser.add_argument("--heldout-count", type=int, default=HELDOUT_COUNT,
+                        help=f"held-out prompts in the heldout row (default {HELDOUT_COUNT}; the set has 15)")
+    parser.add_argument("--heldout-samples", type=int, default=1,
+                        help="requests per held-out prompt, each with its own seed (default 1)")
     parser.add_argument("--draft", default=None, help="a draft model (HF dir or .gguf) for ModelDrafter rows")
     parser.add_argument("--tree", action="append", default=None, help="tree rows of these settings, N or "
-                        "nodes=N,depth=D,branching=K (repeatable; default: the default TreeSettings)")
+                        "nodes=N,depth=D,branching=K (repeatable; default: the default TreeSettings; none: no tree "
+                        "rows)")
     parser.add_argument("--plain-only", action="store_true", help="only plain decoding against transformers")
     parser.add_argument("--speculative-only", action="store_true", help="only the speculative table")
     add_common_arguments(parser, repeats=3, cpu_only=True)
@@ -93,10 +99,11 @@ def tokens_per_second(run, repeats: int) -> tuple[float, list]:
 
 
 SAMPLING = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.9},
-            "invariant": {"temperature": 0.7, "top_p": 0.9}}
-# The decoders' sampling= per mode: "sampled" verifies by rejection sampling, "invariant" by Gumbel coupling (whose
-# output must equal plain decoding's: same_as_plain is checked as for greedy).
-DECODER_SAMPLING = {"greedy": "rejection", "sampled": "rejection", "invariant": "invariant"}
+            "block": {"temperature": 0.7, "top_p": 0.9}, "invariant": {"temperature": 0.7, "top_p": 0.9}}
+# The decoders' sampling= per mode: "sampled" verifies by rejection sampling draft by draft, "block" by block
+# verification (chain rows only), "invariant" by Gumbel coupling (whose output must equal plain decoding's:
+# same_as_plain is checked as for greedy).
+DECODER_SAMPLING = {"greedy": "rejection", "sampled": "rejection", "block": "block", "invariant": "invariant"}
 
 
 def paired_tokens_per_second(run_a, run_b, repeats: int) -> tuple:
@@ -155,10 +162,10 @@ def batch_of(chat, i, batch):
     return [chat[(i + j) % len(chat)] for j in range(batch)]
 
 
-def heldout_prompts(tokenizer) -> list:
+def heldout_prompts(tokenizer, count: int = HELDOUT_COUNT) -> list:
     from specdec_ext.training import load_prompts
 
-    rows = [r for r in load_prompts("heldout") if r["category"] in HELDOUT_CATEGORIES][:HELDOUT_COUNT]
+    rows = [r for r in load_prompts("heldout") if r["category"] in HELDOUT_CATEGORIES][:count]
     return [prompt_ids(tokenizer, r["prompt"]) for r in rows]
 
 
@@ -219,9 +226,9 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
     specs = (args.drafters or "ngram,eagle,medusa").split(",") + ([f"model:{args.draft}"] if args.draft else [])
     drafters = {spec if spec.startswith("lookahead") else spec.partition(":")[0]: make_drafter(spec, target, path)
                 for spec in specs}
-    heldout = heldout_prompts(tokenizer)
+    heldout = heldout_prompts(tokenizer, args.heldout_count) * args.heldout_samples  # each its own seed
     ks = (args.k or "2,4,8,adaptive").split(",")
-    trees = [TreeSettings.of(t) for t in (args.tree or [TreeSettings()])]
+    trees = [TreeSettings.of(t) for t in (args.tree or [TreeSettings()]) if t != "none"]
     # (label, num_speculative_tokens, adaptive, tree) per row of a drafter: chains, then trees.
     configs = [(k, 8 if k == "adaptive" else int(k), k == "adaptive", None) for k in ks]
     for t in trees:
@@ -249,7 +256,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                         if batch == 1 else float("nan")
                 for drafter_name, drafter in drafters.items():
                     for k, k_max, adaptive, tree in own_configs(drafter, ks) or configs:
-                        if tree is not None and not drafter.supports_trees:
+                        if tree is not None and (not drafter.supports_trees or mode == "block"):
                             continue
                         dec = SpeculativeDecoder(target, drafter, k_max, adaptive=adaptive, max_batch_size=batch,
                                                  tree=tree, sampling=DECODER_SAMPLING[mode])
@@ -270,7 +277,7 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                                      "acc_per_pos": "/".join(f"{a:.2f}" for a in st.acceptance_rate_per_position[:8]),
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,
                                      "sample": st.sample_s / spent, "other": st.other_s / spent,
-                                     "same_as_plain": seq == plain_seq if mode != "sampled" else "-"})
+                                     "same_as_plain": seq == plain_seq if mode in ("greedy", "invariant") else "-"})
                         print_row(rows[-1])
     report(f"speculative decoding, SmolLM2-135M-Instruct, {str(dtype).removeprefix('torch.')}, CPU, "
            f"{torch.get_num_threads()} threads, {new_tokens} new tokens; speedup = against our plain decoding, "

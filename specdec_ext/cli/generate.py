@@ -100,7 +100,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampling", default=DEFAULT_SAMPLING, choices=sorted(SAMPLING_MODES),
                    help="how sampled tokens are verified: invariant (Gumbel coupling: the tokens plain sampling with "
-                        "this seed gives, whatever the drafter) or rejection (min(1, p/q); default: %(default)s)")
+                        "this seed gives, whatever the drafter), rejection (min(1, p/q), draft by draft) or block "
+                        "(block verification: the drafts judged jointly, chains only; default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens (largest k; adaptive below it)")
     p.add_argument("--no-adaptive", action="store_true",

@@ -1,7 +1,8 @@
 """vLLM Model Runner V2's rejection sampler on specdec_ext's chain sampling kernel.
 
 Follows the contract of vLLM 0.34's `vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py` (Model Runner V2,
-vLLM's default runner since vllm-project/vllm#44443 and its only one from 0.34 on), whose `RejectionSampler` (in
+vLLM's default runner since vllm-project/vllm#44443 and its only one from 0.34 on), and that of 0.28-0.33, which
+differs only in taking the draft logits as a tensor, whose `RejectionSampler` (in
 `rejection_sampler.py`, built as `RejectionSampler(sampler, spec_config, device, *, watermark_key=None)` and called
 as `(logits, input_batch, draft_logits=None) -> SamplerOutput`) processes the logits with vLLM's own sampler
 (penalties, bad words, logit bias, temperature, top-k / top-p: `Sampler.apply_sampling_params`) and then calls
@@ -14,7 +15,8 @@ expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_ste
 - `target_logits` [num_logits, V]: request b's rows cu_num_logits[b]..cu_num_logits[b + 1], its k_b draft
   positions then its bonus row, processed by vLLM's sampler: temperature already applied, masked entries -inf.
 - `draft_logits_cache`: vLLM's DraftLogitsCache (duck-typed: `.values` [rows, K, Vd] pre-temperature draft logits,
-  `.row_mapping` [max_num_reqs] or None) or None (point proposals: n-gram, greedy drafting). Request b's draft step i
+  `.row_mapping` [max_num_reqs] or None), or vLLM 0.28-0.33's `draft_logits` [max_num_reqs, K, Vd] (pre-temperature,
+  by request state), or None (point proposals: n-gram, greedy drafting). Request b's draft step i
   is `values[row, i]`, row = idx_mapping[b] (through row_mapping when the cache is sharded; a row of -1 holds no
   drafts of that request, and vLLM has marked them placeholders). The rows are gathered into a [T, Vd] float32 copy
   divided by the request's temperature (one device copy of T * Vd entries; the kernel then reads them as its draft
@@ -55,6 +57,7 @@ UTILS_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils"
 LOSSLESS_METHODS = ("standard", "block")  # SpeculativeConfig.rejection_sample_method values this shim verifies
 OP = "rejection_sample"
 CORE_PARAMETERS = 11  # target_logits .. num_speculative_steps, which vLLM passes by position
+DRAFT_LOGITS_NAMES = ("draft_logits_cache", "draft_logits")  # the second parameter: vLLM 0.34's name, 0.28-0.33's
 
 
 def _tensor(value, name: str, dims: int, what: str) -> torch.Tensor:
@@ -133,11 +136,14 @@ def rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_lo
 
     draft_rows = None
     if draft_logits_cache is not None:
-        values = draft_logits_cache.values  # [rows, K, Vd]
+        # vLLM 0.34's DraftLogitsCache, or 0.28-0.33's draft_logits tensor [max_num_reqs, K, Vd] by request state.
+        is_tensor = isinstance(draft_logits_cache, torch.Tensor)
+        values = draft_logits_cache if is_tensor else getattr(draft_logits_cache, "values", None)  # [rows, K, Vd]
         if not isinstance(values, torch.Tensor) or values.dim() != 3:
-            raise ValueError(f"{OP}: draft_logits_cache.values must be a [rows, K, Vd] tensor")
+            raise ValueError(f"{OP}: draft_logits_cache must be a [rows, K, Vd] tensor or have .values one, got "
+                             f"{type(draft_logits_cache).__name__}")
         row = idx
-        row_mapping = getattr(draft_logits_cache, "row_mapping", None)
+        row_mapping = None if is_tensor else getattr(draft_logits_cache, "row_mapping", None)
         if row_mapping is not None:
             row = row_mapping.to(device=device, dtype=torch.int64)[idx]
         row = row.clamp_min(0)  # -1: the request's drafts are placeholders, never read
@@ -171,7 +177,7 @@ def _sampler_class(base):
                                  f"with {' or '.join(map(repr, LOSSLESS_METHODS))} only")
             if watermark_key is not None:
                 raise ValueError("RejectionSampler: watermark_key is set, but specdec_ext's kernels do not watermark")
-            super().__init__(sampler, spec_config, device, *args, watermark_key=watermark_key, **kwargs)
+            super().__init__(sampler, spec_config, device, *args, **kwargs)  # vLLM < 0.30 takes no watermark_key
 
     RejectionSampler.__module__ = __name__
     return RejectionSampler
@@ -192,9 +198,11 @@ def patch_model_runner_v2() -> list[str]:
         return []
     theirs = getattr(utils_module, "rejection_sample", None)
     ours, known = parameters(rejection_sample), parameters(theirs)
-    # The positional core in vLLM's order, and no keyword this shim does not know (a call with it would fail here).
-    if theirs is not rejection_sample and (known[:CORE_PARAMETERS] != ours[:CORE_PARAMETERS] or
-                                           not set(known) <= set(ours)):
+    # The positional core in vLLM's order (the draft logits named as 0.28-0.33 or 0.34 name them), and no keyword
+    # this shim does not know (a call with it would fail here).
+    core = [DRAFT_LOGITS_NAMES[0] if name in DRAFT_LOGITS_NAMES else name for name in known[:CORE_PARAMETERS]]
+    if theirs is not rejection_sample and (core != ours[:CORE_PARAMETERS] or
+                                           not set(known) - set(DRAFT_LOGITS_NAMES) <= set(ours)):
         logger.warning("specdec_ext: %s.rejection_sample takes (%s), not the (%s) this shim follows; Model Runner "
                        "V2's rejection sampler was not replaced", UTILS_MODULE, ", ".join(known), ", ".join(ours))
         return []

@@ -15,9 +15,11 @@ from .requests import Request, make_requests
 from .rounds import ChainRound, SlotParams, TreeRound, Verifier
 from .stats import GenerationOutput, GenerationStats
 
-# How sampled requests are verified: "rejection" (min(1, p/q) acceptance, residual resampling) or "invariant" (Gumbel
-# coupling keyed by seed and position: the tokens are plain decoding's, whatever the drafter, k, tree or batch).
-SAMPLING_MODES = {"rejection": "rejection", "invariant": "gumbel"}  # -> the sampling ops' coupling
+# How sampled requests are verified: "rejection" (min(1, p/q) acceptance, residual resampling, draft by draft),
+# "block" (block verification: the drafts judged jointly, at least as many accepted) or "invariant" (Gumbel coupling
+# keyed by seed and position: the tokens are plain decoding's, whatever the drafter, k, tree or batch).
+SAMPLING_MODES = {"rejection": ("rejection", "token"), "block": ("rejection", "block"),
+                  "invariant": ("gumbel", "token")}  # -> the sampling ops' (coupling, verification)
 DEFAULT_SAMPLING = "rejection"
 
 
@@ -73,9 +75,11 @@ class SpeculativeDecoder:
         included) and depth, verified in one forward; num_speculative_tokens is then unused. With adaptive=True the
         round's node budget is the n <= num_nodes that maximises the expected tokens over the round's measured cost
         (Policy.tree_size). LookaheadDrafter's rounds are always trees: tree=None takes its own settings.
-    sampling : "rejection" or "invariant"
-        How sampled requests are verified. "rejection": min(1, p/q) acceptance with residual resampling (the highest
-        acceptance for sampled drafts; the law is the target's, but the tokens depend on k and the drafter).
+    sampling : "rejection", "block" or "invariant"
+        How sampled requests are verified. "rejection": min(1, p/q) acceptance with residual resampling, draft by
+        draft (the law is the target's, but the tokens depend on k and the drafter). "block": block verification
+        (Sun et al. 2024; the ops' verification="block"): the drafts judged jointly, which accepts at least as many
+        in expectation as "rejection", the same law; chain rounds only (a tree or LookaheadDrafter is refused).
         "invariant": Gumbel coupling: the token at each position is the Gumbel-max sample of the target with the
         noise of (seed, position), so generate returns exactly generate_autoregressive's tokens for the same seeds,
         whatever the drafter, k, tree, adaptive policy or batch. Greedy requests are the same in both.
@@ -152,6 +156,10 @@ class SpeculativeDecoder:
                 drafter.check_tree(self.tree)
         except ValueError as e:
             raise ValueError(f"SpeculativeDecoder: {e}") from None
+        coupling, verification = SAMPLING_MODES[sampling]
+        if verification == "block" and self.tree is not None:
+            raise ValueError("SpeculativeDecoder: sampling='block' verifies chains; tree rounds (tree=..., or "
+                             "LookaheadDrafter, whose rounds are trees) verify with 'rejection' or 'invariant'")
         if monitor is not None and not callable(getattr(monitor, "observe", None)):
             raise ValueError(f"SpeculativeDecoder: monitor must be an AcceptanceMonitor or None, got {monitor!r}")
         if costs is not None and not isinstance(costs, CostModel):
@@ -161,7 +169,7 @@ class SpeculativeDecoder:
         self.paged, self.num_pages, self.monitor, self.sampling = paged, num_pages, monitor, sampling
         self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
         self.policy = Policy(adaptive, num_speculative_tokens, self.tree, drafter, costs)
-        self.verifier = Verifier(target, self.graphs)
+        self.verifier = Verifier(target, self.graphs, verification)
         self.plain = ChainRound(None, self.verifier)
         self.speculative = None if drafter is None else ChainRound(drafter, self.verifier) if self.tree is None \
             else TreeRound(drafter, self.verifier, self.tree.branching)
@@ -290,7 +298,7 @@ class SpeculativeDecoder:
             self.cache = None  # free the old one before allocating
             self.cache = self._allocate(self.target, slots, capacity, self.num_pages)
             self.capacity = capacity
-            self.params = SlotParams(slots, self.target.device, SAMPLING_MODES[self.sampling])
+            self.params = SlotParams(slots, self.target.device, SAMPLING_MODES[self.sampling][0])
             self.verifier.bind(self.cache, self.params)
             self.graphs.clear()
         rows = self.cache.batch_size
@@ -387,7 +395,7 @@ def generate_autoregressive(model, prompts, max_new_tokens=128, *, temperature=0
     stream(request_index, new_token_ids) as tokens are emitted. max_seq_len: prompt + generated tokens per
     request (default: the longest prompt plus the largest max_new_tokens). sampling: "invariant" draws each token as
     the Gumbel-max sample of (seed, position), the tokens a SpeculativeDecoder with sampling="invariant" emits;
-    "rejection": by inverse CDF (the same law)."""
+    "rejection" and "block": by inverse CDF (the same law)."""
     batch = len(prompts) if isinstance(prompts, (list, tuple)) and prompts else 1
     decoder = SpeculativeDecoder(model, None, max_batch_size=batch, max_seq_len=max_seq_len, paged=paged,
                                  sampling=sampling)

@@ -119,8 +119,8 @@ class Verifier:
     under its mask), the sampling op, and the truncation that keeps num_accepted + 1 tokens of the block (a tree's
     path moved to its front). Every row is processed with its request's top-k and top-p inside the sampling op."""
 
-    def __init__(self, target, graphs):
-        self.target, self.graphs = target, graphs
+    def __init__(self, target, graphs, verification: str = "token"):
+        self.target, self.graphs, self.verification = target, graphs, verification  # chains: the ops' verification
         self.forward_end = None  # when the last eager step's forward ended (None under a graph replay)
 
     def bind(self, cache, params: SlotParams) -> None:
@@ -159,7 +159,8 @@ class Verifier:
             else:
                 out = chain_speculative_sampling_from_logits(ids[:, 1:].contiguous(), logits, draft_logits,
                                                              num_draft_tokens=num_draft,
-                                                             draft_to_target=draft_to_target, **sampling)
+                                                             draft_to_target=draft_to_target,
+                                                             verification=self.verification, **sampling)
                 tokens, num_accepted = out.output_token_ids, out.num_accepted
             cache.truncate((num_accepted + 1) * live, rows, free_pages=False)
             return VerifyResult.pack(tokens, num_accepted), hidden

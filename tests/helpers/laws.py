@@ -67,14 +67,15 @@ def exact_law(temperature, top_k, top_p) -> Mapping:
     return types.MappingProxyType(law)
 
 
-def sample_first_tokens(target, drafter, case: str, tree=None):
-    """LAW_SAMPLES[case] requests of LAW_PROMPT (seeds 0, 1, ...), k = 2 fixed (or tree rounds of these settings):
-    the counts of their first LAW_TOKENS tokens (a dict over every sequence, as the law), the exact law, and the
-    acceptance rate."""
+def sample_first_tokens(target, drafter, case: str, tree=None, sampling: str = "rejection"):
+    """LAW_SAMPLES[case] requests of LAW_PROMPT (seeds 0, 1, ...), k = 2 fixed (or tree rounds of these settings),
+    verified as `sampling` says: the counts of their first LAW_TOKENS tokens (a dict over every sequence, as the
+    law), the exact law, and the acceptance rate."""
     temperature, top_k, top_p = LAW_CASES[case]
     law = exact_law(temperature, top_k, top_p)
     per_call = 5000
-    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call, tree=tree)
+    dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call, tree=tree,
+                             sampling=sampling)
     place = LAW_VOCAB ** torch.arange(LAW_TOKENS - 1, -1, -1)  # a sequence's index in lexicographic order
     counts = torch.zeros(LAW_VOCAB ** LAW_TOKENS, dtype=torch.long)
     accepted = drafted = 0
