@@ -363,7 +363,7 @@ def register() -> list[str]:
     """vLLM plugin entry point (group vllm.general_plugins), called in every vLLM process before the model runner is
     chosen: points both runners' verification at specdec_ext's kernels where their contract is one this package
     follows. Model Runner V1 (vLLM 0.12-0.19): its RejectionSampler replaced by this module's, in
-    vllm.v1.sample.rejection_sampler and in every loaded vllm module that imported it. Model Runner V2 (vLLM 0.34):
+    vllm.v1.sample.rejection_sampler and in every loaded vllm module that imported it. Model Runner V2 (vLLM 0.28-0.34):
     its rejection_sample and RejectionSampler (specdec_ext.compat.vllm_v2.patch_model_runner_v2). Idempotent.
     Returns the attribute paths it changed and logs which runner's; never raises: without vLLM it logs that, and for a
     vLLM whose samplers have other contracts it warns and changes nothing."""
@@ -386,7 +386,7 @@ def register() -> list[str]:
     if not any(patched.values()) and not _already_registered():
         version = getattr(sys.modules.get("vllm"), "__version__", "unknown")
         logger.warning("specdec_ext: vLLM %s has no rejection sampler with a contract specdec_ext follows (Model "
-                       "Runner V1 of vLLM 0.12-0.19, V2 of vLLM 0.34); nothing was replaced", version)
+                       "Runner V1 of vLLM 0.12-0.19, V2 of vLLM 0.28-0.34); nothing was replaced", version)
     return sorted(patched["V1"] + patched["V2"])
 
 
