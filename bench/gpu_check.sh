@@ -53,7 +53,7 @@ TAIL=6 bench chain_sampling_flat 40 --repeats 30 --json "$OUT/chain_sampling_fla
 TAIL=12 bench chain_sampling_row_filters 40 --repeats 30 --json "$OUT/chain_sampling_row_filters.json"
 TAIL=42 bench quantized_linear 60 --repeats 30 --json "$OUT/quantized_linear.json"
 TAIL=9 bench philox_uniform 30 --json "$OUT/philox_uniform.json"
-for shim in flashinfer vllm sglang transformers; do
+for shim in flashinfer vllm vllm_v2 sglang transformers; do
   bench "compat_$shim" 30 --repeats 30 --json "$OUT/compat_$shim.json"
 done
 TAIL=8 bench verify_attention-flex 40 --repeats 30 --flex --batch 1,8 --contexts 4096,32768 --queries 5

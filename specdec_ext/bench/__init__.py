@@ -17,6 +17,7 @@ BENCHMARKS = {
     "compat_sglang": (),
     "compat_transformers": (),
     "compat_vllm": (),
+    "compat_vllm_v2": (),
     "cpu_forward": (),
     "e2e": (),
     "philox_uniform": ("philox",),

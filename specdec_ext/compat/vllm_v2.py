@@ -152,12 +152,13 @@ def rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_lo
         row = row.clamp_min(0)  # -1: the request's drafts are placeholders, never read
         step = local.clamp_max(values.shape[1] - 1)
         # Pre-temperature draft logits at the request's temperature (greedy requests' rows are never read).
-        scale = torch.where(request_temperature > 0, request_temperature, 1.0)
+        scale = torch.where(request_temperature >= LIMITS["min_temperature"], request_temperature, 1.0)
         draft_rows = values[row[owner], step].float() / scale[owner].unsqueeze(-1)  # [T, Vd]
         vocab = min(vocab, values.shape[-1])  # a target vocabulary padded past the draft's: vLLM's rule
         draft_rows = draft_rows[:, :vocab]
     # The target logits carry the temperature already: the kernel runs sampled requests at temperature 1.
-    op_temperature = torch.where(request_temperature > 0, 1.0, 0.0)
+    # Greedy below the ops' threshold (vLLM: at exactly 0; its logits divided by a smaller temperature are one-hot).
+    op_temperature = torch.where(request_temperature >= LIMITS["min_temperature"], 1.0, 0.0)
     out = backend().chain_speculative_sampling_from_logits(
         draft_ids, target_logits[:, :vocab], draft_rows, temperature=op_temperature, seed=request_seed,
         offset=request_offset, cu_num_draft_tokens=cu_drafts, max_draft_tokens=num_speculative_steps,
