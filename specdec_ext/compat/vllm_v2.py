@@ -20,10 +20,9 @@ expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_ste
   is `values[row, i]`, row = idx_mapping[b] (through row_mapping when the cache is sharded; a row of -1 holds no
   drafts of that request, and vLLM has marked them placeholders). The rows are gathered into a [T, Vd] float32 copy
   divided by the request's temperature (one copy of T * Vd entries; the kernel then reads them as its draft rows),
-  since the ops take draft rows per draft position and one temperature for target and draft. The copy is not small:
-  on a 2-core CPU it took 0.1 / 0.8 / 48 ms against the op's 0.3 / 0.9 / 10.5 ms at (B, K, V) = (1, 4, 32000) /
-  (8, 4, 32000) / (32, 4, 128256). Reading the cache in place needs a draft-row index and a draft temperature in the
-  op (not done yet).
+  since the ops take draft rows per draft position and one temperature for target and draft. The copy is not small
+  next to the op (`specdec bench compat_vllm_v2`: 0.5-0.8x the op's time on a 2-core CPU, 5x at B = 32,
+  V = 128256). Reading the cache in place needs a draft-row index and a draft temperature in the op (not done yet).
 - `draft_sampled` [num_logits]: the input token of each logits row, so request b's draft i is
   draft_sampled[cu_num_logits[b] + i + 1]. A draft of -1 (vLLM's placeholder) ends the request's drafts there: the
   drafts before it are verified and the last token comes from the target row at the placeholder, as vLLM does.
