@@ -282,6 +282,15 @@ def test_emitted_tokens_follow_the_target(form, block):
     assert rows_chi_square_pvalue(pairs, p1) > 1e-4
 
 
+def test_the_tensor_form_gives_the_cache_forms_tokens_on_the_law_case():
+    """vLLM 0.28-0.33's draft_logits tensor on the 120,000 requests of the law case (token verification): the very
+    tokens of the DraftLogitsCache form, whose law test_emitted_tokens_follow_the_target checks, so the tensor form
+    follows the same law."""
+    sampled, num_sampled, _, _ = markov_run("tensor", False)
+    want_sampled, want_num, _, _ = markov_run("cache", False)
+    assert torch.equal(sampled, want_sampled) and torch.equal(num_sampled, want_num)
+
+
 def test_block_verification_accepts_more_than_token_wise():
     """The mean accepted count of the same 120,000 requests (draft logits) under both verifications, against its
     closed form (first_token_law: 1.097 token-wise, 1.164 block-wise here): each within 4.5 standard errors (0.0025
@@ -300,10 +309,12 @@ def test_block_verification_accepts_more_than_token_wise():
     assert means[True][0] > means[False][0], means
 
 
-def test_a_sampled_request_stops_at_its_placeholder_and_draws_from_that_row():
+@pytest.mark.parametrize("block", [False, True], ids=["token", "block"])
+def test_a_sampled_request_stops_at_its_placeholder_and_draws_from_that_row(block):
     """Sampled requests with drafts [x, -1] where the target's row 0 is one-hot at x (always accepted): the second
-    token comes from the target's row 1, whose law is p (not a residual), and nothing after it. 40,000 requests, V =
-    6: assert_law's power against a 1% shift between the two likeliest tokens is 0.97 at the 1e-3 level."""
+    token comes from the target's row 1, whose law is p (not a residual), and nothing after it, in either
+    verification (block verification over the one draft before the placeholder). 40,000 requests, V = 6: assert_law's
+    power against a 1% shift between the two likeliest tokens is 0.97 at the 1e-3 level."""
     n = 40_000
     p = torch.tensor([0.1, 0.15, 0.2, 0.25, 0.12, 0.18], dtype=torch.float64)
     row0 = torch.full((VOCAB,), float("-inf"))
@@ -311,7 +322,7 @@ def test_a_sampled_request_stops_at_its_placeholder_and_draws_from_that_row():
     target = torch.stack([row0, p.log().float(), poisoned_logits(1, VOCAB)[0]]).repeat(n, 1)
     drafts = torch.tensor([[2, P]]).expand(n, 2)
     for cache in (None, DraftLogitsCache(poisoned_logits(2 * n, VOCAB, seed=7).view(n, 2, VOCAB))):
-        sampled, num_sampled = call(target, drafts, temperature=0.9, cache=cache)
+        sampled, num_sampled = call(target, drafts, temperature=0.9, cache=cache, use_block_verification=block)
         assert num_sampled.tolist() == [2] * n and (sampled[:, 0] == 2).all() and (sampled[:, 2] == P).all()
         counts = torch.bincount(sampled[:, 1], minlength=VOCAB).tolist()
         assert_law(dict(enumerate(counts)), dict(enumerate(p.tolist())))
@@ -468,6 +479,7 @@ BAD = [
     ("draft_logits_cache", lambda a: torch.randn(4, 8)),
     ("draft_logits_cache", lambda a: types.SimpleNamespace(values=None, row_mapping=None)),
     ("draft_logits_cache", lambda a: types.SimpleNamespace(values=torch.randn(2, 8), row_mapping=None)),
+    ("draft_logits_cache", lambda a: torch.randn(2, 1, 8)),  # fewer draft steps than num_speculative_steps
     ("draft_sampled", lambda a: a[2][:4]),
     ("draft_sampled", lambda a: a[2].view(1, 5)),
     ("cu_num_logits", lambda a: a[3].view(1, 3)),

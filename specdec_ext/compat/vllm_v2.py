@@ -149,7 +149,10 @@ def rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_lo
         if row_mapping is not None:
             row = row_mapping.to(device=device, dtype=torch.int64)[idx]
         row = row.clamp_min(0)  # -1: the request's drafts are placeholders, never read
-        step = local.clamp_max(values.shape[1] - 1)
+        if values.shape[1] < num_speculative_steps:
+            raise ValueError(f"{OP}: draft_logits_cache holds {values.shape[1]} draft steps per request, fewer than "
+                             f"num_speculative_steps = {num_speculative_steps}")
+        step = local.clamp_max(values.shape[1] - 1)  # positions past a request's drafts are never read
         # Pre-temperature draft logits at the request's temperature (greedy requests' rows are never read).
         scale = torch.where(request_temperature >= LIMITS["min_temperature"], request_temperature, 1.0)
         draft_rows = values[row[owner], step].float() / scale[owner].unsqueeze(-1)  # [T, Vd]
