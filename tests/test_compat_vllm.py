@@ -207,6 +207,78 @@ def test_parse_output():
     assert tokens == [[5, 6], [], [7], []] and cu == [0, 2, 2, 3, 6]
 
 
+class LogprobsTensorsLike:
+    """vLLM 0.14-0.19's LogprobsTensors as parse_output uses it: filter(mask) keeps rows, tolists(cu) splits them."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def filter(self, mask):
+        return LogprobsTensorsLike([row for row, keep in zip(self.rows, mask.tolist()) if keep])
+
+    def tolists(self, cu):
+        return [self.rows[a:b] for a, b in zip(cu[:-1], cu[1:])]
+
+
+def test_parse_output_with_logprobs_tensors():
+    """vLLM 0.14-0.19's form: the second result is the kept tokens' logprob rows, split per request by the counts
+    taken before discarding (a discarded request keeps its rows there, as vLLM's)."""
+    out = torch.tensor([[5, 6, P], [P, P, P], [7, 300, P], [1, 2, 3]], dtype=torch.int32)
+    rows = [f"row{i}" for i in range(out.numel())]  # one logprob row per output slot, flattened
+    tokens, logprobs = shim.RejectionSampler.parse_output(out, 100, [3], LogprobsTensorsLike(rows))
+    assert tokens == [[5, 6], [], [7], []]
+    assert logprobs == [["row0", "row1"], [], ["row6"], ["row9", "row10", "row11"]]
+
+
+class MinTokensProcessor:
+    """vLLM 0.17-0.19's MinTokensLogitsProcessor as the shim inspects it: min_toks {request: (min, output, stops)}."""
+
+    def __init__(self, min_toks, spec_decode=True):
+        self.min_toks = min_toks
+        if spec_decode:
+            self.apply_with_spec_decode = lambda *args: None
+
+
+@pytest.mark.parametrize("processor, expected", [
+    (MinTokensProcessor({0: (5, [], {7})}), "min_tokens"),
+    (MinTokensProcessor({}), None),  # nobody short of min_tokens: nothing is masked at the draft positions
+    (MinTokensProcessor({0: (5, [], {7})}, spec_decode=False), None),  # 0.12-0.16: drafts are not masked
+])
+def test_min_tokens_at_the_draft_positions_is_left_to_vllm(processor, expected):
+    processors = types.SimpleNamespace(non_argmax_invariant=[processor])
+    assert shim._needs_vllm(sampling_metadata([1.0], logitsprocs=processors)) == expected
+
+
+def _v1_module(init, rejection_sample):
+    return types.SimpleNamespace(RejectionSampler=type("RejectionSampler", (), {"__init__": init}),
+                                 rejection_sample=rejection_sample)
+
+
+def test_v1_contract_check_knows_the_releases_it_follows():
+    def init(self, sampler):
+        pass
+
+    def sample_probs(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                     target_probs, bonus_token_ids, sampling_metadata):
+        pass
+
+    def sample_logits(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                      target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False):
+        pass
+
+    def sample_moved(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, target_logits,
+                     draft_probs, bonus_token_ids, sampling_metadata):
+        pass
+
+    def init_from_config(self, sampler, spec_config):
+        pass
+
+    assert shim._v1_contract_differs(_v1_module(init, sample_probs)) is None  # 0.12-0.14
+    assert shim._v1_contract_differs(_v1_module(init, sample_logits)) is None  # 0.16-0.19
+    assert "rejection_sample takes" in shim._v1_contract_differs(_v1_module(init, sample_moved))
+    assert "RejectionSampler takes" in shim._v1_contract_differs(_v1_module(init_from_config, sample_probs))
+
+
 def good_args(device="cpu"):
     ids, counts, k, cu = flat([[1, 2], [3]], device)
     target = argmax_rows([1, 2, 3], 8, device)

@@ -9,6 +9,7 @@ The small cases run on the CPU kernel and on the CUDA kernel's source under the 
 kernel on the same draws); the law cases on the CPU kernel."""
 import copy
 import functools
+import inspect
 import logging
 import sys
 import types
@@ -527,6 +528,24 @@ def test_what_changes_nothing_here_is_accepted():
     got = vllm_v2.rejection_sample(*good_args(), use_fp64=True, skip_masked_vocab_blocks=True, fly_window_size=0,
                                    fly_entropy_threshold=0.9, fly_entropy_top_k=7)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_draft_logits_by_either_releases_name():
+    """0.34 calls the second argument draft_logits_cache, 0.28-0.33 draft_logits (their tests pass it by name): both
+    names reach the same input; both at once, or the name and a second positional, is a TypeError."""
+    args = good_args()
+    args[1] = torch.randn(2, 2, 8)  # [max_num_reqs, K, V] draft logits by request state
+    kwargs = dict(zip(NAMES, args))
+    want = vllm_v2.rejection_sample(*args)
+    for name in ("draft_logits_cache", "draft_logits"):
+        by_name = {**{k: v for k, v in kwargs.items() if k != "draft_logits_cache"}, name: args[1]}
+        got = vllm_v2.rejection_sample(**by_name)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    with pytest.raises(TypeError, match="twice"):
+        vllm_v2.rejection_sample(**kwargs, draft_logits=args[1])
+    with pytest.raises(TypeError, match="twice"):
+        vllm_v2.rejection_sample(*args[:2], draft_logits=args[1])
+    assert list(inspect.signature(vllm_v2.rejection_sample).parameters)[:len(NAMES)] == NAMES
 
 
 # ------------------------------------------------------------------------- patching vLLM's module tree

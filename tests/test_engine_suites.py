@@ -1,5 +1,6 @@
 """The newest claimed release of each engine, against its shim (tests/engine_suites; the whole matrix is
-scripts/engine_suites.py): FlashInfer's own tests and each release's contract, downloaded from PyPI at test time."""
+scripts/engine_suites.py): FlashInfer's and vLLM's own tests and each release's contract, downloaded from PyPI at test
+time."""
 import pytest
 from engine_suites import suites
 from engine_suites.run import run_suite
@@ -24,6 +25,6 @@ def test_newest_release(suite, tmp_path):
 
 
 def test_every_engine_has_a_suite():
-    assert {"flashinfer", "sglang", "transformers"} <= set(SUITES)
+    assert {"flashinfer", "sglang", "transformers", "vllm_v1", "vllm_v2"} <= set(SUITES)
     for suite in SUITES.values():
         assert list(suite.versions) == sorted(suite.versions, key=Version), suite.name  # oldest first

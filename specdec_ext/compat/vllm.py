@@ -1,8 +1,9 @@
 """vLLM v1's rejection sampler on specdec_ext's chain speculative sampling kernel.
 
-Follows the contract of Model Runner V1's RejectionSampler in vLLM 0.11 and 0.12 (`vllm/v1/sample/rejection_sampler.py`
+Follows the contract of Model Runner V1's RejectionSampler in vLLM 0.12 to 0.19 (`vllm/v1/sample/rejection_sampler.py`
 in the form whose RejectionSampler takes the Sampler and samples the bonus token itself; the earlier form, whose
-forward took bonus_token_ids, is not followed):
+forward took bonus_token_ids, is not followed; 0.20 on build it from the speculative config and are left alone). The
+releases' own tests of it pass against this class (tests/engine_suites/vllm_v1.py, docs/engines.md "Version matrix"):
 
 - `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_probs,
   bonus_token_ids, sampling_metadata)`: flat drafts [T], `num_draft_tokens` a host list, `cu_num_draft_tokens` [B]
@@ -18,6 +19,7 @@ forward took bonus_token_ids, is not followed):
 - `RejectionSampler(sampler)`, an nn.Module with vLLM's `forward(metadata, draft_probs, logits, sampling_metadata)`:
   `logits` [T + B, V] holds each request's draft rows then its bonus row (`metadata.target_logits_indices`,
   `metadata.bonus_logits_indices`); the bonus token comes from vLLM's Sampler, as in vLLM. Returns a SamplerOutput.
+  `parse_output` returns either release's second result (0.12-0.13: cumulative counts; 0.14-0.19: logprob lists).
 - `register()`: the `vllm.general_plugins` entry point; swaps vLLM's RejectionSampler for this one.
 
 sampling_metadata is duck-typed (vLLM's SamplingMetadata or any object with its attributes): `all_greedy`,
@@ -55,9 +57,11 @@ PLACEHOLDER_TOKEN_ID = -1
 MAX_SPEC_LEN = LIMITS["max_draft_tokens"]
 # Where vLLM defines its RejectionSampler; register() also patches every loaded vllm module that imported the name.
 VLLM_MODULE = "vllm.v1.sample.rejection_sampler"
-# The rejection_sample this module follows (vLLM 0.12-0.19; 0.20 passes target logits in target_probs' place).
+# The rejection_sample this module follows (vLLM 0.12-0.14). vLLM's own is internal to the class register() replaces:
+# 0.16-0.19 pass it target logits in target_probs' place (the softmax moved into it), the class's contract unchanged.
 V1_REJECTION_SAMPLE_PARAMETERS = ["draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens",
                                   "draft_probs", "target_probs", "bonus_token_ids", "sampling_metadata"]
+V1_TARGET_NAMES = ("target_probs", "target_logits")
 
 _vllm_rejection_sampler = None  # vLLM's own class, kept by register() for the batches this shim hands back
 
@@ -205,7 +209,7 @@ def _reject_placeholders(out, placeholder, cu_num_draft_tokens, draft_probs, tar
 
 def _needs_vllm(sampling_metadata) -> str | None:
     """The first processing this shim leaves to vLLM's own sampler (logprobs, penalties, bad words, allowed-token
-    masks), or None. Attributes the metadata lacks count as off."""
+    masks, min_tokens at the draft positions), or None. Attributes the metadata lacks count as off."""
     if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
         return "max_num_logprobs"
     if not getattr(sampling_metadata, "no_penalties", True):
@@ -214,6 +218,11 @@ def _needs_vllm(sampling_metadata) -> str | None:
         return "bad_words_token_ids"
     if getattr(sampling_metadata, "allowed_token_ids_mask", None) is not None:
         return "allowed_token_ids_mask"
+    # vLLM 0.17-0.19 mask the stop tokens of requests short of min_tokens at the draft positions too (a processor's
+    # apply_with_spec_decode); it has something to mask while its min_toks holds requests.
+    processors = getattr(getattr(sampling_metadata, "logitsprocs", None), "non_argmax_invariant", None) or ()
+    if any(hasattr(p, "apply_with_spec_decode") and getattr(p, "min_toks", None) for p in processors):
+        return "min_tokens"
     return None
 
 
@@ -271,8 +280,9 @@ class RejectionSampler(nn.Module):
     forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput: the bonus tokens come from the
     Sampler on the bonus rows (vLLM's rule: its processors, penalties and seeded generators apply there); the draft
     positions' target rows get temperature, top-k and top-p per request (greedy rows untouched), then
-    rejection_sample. Batches that need logprobs, penalties, bad words or allowed-token masks at the draft positions
-    are handed to vLLM's own RejectionSampler when register() found it, and raise NotImplementedError otherwise."""
+    rejection_sample. Batches that need logprobs, penalties, bad words, allowed-token masks or (vLLM 0.17-0.19)
+    min_tokens at the draft positions are handed to vLLM's own RejectionSampler when register() found it, and raise
+    NotImplementedError otherwise."""
 
     def __init__(self, sampler):
         super().__init__()
@@ -301,16 +311,19 @@ class RejectionSampler(nn.Module):
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),
-                     return_cu_num_tokens: bool = False):
+                     logprobs_tensors=None, *, return_cu_num_tokens: bool = False):
         """vLLM's: the rows of output_token_ids as lists without placeholders (and ids >= vocab_size); the rows in
-        discard_req_indices empty. Returns (lists, cumulative token counts [B + 1] or None), the counts taken
-        before discarding."""
+        discard_req_indices empty. The second result is either release's: with logprobs_tensors (vLLM 0.14-0.19's
+        model runner passes the batch's LogprobsTensors, from vLLM's own class), their rows of the kept tokens as
+        LogprobsLists (`logprobs_tensors.filter(mask).tolists(cu)`); with return_cu_num_tokens=True (0.12-0.13), the
+        cumulative token counts [B + 1]; else None. The counts are taken before discarding, as vLLM's."""
         rows = output_token_ids.cpu()
         valid = (rows != PLACEHOLDER_TOKEN_ID) & (rows < vocab_size)
-        cu = [0] + valid.sum(1).cumsum(0).tolist() if return_cu_num_tokens else None
+        cu = [0] + valid.sum(1).cumsum(0).tolist() if logprobs_tensors is not None or return_cu_num_tokens else None
+        second = logprobs_tensors.filter(valid.flatten()).tolists(cu) if logprobs_tensors is not None else cu
         if len(discard_req_indices):
             valid[list(discard_req_indices)] = False
-        return [row[mask].tolist() for row, mask in zip(rows, valid)], cu
+        return [row[mask].tolist() for row, mask in zip(rows, valid)], second
 
 
 def _vllm_importable() -> bool:
@@ -328,8 +341,11 @@ def _v1_contract_differs(module) -> str | None:
     if constructor[:1] != ["sampler"] or "spec_config" in constructor:  # 0.20+ builds it from the spec config
         return f"its RejectionSampler takes ({', '.join(constructor)})"
     function = getattr(module, "rejection_sample", None)
-    if function is not None and parameters(function)[:8] != V1_REJECTION_SAMPLE_PARAMETERS:
-        return f"its rejection_sample takes ({', '.join(parameters(function))})"
+    if function is not None:
+        names = parameters(function)[:8]
+        if len(names) < 8 or names[5] not in V1_TARGET_NAMES or \
+                names[:5] + names[6:] != V1_REJECTION_SAMPLE_PARAMETERS[:5] + V1_REJECTION_SAMPLE_PARAMETERS[6:]:
+            return f"its rejection_sample takes ({', '.join(parameters(function))})"
     return None
 
 

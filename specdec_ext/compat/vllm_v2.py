@@ -16,13 +16,14 @@ expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_ste
   positions then its bonus row, processed by vLLM's sampler: temperature already applied, masked entries -inf.
 - `draft_logits_cache`: vLLM's DraftLogitsCache (duck-typed: `.values` [rows, K, Vd] pre-temperature draft logits,
   `.row_mapping` [max_num_reqs] or None), or vLLM 0.28-0.33's `draft_logits` [max_num_reqs, K, Vd] (pre-temperature,
-  by request state), or None (point proposals: n-gram, greedy drafting). Request b's draft step i
-  is `values[row, i]`, row = idx_mapping[b] (through row_mapping when the cache is sharded; a row of -1 holds no
-  drafts of that request, and vLLM has marked them placeholders). The rows are gathered into a [T, Vd] float32 copy
-  divided by the request's temperature (one copy of T * Vd entries; the kernel then reads them as its draft rows),
-  since the ops take draft rows per draft position and one temperature for target and draft. The copy is not small
-  next to the op (`specdec bench compat_vllm_v2`: 0.5-0.8x the op's time on a 2-core CPU, 5x at B = 32,
-  V = 128256). Reading the cache in place needs a draft-row index and a draft temperature in the op (not done yet).
+  by request state; passed by position or by that name), or None (point proposals: n-gram, greedy drafting).
+  Request b's draft step i is `values[row, i]`, row = idx_mapping[b] (through row_mapping when the cache is
+  sharded; a row of -1 holds no drafts of that request, and vLLM has marked them placeholders). The rows are
+  gathered into a [T, Vd] float32 copy divided by the request's temperature (one copy of T * Vd entries; the kernel
+  then reads them as its draft rows), since the ops take draft rows per draft position and one temperature for
+  target and draft. The copy is not small next to the op (`specdec bench compat_vllm_v2`, bench/RESULTS.md: 0.5-0.8x
+  the op's time on a 2-core CPU, 5x at B = 32, V = 128256); reading the cache in place would take a draft-row index
+  [T] and a draft temperature as op arguments, which the ops do not have.
 - `draft_sampled` [num_logits]: the input token of each logits row, so request b's draft i is
   draft_sampled[cu_num_logits[b] + i + 1]. A draft of -1 (vLLM's placeholder) ends the request's drafts there: the
   drafts before it are verified and the last token comes from the target row at the placeholder, as vLLM does.
@@ -39,10 +40,14 @@ expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_ste
   "synthetic"), `fly_window_size > 0` ("fly"), watermarking (`contexts`, `watermarking`, `watermark_key`).
   `use_fp64` (the precision of vLLM's Gumbel draw) and `skip_masked_vocab_blocks` (a shortcut of vLLM's kernel)
   change nothing here.
+- A target row the verification reads that holds NaN, or has no mass (every logit -inf), is the ops' invalid input
+  (docs/ops.md): ValueError on the CPU, a last token of -1 for that request on CUDA. vLLM instead maps NaN to -inf and
+  emits some in-range token (its test_all_nan_target_logits_in_range); this shim surfaces such a row.
 
 No host synchronisation: every step is a device op, so the call can be captured in a CUDA graph. Nothing here
 imports vLLM; `register()` in specdec_ext.compat.vllm patches vLLM's module tree (`patch_model_runner_v2`).
 """
+import inspect
 import logging
 
 import torch
@@ -94,13 +99,24 @@ def _draft_layout(cu_num_logits: torch.Tensor, num_logits: int):
     return cu_drafts.to(torch.int32), owner, local
 
 
-def rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_logits, pos, idx_mapping,
-                     expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_steps,
-                     synthetic_conditional_rates=None, use_fp64=False, use_block_verification=False, contexts=None,
-                     watermarking=None, watermarking_skip_mask=None, watermark_key=None, fly_window_size=0,
-                     fly_entropy_threshold=0.3, fly_entropy_top_k=3, skip_masked_vocab_blocks=False):
+def rejection_sample(*args, **kwargs):
     """vLLM Model Runner V2's rejection_sample on our kernel: (sampled [num_reqs, K + 1] int64, num_sampled
-    [num_reqs] int32), request b's accepted drafts then its recovered or bonus token, -1 after them."""
+    [num_reqs] int32), request b's accepted drafts then its recovered or bonus token, -1 after them.
+
+    Its signature (`inspect.signature`) is vLLM 0.34's; the second argument may also be passed by 0.28-0.33's name,
+    `draft_logits=` (their callers and tests pass it so), which a plain 0.34 signature would reject."""
+    if DRAFT_LOGITS_NAMES[1] in kwargs:
+        if DRAFT_LOGITS_NAMES[0] in kwargs or len(args) > 1:
+            raise TypeError(f"{OP}: the draft logits were given twice ({', '.join(DRAFT_LOGITS_NAMES)})")
+        kwargs[DRAFT_LOGITS_NAMES[0]] = kwargs.pop(DRAFT_LOGITS_NAMES[1])
+    return _rejection_sample(*args, **kwargs)
+
+
+def _rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_logits, pos, idx_mapping,
+                      expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_steps,
+                      synthetic_conditional_rates=None, use_fp64=False, use_block_verification=False, contexts=None,
+                      watermarking=None, watermarking_skip_mask=None, watermark_key=None, fly_window_size=0,
+                      fly_entropy_threshold=0.3, fly_entropy_top_k=3, skip_masked_vocab_blocks=False):
     _refuse_lossy(synthetic_conditional_rates, fly_window_size, contexts, watermarking, watermarking_skip_mask,
                   watermark_key)
     target_logits = _tensor(target_logits, "target_logits", 2, "[num_logits, V]")
@@ -166,6 +182,9 @@ def rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_lo
         offset=request_offset, cu_num_draft_tokens=cu_drafts, max_draft_tokens=num_speculative_steps,
         num_draft_tokens=cap.to(torch.int32), verification="block" if use_block_verification else "token")
     return out.output_token_ids.to(torch.int64), out.num_accepted + 1
+
+
+rejection_sample.__signature__ = inspect.signature(_rejection_sample)
 
 
 def _sampler_class(base):

@@ -1,7 +1,7 @@
 """The engines' own tests against specdec_ext's shims, release by release (docs/engines.md, "Version matrix").
 
-A suite is one module of this package defining `SUITE = Suite(...)`: flashinfer.py, sglang.py, transformers.py, and
-the slots vllm_v1.py and vllm_v2.py (added by whoever writes them: `suites()` lists the modules that exist). A suite
+A suite is one module of this package defining `SUITE = Suite(...)`: flashinfer.py, sglang.py, transformers.py,
+vllm_v1.py and vllm_v2.py (`suites()` lists the modules of ENGINES that exist). A suite
 says which PyPI releases it claims and, per release, which files to download (`sources`); `adapt` turns them into a
 pytest folder, and run.run_suite runs it in a subprocess and counts the results. Nothing of an engine is committed
 here: releases are downloaded from PyPI at test time (sdist.fetch, sha256-checked, cached) and adapted by code.

@@ -10,6 +10,8 @@ write_checks(out_dir, checks) writes out_dir/contract.json and out_dir/test_cont
   test_call[id]       {"kind": "call", "file", "caller": qualname or null, "callee": name, "shim"}: the engine calls
                        `callee` (at least once, inside `caller`), and every such call binds to the shim's signature.
 `allow` names the engine parameters the shim takes another way, with the reason (reported in the test's output).
+An optional `renamed` {engine param: shim param} names a parameter the shim has under another name at the same
+position and also accepts by the engine's name (a release that renamed it): the position is checked.
 """
 import ast
 import importlib
@@ -108,10 +110,16 @@ def check_signature(check: dict) -> None:
     positional = [p for p in ours if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     var_positional = any(p.kind == p.VAR_POSITIONAL for p in ours)
     var_keyword = any(p.kind == p.VAR_KEYWORD for p in ours)
-    allow, problems, engine_names = check.get("allow", {}), [], set()
+    allow, renamed, problems, engine_names = check.get("allow", {}), check.get("renamed", {}), [], set()
     engine = _engine_params(fn)
     for index, (name, kind, default) in enumerate(engine):
         engine_names.add(name)
+        if name in renamed:
+            engine_names.add(renamed[name])
+            if kind == "positional" and (index >= len(positional) or positional[index].name != renamed[name]):
+                problems.append(f"positional parameter {name!r} is #{index} in the engine, not {renamed[name]!r} "
+                                "in the shim")
+            continue
         if name in allow:
             print(f"{check['qualname']}: {name} allowed: {allow[name]}")
             continue
