@@ -17,7 +17,7 @@ import pytest
 from test_docs import broken_links, repo_paths
 
 import specdec_ext.bench as benchmarks
-from specdec_ext.bench import common
+from specdec_ext.bench import common, e2e
 from specdec_ext.cli.bench import register
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,10 +99,15 @@ def test_common_flags_and_their_defaults(parser):
     assert parse(parser, ["bench", "e2e"]).repeats == 3
     assert parse(parser, ["bench", "cpu_forward"]).repeats == 20
     assert parse(parser, ["bench", "philox"]).repeats == 50
-    for name in ("e2e", "cpu_forward"):  # the CPU path only
-        assert parse(parser, ["bench", name, "--device", "cpu"]).device == "cpu"
-        with pytest.raises(SystemExit, match="invalid choice: 'cuda'"):
-            parse(parser, ["bench", name, "--device", "cuda"])
+    assert parse(parser, ["bench", "cpu_forward", "--device", "cpu"]).device == "cpu"
+    with pytest.raises(SystemExit, match="invalid choice: 'cuda'"):  # the CPU path only
+        parse(parser, ["bench", "cpu_forward", "--device", "cuda"])
+    # e2e: the shipped model's rows on the CPU only, a synthetic target's on either
+    with pytest.raises(SystemExit, match="run on the CPU"):
+        e2e.main(parse(parser, ["bench", "e2e", "--device", "cuda"]))
+    args = parse(parser, ["bench", "e2e", "--device", "cuda", "--target", "synthetic:llama-3.1-8b"])
+    assert (args.device, args.target, args.oracle_acceptance, args.cuda_graphs) == \
+        ("cuda", "synthetic:llama-3.1-8b", "0.8", "on")
     with pytest.raises(SystemExit, match="unrecognized arguments: --plot"):  # its rows have no speed-up to draw
         parse(parser, ["bench", "cpu_forward", "--plot", "out.png"])
 
@@ -188,9 +193,14 @@ def test_written_bench_commands_parse(parser):
 def gpu_check_commands() -> list:
     """`specdec bench` argument lists of bench/gpu_check.sh's `bench NAME LIMIT ARGS...` steps (its shell function
     strips a -suffix off NAME, which names the step only, and adds --device cuda)."""
+    text = GPU_CHECK.read_text().replace("\\\n", " ")  # continuation lines joined
+    # The variables of the GPU branch (the first assignments of E2E_*), as the script sets them on CUDA.
+    variables = dict(re.findall(r"(E2E_\w+)=(\S+)", next(line for line in text.splitlines() if "E2E_TARGET=" in line)))
     out = []
-    for line in GPU_CHECK.read_text().splitlines():
+    for line in text.splitlines():
         if re.match(r"\s*(TAIL=\d+ )?bench \S+ \d+", line):
+            for name, value in variables.items():
+                line = line.replace(f"${name}", value)
             words = shlex.split(line, comments=True)
             words = words[1:] if words[0].startswith("TAIL=") else words
             name = words[1].replace("$shim", "flashinfer").split("-")[0]
@@ -206,6 +216,8 @@ def test_gpu_check_is_valid_bash_and_its_bench_steps_parse(parser):
     for argv in commands:
         args = parse(parser, ["bench", *[a.replace("$OUT", "out") for a in argv]])
         assert args.device == "cuda"
+    e2e_steps = [c for c in commands if c[0] == "e2e"]
+    assert len(e2e_steps) == 2 and e2e_steps[0][e2e_steps[0].index("--target") + 1] == "synthetic:llama-3.1-8b"
 
 
 def expand_braces(name: str) -> list:

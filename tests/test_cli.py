@@ -164,6 +164,13 @@ BAD_ARGUMENTS = [
      "--draft-keep-quantized: the drafter must be model:PATH"),
     (["demo", "--device", "gpu"], "--device 'gpu' is not a device"),
     (["bench", "e2e", "--repeats", "0"], "--repeats must be >= 1"),
+    (["bench", "e2e", "--draft", "head"], "--draft head: no such file or directory"),  # a path without --target
+    (["bench", "e2e", "--target", "synthetic:llama-9b"], "--target must be synthetic:NAME with NAME one of"),
+    (["bench", "e2e", "--target", "llama-3.1-8b"], "--target must be synthetic:NAME"),
+    (["bench", "e2e", "--target", "synthetic:tiny", "--draft", "none,eagle"], "--draft with a synthetic target"),
+    (["bench", "e2e", "--target", "synthetic:tiny", "--oracle-acceptance", "1.2"], "--oracle-acceptance must be in"),
+    (["bench", "e2e", "--target", "synthetic:tiny", "--oracle-acceptance", "high"], "--oracle-acceptance takes"),
+    (["bench", "e2e", "--target", "synthetic:tiny", "--sampling", "greedy,sampled"], "--sampling with a synthetic"),
     (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--epochs", "0"], "--epochs must be >= 1"),
     (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--lr", "inf"], "--lr must be a finite number > 0"),
 ]

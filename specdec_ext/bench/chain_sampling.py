@@ -15,7 +15,7 @@ import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import add_common_arguments, copy_bandwidth_gbs, int_list, median_us, print_row, report, save
+from .common import add_common_arguments, copy_bandwidth_gbs, cuda_graph, int_list, median_us, print_row, report, save
 
 
 def add_arguments(parser) -> None:
@@ -62,15 +62,7 @@ def torch_sampling_from_logits(ids, target_logits, draft_logits, temperature):
 
 
 def graph_replay_us(fn, device, repeats):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_us(graph.replay, device, repeats)
+    return median_us(cuda_graph(fn).replay, device, repeats)
 
 
 def bytes_read(out, k, vocab, elem, logits):

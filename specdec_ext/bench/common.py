@@ -62,6 +62,20 @@ def median_us(fn, device: torch.device, repeats: int = 50, warmup: int = 5) -> f
     return statistics.median(times)
 
 
+def cuda_graph(fn):
+    """A CUDA graph of fn, captured after one warm-up run on a side stream: its replay runs fn's kernels without
+    Python's launch overhead (what the decoder's rounds replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """Measured device-to-device copy bandwidth (bytes read + written): the ceiling bandwidth is quoted against."""
     if device.type != "cuda":

@@ -15,7 +15,11 @@ dtype and thread count, tokens/s as the median of repeats after a warm-up run.
    default the default TreeSettings): the same drafters (eagle, medusa, ngram) proposing trees, at the fixed node
    budget and, with "adaptive" in --k, with the adaptive one; k reads "tree N/D/B" (nodes, depth, branching),
    drafted = drafts per round.
+3. With --target synthetic:NAME (on --device cpu or cuda): a synthetic target's rows with OracleDrafter at set
+   acceptances: speedup, tokens per round against the chain formula, the Leviathan bound and the round's efficiency
+   (e2e_synthetic.py).
 """
+import math
 import resource
 import statistics
 import time
@@ -29,6 +33,7 @@ from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokeni
 from specdec_ext.trees import TreeSettings
 
 from .common import add_common_arguments, int_list, median_us, print_row, report, save
+from .e2e_synthetic import StepCosts, leviathan_bound
 
 PARAGRAPH = (
     "The Rhine is a river that begins in the Swiss canton of Graubunden in the southeastern Swiss Alps. It forms "
@@ -67,13 +72,52 @@ def add_arguments(parser) -> None:
                         help=f"held-out prompts in the heldout row (default {HELDOUT_COUNT}; the set has 15)")
     parser.add_argument("--heldout-samples", type=int, default=1,
                         help="requests per held-out prompt, each with its own seed (default 1)")
-    parser.add_argument("--draft", default=None, help="a draft model (HF dir or .gguf) for ModelDrafter rows")
+    parser.add_argument("--draft", default=None, help="a draft model (HF dir or .gguf) for ModelDrafter rows; with "
+                        "--target synthetic:NAME, comma-separated synthetic:NAME, head (one layer at the target's "
+                        "width) or none (default none)")
+    parser.add_argument("--target", default=None, help="synthetic:NAME (tiny, llama-3.2-1b, llama-3.1-8b: random "
+                        "weights at those shapes, made on the device) for the oracle's rows (bound and efficiency); "
+                        "default: the shipped model's rows")
+    parser.add_argument("--oracle-acceptance", default="0.8",
+                        help="with --target synthetic: comma-separated acceptances a of OracleDrafter (default 0.8)")
+    parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                        help="with --target synthetic on CUDA: the decoder's CUDA graphs (default on)")
     parser.add_argument("--tree", action="append", default=None, help="tree rows of these settings, N or "
                         "nodes=N,depth=D,branching=K (repeatable; default: the default TreeSettings; none: no tree "
                         "rows)")
     parser.add_argument("--plain-only", action="store_true", help="only plain decoding against transformers")
     parser.add_argument("--speculative-only", action="store_true", help="only the speculative table")
-    add_common_arguments(parser, repeats=3, cpu_only=True)
+    add_common_arguments(parser, repeats=3)
+    parser.set_defaults(validate=check_synthetic_arguments)
+
+
+def check_synthetic_arguments(args) -> None:
+    """--target and, with a synthetic target, --draft, --oracle-acceptance and --k: ValueError before anything
+    loads."""
+    if args.target is None:
+        return
+    from specdec_ext.models import SYNTHETIC_PRESETS
+
+    name = args.target.partition(":")[2]
+    if not args.target.startswith("synthetic:") or name not in SYNTHETIC_PRESETS:
+        raise ValueError(f"--target must be synthetic:NAME with NAME one of {', '.join(SYNTHETIC_PRESETS)}, got "
+                         f"{args.target!r}")
+    for spec in (args.draft or "none").split(","):
+        kind, _, preset = spec.partition(":")
+        if spec not in ("none", "head") and not (kind == "synthetic" and preset in SYNTHETIC_PRESETS):
+            raise ValueError(f"--draft with a synthetic target: synthetic:NAME, head or none, got {spec!r}")
+    try:
+        acceptances = [float(a) for a in args.oracle_acceptance.split(",")]
+        ks = [int(k) for k in (args.k or "4").split(",")]
+    except ValueError:
+        raise ValueError("--oracle-acceptance takes numbers in [0, 1] and --k draft lengths (integers) with a "
+                         "synthetic target") from None
+    modes = (args.sampling or "greedy").split(",")
+    if not set(modes) <= {"greedy", "invariant"}:
+        raise ValueError(f"--sampling with a synthetic target: greedy or invariant (the oracle's acceptance holds "
+                         f"where the target emits the reference's tokens), got {args.sampling!r}")
+    if not all(0 <= a <= 1 for a in acceptances) or min(ks) < 1:
+        raise ValueError(f"--oracle-acceptance must be in [0, 1] and --k >= 1, got {acceptances}, {ks}")
 
 
 def read_bandwidth_gbs(nbytes: int = 512 << 20) -> float:
@@ -246,6 +290,8 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                 sampling = SAMPLING[mode]
                 seeds = list(range(len(prompts)))
                 plain = SpeculativeDecoder(target, None, max_batch_size=batch, sampling=DECODER_SAMPLING[mode])
+                costs = ShippedRoundCosts(target, batch, max(len(p) for p in prompts) + new_tokens // 2,
+                                          max(20, repeats * 10))
                 def run_plain():
                     return plain.generate_autoregressive(prompts, new_tokens, seed=seeds, **sampling).sequences
                 with torch.no_grad():
@@ -269,11 +315,17 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
                         plain_tps, tps, speedup, plain_seq, seq = paired_tokens_per_second(run_plain, run, repeats)
                         st = last["out"].stats
                         spent = max(st.elapsed_s, 1e-9)
+                        drafted = st.num_draft_tokens / max(st.num_drafts, 1)
+                        # chains: the Leviathan bound at the realised tokens per round and drafts per round
+                        c, v = (costs.draft(drafter_name, drafter), costs.verify(round(drafted) + 1)) \
+                            if tree is None and st.num_drafts else (math.nan, math.nan)
+                        bound = leviathan_bound(st.mean_acceptance_length, drafted, c, v)
                         rows.append({"B": batch, "prompt": name, "sampling": mode, "drafter": drafter_name, "k": k,
                                      "tok_s": tps, "plain_tok_s": plain_tps, "speedup": speedup,
                                      "vs_hf_plain": tps / hf_tps, "vs_hf_lookup": tps / lookup_tps,
                                      "acceptance": st.acceptance_rate, "mean_acc_len": st.mean_acceptance_length,
-                                     "drafted": st.num_draft_tokens / max(st.num_drafts, 1),
+                                     "drafted": drafted, "c": c, "v": v, "bound": bound,
+                                     "efficiency": speedup / bound,
                                      "acc_per_pos": "/".join(f"{a:.2f}" for a in st.acceptance_rate_per_position[:8]),
                                      "draft": st.draft_s / spent, "verify": st.verify_s / spent,
                                      "sample": st.sample_s / spent, "other": st.other_s / spent,
@@ -283,12 +335,49 @@ def speculative_rows(args, path, tokenizer, chat, batches, dtype, new_tokens, re
            f"{torch.get_num_threads()} threads, {new_tokens} new tokens; speedup = against our plain decoding, "
            f"vs_hf_* = against transformers' plain / prompt-lookup generate; draft..other: shares of the time", rows,
            ["B", "prompt", "sampling", "drafter", "k", "tok_s", "plain_tok_s", "speedup", "vs_hf_plain", "vs_hf_lookup",
-            "acceptance", "mean_acc_len", "drafted", "acc_per_pos", "draft", "verify", "sample", "other",
-            "same_as_plain"])
+            "acceptance", "mean_acc_len", "drafted", "c", "v", "bound", "efficiency", "acc_per_pos", "draft", "verify",
+            "sample", "other", "same_as_plain"])
     return rows
 
 
+class ShippedRoundCosts:
+    """c and v of the shipped model's rows at batch B: a drafter's step (its cost_probe over B rows; none: free) and
+    the verify forward of `width` tokens, each timed alternately with the plain decode step (StepCosts), isolated at
+    context `context`."""
+
+    def __init__(self, target, batch: int, context: int, repeats: int):
+        self.steps = StepCosts(target, batch, context, repeats)
+        self.target, self.batch = target, batch
+        self.widths, self.drafters = {}, {}
+
+    def verify(self, width: int) -> float:
+        if width not in self.widths:
+            plain_ms, ms = self.steps.forward(self.target, width)
+            self.widths[width] = ms / plain_ms
+        return self.widths[width]
+
+    def draft(self, name: str, drafter) -> float:
+        if name not in self.drafters:
+            probe = drafter.cost_probe()
+            if probe is None:
+                self.drafters[name] = 0.0
+            else:
+                step = probe[1](self.batch)
+
+                def step_without_grad():  # as the decoder runs it (with autograd on, linear() takes other paths)
+                    with torch.no_grad():
+                        return step()
+                plain_ms, ms = self.steps.relative(step_without_grad)
+                self.drafters[name] = ms / plain_ms
+        return self.drafters[name]
+
+
 def main(args) -> int:
+    if args.target is not None:
+        return synthetic_main(args)
+    if args.device not in (None, "cpu"):
+        raise SystemExit("specdec bench e2e: the shipped model's rows run on the CPU (--target synthetic:NAME runs on "
+                         "--device cuda)")
     path = default_model_path()
     tokenizer = load_tokenizer(path)
     batches = args.batch
@@ -308,4 +397,16 @@ def main(args) -> int:
         rows += [{"table": "speculative", **r} for r in speculative_rows(args, path, tokenizer, chat, batches,
                                                                          dtypes[0], new_tokens, repeats)]
     save(args, meta, rows, ["table", "B", "prompt"] + (["sampling", "drafter", "k"] if not args.plain_only else []))
+    return 0
+
+
+def synthetic_main(args) -> int:
+    from .e2e_synthetic import plot, synthetic_rows
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    meta, rows = synthetic_rows(args, device)
+    plot_path, args.plot = args.plot, None  # its own plot: speedup against a, with the bound
+    save(args, meta, rows, [])
+    if plot_path and rows:
+        plot(rows, plot_path, meta)
     return 0

@@ -92,7 +92,9 @@ def validate(command: argparse.ArgumentParser, args) -> None:
             if not ok(value):
                 lo, hi = _k_range()
                 command.error(f"{flag} {message.format(lo=lo, hi=hi)}, got {value}")
-        if dest in _EXISTING_PATHS and isinstance(value, str) and not os.path.exists(value):
+        # (`bench e2e --target synthetic:NAME` names its drafts instead: synthetic:NAME, head, none)
+        if dest in _EXISTING_PATHS and isinstance(value, str) and not os.path.exists(value) and \
+                not (dest == "draft" and getattr(args, "target", None)):
             command.error(f"{flag} {value}: no such file or directory")
         if dest == "device" and isinstance(value, str):
             problem = _check_device(value)

@@ -5,6 +5,7 @@ from .lookahead import LookaheadDrafter, LookaheadStats
 from .medusa import MedusaDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
+from .oracle import OracleDrafter
 
 __all__ = ["Drafter", "EagleDrafter", "LookaheadDrafter", "LookaheadStats", "MedusaDrafter", "ModelDrafter",
-           "NgramDrafter", "Proposal", "RoundFeedback", "RoundInputs"]
+           "NgramDrafter", "OracleDrafter", "Proposal", "RoundFeedback", "RoundInputs"]

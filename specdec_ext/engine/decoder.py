@@ -365,10 +365,12 @@ class SpeculativeDecoder:
             return
         prefixes = [slots[b].prompt[:-1] for b in admitted]
         hidden = None
+        t0 = time.perf_counter()
         if drafter is not None and drafter.needs_hidden_states:
             forwards, hidden = self.target.prefill(self.cache, admitted, prefixes, output_hidden_states=True)
         else:
             forwards = self.target.prefill(self.cache, admitted, prefixes)
+        stats.prefill_s += time.perf_counter() - t0
         stats.target_forwards += forwards
         if drafter is not None:
             t0 = time.perf_counter()

@@ -20,6 +20,8 @@ class GenerationStats:
     sample_s: float = 0.0            # masks, the sampling kernel, the cache truncation and the round's host read
     #                                  (with CUDA graphs: the wait for the replayed verify step)
     other_s: float = 0.0             # prefills and the host's bookkeeping
+    prefill_s: float = 0.0           # of other_s: the target's prefills of admitted prompts (on CUDA their
+    #                                  launches: the device's work is waited for by the next round's read)
     calibration_s: float = 0.0       # measuring the cost model of adaptive k (first use only; not in elapsed_s)
     finish_reason: str | None = None  # per request: "eos", "length", "max_seq_len" or "context"
     k_per_round: list = field(default_factory=list)  # per request: the k asked of the drafter each round (tree
