@@ -10,7 +10,8 @@
 #                             Llama-3.2-1B, greedy: plain against the weight-read floor, efficiency against the bound
 #    4. chain_sampling, verify_attention          the kernels' figures
 #    5. e2e_rest              B = 32; a = 0.6 / 0.9; invariant sampling; a one-layer head as the draft
-#    6. tree_sampling, verify_attention-layouts, chain_sampling_flat, row_filters, quantized_linear, philox,
+#    6. flashinfer            FlashInfer's chain_speculative_sampling beside ours (when .anchors/ is carried)
+#    7. tree_sampling, verify_attention-layouts, chain_sampling_flat, row_filters, quantized_linear, philox,
 #       compat_* shims, verify_attention-flex
 #
 # Time: each step has a limit (STEP_SCALE multiplies them); a step starts only when its limit fits in what is left
@@ -96,6 +97,19 @@ TAIL=30 bench verify_attention 90 --repeats 30 --json "$OUT/verify_attention.jso
 TAIL=30 bench e2e-rest 200 --target "$E2E_TARGET" --batch "$E2E_WIDE" --k 4 --oracle-acceptance 0.6,0.8,0.9 \
   --draft "none,head" --sampling greedy,invariant --new-tokens "$E2E_TOKENS" --repeats 3 \
   --json "$OUT/e2e_rest.json" --plot "$OUT/e2e_rest.png"
+# FlashInfer beside ours on the same inputs, when its source release is carried in .anchors/ (the project's shared
+# anchors folder copied there): installed into /tmp/fi, its kernels compiled on first use; bounded, and a failure
+# (no anchors, no build) costs this step only.
+if [ -d .anchors ]; then
+  TAIL=20 step flashinfer 120 bash -c '
+    { timeout 60 python3 -m pip install -q --no-index --no-deps --target /tmp/fi .anchors/apache_tvm_ffi-*.whl \
+        .anchors/flashinfer_python-0.5.3-*.whl && PYTHONPATH=/tmp/fi timeout 30 python3 -c "import flashinfer.sampling"; } \
+      || timeout 90 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/fi \
+        .anchors/flashinfer_python-0.3.1.tar.gz || exit 3
+    PYTHONPATH=/tmp/fi:${PYTHONPATH:-} python3 -m specdec_ext.cli bench chain_sampling --device "$1" --batch 1,8,64 \
+      --k 4 --vocab 32000,128256 --repeats 30 --against flashinfer --json "$0/chain_sampling_flashinfer.json"' \
+    "$OUT" "$DEVICE"
+fi
 TAIL=40 bench tree_sampling 70 --repeats 30 --json "$OUT/tree_sampling.json"
 TAIL=9 bench verify_attention-layouts 40 --repeats 50 --layouts --json "$OUT/verify_attention_layouts.json"
 TAIL=6 bench chain_sampling_flat 40 --repeats 30 --json "$OUT/chain_sampling_flat.json"

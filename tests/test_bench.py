@@ -152,6 +152,43 @@ def test_kernel_benchmarks_run_at_tiny_sizes(name, parser, tmp_path, monkeypatch
     assert f"wrote {out}" in capsys.readouterr().out
 
 
+def test_chain_sampling_against_flashinfer(parser, tmp_path, monkeypatch, capsys):
+    """--against flashinfer: without flashinfer the run says so and has no FlashInfer column; with a flashinfer whose
+    chain_speculative_sampling is this library's FlashInfer shim (same signature), each float32 probabilities row
+    times it on the row's own inputs and reports the ratio; other rows have NaN."""
+    import math
+    import sys
+    import types
+
+    from specdec_ext.compat.flashinfer import sampling as shim
+
+    module = benchmarks.module("chain_sampling")
+    monkeypatch.setattr(module, "copy_bandwidth_gbs", lambda device: 10.0)
+    argv = ["bench", "chain_sampling", *TINY["chain_sampling"], "--device", "cpu", "--repeats", "1",
+            "--against", "flashinfer", "--json", str(tmp_path / "rows.json")]
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not importable
+    args = parse(parser, argv)
+    assert args.fn(args) == 0
+    assert "flashinfer does not import here" in capsys.readouterr().out
+    assert all("flashinfer_us" not in r for r in json.loads((tmp_path / "rows.json").read_text())["rows"])
+
+    calls = []
+    package = types.ModuleType("flashinfer")
+    package.sampling = types.SimpleNamespace(chain_speculative_sampling=lambda *a, **kw: calls.append(a[1].shape) or
+                                             shim.chain_speculative_sampling(*a, **kw))
+    monkeypatch.setitem(sys.modules, "flashinfer", package)
+    monkeypatch.setitem(sys.modules, "flashinfer.sampling", package.sampling)
+    assert args.fn(args) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    for r in rows:
+        timed = r["path"] == "probs" and r["dtype"] == "float32"
+        assert math.isfinite(r["flashinfer_us"]) == timed, r
+        if timed:
+            assert r["vs_flashinfer"] == pytest.approx(r["flashinfer_us"] / r["graph_us"])
+        assert r["floor_us"] == pytest.approx(r["bytes"] / 10e9 * 1e6)
+    assert {tuple(s) for s in calls} == {(1, 2), (2, 2)}  # each B's own [B, K] draft ids
+
+
 def test_verify_attention_layouts_run_at_tiny_sizes(parser, tmp_path):
     out = tmp_path / "layouts.json"
     args = parse(parser, ["bench", "attention", "--layouts", "--batch", "2", "--contexts", "32", "--device", "cpu",

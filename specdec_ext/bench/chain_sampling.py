@@ -3,12 +3,16 @@
 Two baselines run in the same process: `torch`, an efficient vectorised implementation (float32 softmax
 over the whole [B, K+1, V] tensors, acceptance by gather, the residual row gathered per request and sampled
 by an exponential race), and `reference`, the readable float64 oracle of specdec_ext.reference.
-graph_us is the op replayed from a CUDA graph (the kernel without Python's launch overhead); GB/s, from
-graph_us, counts the bytes the op must read: the rows up to the first rejection (all of them for logits, whose
-normalisers need every entry) and the row the last token is drawn from; with probabilities, acceptance
-itself needs only p(x) and q(x). Also reported: the cost per row of Gumbel coupling's draw (gumbel_sample)
-against the op's inverse-CDF bonus draw.
+graph_us is the op replayed from a CUDA graph (the kernel without Python's launch overhead). bytes are those the op
+must read: the rows up to the first rejection (all of them for logits, whose normalisers need every entry) and the
+row the last token is drawn from; with probabilities, acceptance itself needs only p(x) and q(x). floor_us is their
+time at the copy bandwidth measured in the run, GB/s their rate at graph_us, of_copy_bw = floor_us / graph_us.
+--against flashinfer adds FlashInfer's chain_speculative_sampling on the same float32 probabilities (vs_flashinfer:
+its time over ours). Also reported: the cost per row of Gumbel coupling's draw (gumbel_sample) against the op's
+inverse-CDF bonus draw.
 """
+import inspect
+
 import torch
 
 import specdec_ext
@@ -23,7 +27,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--k", type=int_list, default=[1, 4, 8], help="draft tokens per request K (default 1,4,8)")
     parser.add_argument("--vocab", type=int_list, default=[32000, 128256],
                         help="vocabulary sizes V (default 32000,128256)")
+    parser.add_argument("--against", choices=["flashinfer"], default=None,
+                        help="also time FlashInfer's chain_speculative_sampling on the same inputs (float32 "
+                             "probabilities), when flashinfer imports")
     add_common_arguments(parser)
+
+
+def flashinfer_sampling(wanted: bool):
+    """flashinfer.sampling when --against flashinfer asks for it and it imports, else None (the reason printed)."""
+    if not wanted:
+        return None
+    try:
+        import flashinfer.sampling
+    except Exception as error:  # an absent package, or one whose JIT or native parts fail here
+        print(f"--against flashinfer: flashinfer does not import here ({type(error).__name__}: "
+              f"{str(error)[:120]}); no FlashInfer column", flush=True)
+        return None
+    print(f"--against flashinfer: flashinfer {getattr(flashinfer, '__version__', '?')}", flush=True)
+    return flashinfer.sampling
 
 
 def make_case(batch, k, vocab, dtype, device, gen):
@@ -78,6 +99,7 @@ def bytes_read(out, k, vocab, elem, logits):
 def main(args) -> int:
     device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
+    anchor = flashinfer_sampling(args.against == "flashinfer")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for vocab in args.vocab:
@@ -87,7 +109,8 @@ def main(args) -> int:
                     gen = torch.Generator().manual_seed(batch * 1000 + k * 10 + vocab)
                     case = make_case(batch, k, vocab, dtype, device, gen)
                     for path in ("probs", "logits"):
-                        rows.append(measure(case, path, batch, k, vocab, dtype, device, args.repeats, peak))
+                        rows.append(measure(case, path, batch, k, vocab, dtype, device, args.repeats, peak,
+                                            anchor))
                         print_row(rows[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     noise = [noise_cost(vocab, dtype, device, args.repeats) for dtype in (torch.float32, torch.bfloat16)
@@ -97,7 +120,8 @@ def main(args) -> int:
            f"bonus draw)", noise, ["dtype", "V", "gumbel_us_per_row", "inverse_cdf_us_per_row", "ratio"])
     report(f"chain speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
            ["path", "dtype", "B", "K", "V", "accepted", "ours_us", "graph_us", "torch_us", "speedup", "reference_us",
-            "vs_reference", "GB/s", "of_copy_bw"])
+            "vs_reference", "bytes", "floor_us", "GB/s", "of_copy_bw"] +
+           (["flashinfer_us", "vs_flashinfer"] if anchor is not None else []))
     save(args, {"title": f"chain speculative sampling, {name}", "device": name, "copy_bw_gbs": peak,
                 "gumbel_noise": noise}, rows,
          ["path", "dtype", "B", "K", "V"])
@@ -121,7 +145,9 @@ def noise_cost(vocab, dtype, device, repeats, rows=64):
             "inverse_cdf_us_per_row": inverse / rows, "ratio": gumbel / inverse}
 
 
-def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):
+def measure(case, path, batch, k, vocab, dtype, device, repeats, peak, anchor=None):
+    """One row. anchor: flashinfer.sampling (or None): its chain_speculative_sampling timed on the same float32
+    probabilities (it has no from-logits form), replayed from a CUDA graph on a GPU as ours is."""
     ids, seed = case["ids"], case["seed"]
     if path == "probs":
         tp, dp = case["target_probs"], case["draft_probs"]
@@ -150,7 +176,38 @@ def measure(case, path, batch, k, vocab, dtype, device, repeats, peak):
     # The kernel alone: replayed from a CUDA graph, as an engine runs it, without Python's launch overhead.
     graph_us = graph_replay_us(ours, device, repeats) if device.type == "cuda" else ours_us
     gbs = nbytes / (graph_us * 1e-6) / 1e9
-    return {"path": path, "dtype": str(dtype).replace("torch.", ""), "B": batch, "K": k, "V": vocab,
-            "accepted": float(out.num_accepted.float().mean()), "ours_us": ours_us, "graph_us": graph_us,
-            "torch_us": torch_us, "speedup": torch_us / ours_us, "reference_us": ref_us,
-            "vs_reference": ref_us / ours_us, "GB/s": gbs, "of_copy_bw": gbs / peak}
+    row = {"path": path, "dtype": str(dtype).replace("torch.", ""), "B": batch, "K": k, "V": vocab,
+           "accepted": float(out.num_accepted.float().mean()), "ours_us": ours_us, "graph_us": graph_us,
+           "torch_us": torch_us, "speedup": torch_us / ours_us, "reference_us": ref_us,
+           "vs_reference": ref_us / ours_us, "bytes": nbytes, "floor_us": nbytes / (peak * 1e9) * 1e6, "GB/s": gbs,
+           "of_copy_bw": gbs / peak}
+    if anchor is not None:
+        row["flashinfer_us"] = flashinfer_us(anchor, case, path, dtype, device, repeats)
+        row["vs_flashinfer"] = row["flashinfer_us"] / graph_us
+    return row
+
+
+def flashinfer_us(anchor, case, path, dtype, device, repeats) -> float:
+    """FlashInfer's chain_speculative_sampling on the case's float32 probabilities (its form: draft_probs,
+    draft_token_ids, target_probs; seed and offset as device tensors so that a CUDA graph replays it), NaN where it
+    has no counterpart (from logits, bfloat16) or fails."""
+    if path != "probs" or dtype != torch.float32:
+        return float("nan")
+    ids, tp, dp = case["ids"], case["target_probs"], case["draft_probs"]
+    # seed and offset where its release takes them (0.5 does, 0.3 draws from the default generator)
+    keywords = inspect.signature(anchor.chain_speculative_sampling).parameters
+    seeded = dict(seed=case["seed"], offset=torch.zeros_like(case["seed"])) if "seed" in keywords else {}
+
+    def call():
+        return anchor.chain_speculative_sampling(dp, ids, tp, **seeded)
+    try:
+        call()  # its first call compiles the kernel (JIT): outside the timing
+    except Exception as error:  # a kernel that does not build or run here: the column says NaN, the run goes on
+        print(f"flashinfer chain_speculative_sampling failed ({type(error).__name__}: {str(error)[:120]})")
+        return float("nan")
+    if device.type == "cuda":
+        try:
+            return graph_replay_us(call, device, repeats)
+        except RuntimeError as error:  # not capturable (its generator use): timed from Python, launch included
+            print(f"flashinfer chain_speculative_sampling timed eagerly ({str(error)[:80]})")
+    return median_us(call, device, repeats)

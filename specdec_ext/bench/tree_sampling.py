@@ -4,7 +4,8 @@ Trees shaped as a decoder drafts them (breadth first, `branching` children per n
 drawn from a draft related to the target, so that walks go a few nodes deep. Two baselines in the same run:
 `torch`, a vectorised float32 implementation of the same method (over requests; one step per depth and per
 child, softmax over the whole [B, N, V] tensors, the last token by an exponential race), and `reference`, the
-float64 oracle of specdec_ext.reference. GB/s (from graph_us on a GPU) counts the bytes the op must read at
+float64 oracle of specdec_ext.reference. bytes: what the op must read, floor_us: their time at the copy bandwidth
+measured in the run. GB/s (from graph_us on a GPU) counts the bytes the op must read at
 least: the target row (and, when its children were sampled, the draft row) of every node on the accepted path,
 once more for the row the last token is drawn from.
 """
@@ -126,11 +127,13 @@ def measure(case, batch, n, branching, vocab, sampled, dtype, device, repeats, p
     ref_us = median_us(ref, device, max(3, repeats // 10), warmup=1)
     out = ours()
     graph_us = graph_replay_us(ours, device, repeats) if device.type == "cuda" else ours_us
-    gbs = bytes_read(out, n, branching, vocab, torch.finfo(dtype).bits // 8, sampled) / (graph_us * 1e-6) / 1e9
+    nbytes = bytes_read(out, n, branching, vocab, torch.finfo(dtype).bits // 8, sampled)
+    gbs = nbytes / (graph_us * 1e-6) / 1e9
     return {"children": "sampled" if sampled else "point", "dtype": str(dtype).replace("torch.", ""), "B": batch,
             "N": n, "branching": branching, "V": vocab, "accepted": float(out.num_accepted.float().mean()),
             "ours_us": ours_us, "graph_us": graph_us, "torch_us": torch_us, "speedup": torch_us / ours_us,
-            "reference_us": ref_us, "vs_reference": ref_us / ours_us, "GB/s": gbs, "of_copy_bw": gbs / peak}
+            "reference_us": ref_us, "vs_reference": ref_us / ours_us, "bytes": nbytes,
+            "floor_us": nbytes / (peak * 1e9) * 1e6, "GB/s": gbs, "of_copy_bw": gbs / peak}
 
 
 def main(args) -> int:
@@ -151,7 +154,7 @@ def main(args) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     report(f"tree speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
            ["children", "dtype", "B", "N", "V", "accepted", "ours_us", "graph_us", "torch_us", "speedup",
-            "reference_us", "vs_reference", "GB/s", "of_copy_bw"])
+            "reference_us", "vs_reference", "bytes", "floor_us", "GB/s", "of_copy_bw"])
     save(args, {"title": f"tree speculative sampling, {name}", "device": name, "copy_bw_gbs": peak}, rows,
          ["children", "dtype", "B", "N", "V"])
     return 0
