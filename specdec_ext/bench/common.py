@@ -40,26 +40,27 @@ def print_row(row: dict) -> None:
           flush=True)
 
 
+def elapsed_us(fn, device: torch.device) -> float:
+    """Wall time of one call of fn in microseconds: CUDA events on a GPU, perf_counter on the CPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e6
+
+
 def median_us(fn, device: torch.device, repeats: int = 50, warmup: int = 5) -> float:
-    """Median wall time of fn() in microseconds: CUDA events on a GPU, perf_counter on the CPU."""
+    """Median wall time of fn() in microseconds (elapsed_us) over `repeats` calls after `warmup` calls."""
     for _ in range(warmup):
         fn()
-    times = []
     if device.type == "cuda":
         torch.cuda.synchronize()
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return statistics.median(elapsed_us(fn, device) for _ in range(repeats))
 
 
 def cuda_graph(fn):

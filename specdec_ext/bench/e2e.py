@@ -20,6 +20,7 @@ dtype and thread count, tokens/s as the median of repeats after a warm-up run.
    (e2e_synthetic.py).
 """
 import math
+import os
 import resource
 import statistics
 import time
@@ -88,13 +89,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--plain-only", action="store_true", help="only plain decoding against transformers")
     parser.add_argument("--speculative-only", action="store_true", help="only the speculative table")
     add_common_arguments(parser, repeats=3)
-    parser.set_defaults(validate=check_synthetic_arguments)
+    parser.set_defaults(validate=check_arguments)
 
 
-def check_synthetic_arguments(args) -> None:
-    """--target and, with a synthetic target, --draft, --oracle-acceptance and --k: ValueError before anything
-    loads."""
+def check_arguments(args) -> None:
+    """--draft (a path for the shipped model's rows), --target and, with a synthetic target, --draft's names,
+    --oracle-acceptance, --k and --sampling: ValueError before anything loads."""
     if args.target is None:
+        if args.draft is not None and not os.path.exists(args.draft):
+            raise ValueError(f"--draft {args.draft}: no such file or directory")
         return
     from specdec_ext.models import SYNTHETIC_PRESETS
 
@@ -362,12 +365,7 @@ class ShippedRoundCosts:
             if probe is None:
                 self.drafters[name] = 0.0
             else:
-                step = probe[1](self.batch)
-
-                def step_without_grad():  # as the decoder runs it (with autograd on, linear() takes other paths)
-                    with torch.no_grad():
-                        return step()
-                plain_ms, ms = self.steps.relative(step_without_grad)
+                plain_ms, ms = self.steps.relative(probe[1](self.batch))
                 self.drafters[name] = ms / plain_ms
         return self.drafters[name]
 

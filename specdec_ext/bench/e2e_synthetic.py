@@ -21,7 +21,6 @@ the round's one read) and graph captures after the warm-up (re-captures).
 import contextlib
 import math
 import statistics
-import time
 import warnings
 
 import torch
@@ -33,7 +32,7 @@ from specdec_ext.graphs import StepGraphs
 from specdec_ext.ops import chain_speculative_sampling_from_logits, sample_without_drafts
 from specdec_ext.trees import TreeSettings
 
-from .common import copy_bandwidth_gbs, cuda_graph, median_us, print_row, report
+from .common import copy_bandwidth_gbs, cuda_graph, elapsed_us, median_us, print_row, report
 
 SYNTHETIC_SAMPLING = {"greedy": ({}, "rejection"), "invariant": ({"temperature": 0.7, "top_p": 0.9}, "invariant")}
 PROMPT_LEN = 32
@@ -90,26 +89,16 @@ def step_ms(fn, device: torch.device, repeats: int) -> float:
 
 
 def alternated_ms(fns: list, device: torch.device, repeats: int) -> list:
-    """Median milliseconds of each of fns (replayable), called in turn `repeats` times after 3 warm-up turns, so that
-    a drift of the machine's speed (CPU clocks, another process) hits all of them alike."""
-    steps = [replayable(fn, device) for fn in fns]
-    times = [[] for _ in steps]
-    for turn in range(repeats + 3):
-        for step, out in zip(steps, times):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+    """Median milliseconds of each of fns (replayable, without autograd, as the decoder runs them), called in turn
+    `repeats` times after 3 warm-up turns, so that a drift of the machine's speed (CPU clocks, another process) hits
+    all of them alike."""
+    with torch.no_grad():  # with autograd on, the model's CPU linear() takes another path (F.linear)
+        steps = [replayable(fn, device) for fn in fns]
+        for _ in range(3):
+            for step in steps:
                 step()
-                end.record()
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            else:
-                t0 = time.perf_counter()
-                step()
-                ms = (time.perf_counter() - t0) * 1e3
-            if turn >= 3:
-                out.append(ms)
-    return [statistics.median(t) for t in times]
+        times = [[elapsed_us(step, device) / 1e3 for step in steps] for _ in range(repeats)]
+    return [statistics.median(column) for column in zip(*times)]
 
 
 class StepCosts:
@@ -132,15 +121,11 @@ class StepCosts:
         ids = torch.randint(0, model.config.vocab_size, (self.batch, width), device=self.device)
         rows = slice(0, self.batch)
 
-        def step():
-            with torch.no_grad():
-                return model(ids, cache, cache_rows=rows)
-        return step
+        return lambda: model(ids, cache, cache_rows=rows)
 
     def relative(self, step) -> tuple:
         """(the plain decode step's ms, step's ms), timed alternately."""
-        plain, ms = alternated_ms([self.plain_step, step], self.device, self.repeats)
-        return plain, ms
+        return tuple(alternated_ms([self.plain_step, step], self.device, self.repeats))
 
     def forward(self, model, width: int) -> tuple:
         """(plain decode step ms, the forward of `width` tokens of `model` ms), timed alternately."""

@@ -34,8 +34,8 @@ _RANGES = {
     "limit": (lambda v: v >= 0, "must be >= 0 (0: all)"),
     "eval_prompts": (lambda v: v >= 0, "must be >= 0"),
 }
-_EXISTING_PATHS = ("model", "draft")  # dests naming a file or folder to read
-_PATHS = _EXISTING_PATHS + ("out", "json", "plot")  # may hold any bytes; every other string must be valid UTF-8
+_EXISTING_PATHS = ("model",)  # dests naming a file or folder to read (`bench e2e --draft`: its own check)
+_PATHS = _EXISTING_PATHS + ("draft", "out", "json", "plot")  # may hold any bytes; other strings must be UTF-8
 
 
 def _parsers(command: argparse.ArgumentParser, args) -> list:
@@ -92,9 +92,7 @@ def validate(command: argparse.ArgumentParser, args) -> None:
             if not ok(value):
                 lo, hi = _k_range()
                 command.error(f"{flag} {message.format(lo=lo, hi=hi)}, got {value}")
-        # (`bench e2e --target synthetic:NAME` names its drafts instead: synthetic:NAME, head, none)
-        if dest in _EXISTING_PATHS and isinstance(value, str) and not os.path.exists(value) and \
-                not (dest == "draft" and getattr(args, "target", None)):
+        if dest in _EXISTING_PATHS and isinstance(value, str) and not os.path.exists(value):
             command.error(f"{flag} {value}: no such file or directory")
         if dest == "device" and isinstance(value, str):
             problem = _check_device(value)

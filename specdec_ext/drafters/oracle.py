@@ -88,7 +88,7 @@ class OracleDrafter(Drafter):
         self.device = target.device
         self.admitted = 0  # requests admitted this run: the next admission's reference
         self.slot_request = [None] * slots  # the reference index of the request in each slot
-        self.wrong = {}  # request -> (is_wrong [len], wrong_tokens [len, W]) int64 arrays, made at admission
+        self.candidates = {}  # request -> [len, MAX_SIBLINGS + 1] int64 (_candidates), made at admission
         if self.inner is not None:
             self.inner.bind(target, slots, capacity, paged=paged, num_pages=num_pages, cuda_graphs=cuda_graphs)
 
@@ -100,12 +100,12 @@ class OracleDrafter(Drafter):
                                  f"{i}: give the references in the order of generate's prompts")
             self.admitted += 1
             self.slot_request[b] = i
-            self.wrong[i] = self._fates(i)
+            self.candidates[i] = self._candidates(i)
         if self.inner is not None:
             self.inner.admit(slots, prefixes, hidden_states)
 
     def release(self, slot: int) -> None:
-        self.wrong.pop(self.slot_request[slot], None)
+        self.candidates.pop(self.slot_request[slot], None)
         self.slot_request[slot] = None
         if self.inner is not None:
             self.inner.release(slot)
@@ -128,7 +128,7 @@ class OracleDrafter(Drafter):
             # never scores above its parent, as best_tree needs.
             n = len(path)
             p, t, s = list(range(n)), list(path), [-float(d) for d in range(1, n + 1)]
-            candidates = self.wrong[self.slot_request[b]][1] if path else None
+            candidates = self.candidates[self.slot_request[b]] if path else None
             for depth in range(1, n + 1):  # candidate `depth` is the path node at that depth
                 pos = len(h) + depth - 1
                 for j in range(min(branching - 1, self.MAX_SIBLINGS)):
@@ -161,9 +161,9 @@ class OracleDrafter(Drafter):
     # Wrong tokens per position: the reference token plus distinct nonzero offsets (mod V), one per sibling.
     MAX_SIBLINGS = 8
 
-    def _fates(self, i: int):
-        """(is_wrong [n] bool, candidates [n, MAX_SIBLINGS + 1] int64) for reference i's positions: candidates[:, 0]
-        the token proposed there (the reference's, or a wrong one), candidates[:, 1:] wrong siblings."""
+    def _candidates(self, i: int):
+        """[n, MAX_SIBLINGS + 1] int64 for reference i's positions: column 0 the token proposed there (the
+        reference's, or a wrong one with probability 1 - acceptance), the other columns wrong siblings."""
         ref = np.asarray(self.reference[i], dtype=np.int64)
         rng = np.random.default_rng([self.seed, i])
         is_wrong = rng.random(len(ref)) >= self.acceptance
@@ -172,8 +172,7 @@ class OracleDrafter(Drafter):
         start = rng.integers(0, v - 1, (len(ref), 1))
         offsets = 1 + (start + np.arange(w) * ((v - 1) // w)) % (v - 1)
         wrong = (ref[:, None] + offsets) % v  # [n, w], none equal to ref, distinct along a row
-        candidates = np.concatenate([np.where(is_wrong, wrong[:, 0], ref)[:, None], wrong[:, 1:]], 1)
-        return is_wrong, candidates
+        return np.concatenate([np.where(is_wrong, wrong[:, 0], ref)[:, None], wrong[:, 1:]], 1)
 
     def _chain(self, b: int, history, k: int) -> list:
         """The up to k tokens proposed after `history` for the request in slot b: the reference continuation at
@@ -183,4 +182,4 @@ class OracleDrafter(Drafter):
         i = self.slot_request[b]
         start = len(history)
         end = min(start + k, len(self.reference[i]))
-        return self.wrong[i][1][start:end, 0].tolist() if end > start else []
+        return self.candidates[i][start:end, 0].tolist() if end > start else []

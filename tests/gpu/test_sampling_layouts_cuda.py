@@ -6,6 +6,7 @@ import torch
 
 import specdec_ext
 from helpers.sampling_inputs import padded_and_flat_trees, ragged_batch, reduced_vocab, scatter_full
+from specdec_ext.bench.common import cuda_graph
 
 CUDA = torch.device("cuda")
 
@@ -98,14 +99,7 @@ def test_flat_call_in_a_cuda_graph(gen):
             cu_num_draft_tokens=f["cu"], max_draft_tokens=max_k, out=out)
     eager = call()
     eager = (eager.output_token_ids.clone(), eager.num_accepted.clone())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = cuda_graph(call)
     out[0].fill_(-7)
     graph.replay()
     torch.cuda.synchronize()
