@@ -133,18 +133,32 @@ PyObject* cpu_isa(PyObject*, PyObject*) {
 }
 #endif
 
+// The sampling kernels' grid on a device of `multiprocessors` SMs at `batch` requests (sampling_slices,
+// sampling_groups; every group assumed resident): (blocks per request, blocks), for the benchmarks' grid column.
+PyObject* sampling_grid(PyObject*, PyObject* args) {
+  long long batch = 0;
+  int multiprocessors = 0;
+  if (!PyArg_ParseTuple(args, "Li", &batch, &multiprocessors)) return nullptr;
+  const auto any = [](int) { return 1 << 30; };
+  const int slices = specdec::sampling_slices(batch, multiprocessors, any);
+  const int64_t groups = specdec::sampling_groups(batch, slices, int64_t{1} << 30);
+  return Py_BuildValue("(iL)", slices, static_cast<long long>(groups * slices));
+}
+
 #if defined(SPECDEC_SIM)
 // The shape of the last kernel launch on the calling thread, for tests of the launchers' choices.
 PyObject* last_launch(PyObject*, PyObject*) {
   const specdec::sim::LaunchStats s = specdec::sim::last_launch_stats();
-  return Py_BuildValue("{s:K,s:I,s:I}", "blocks", static_cast<unsigned long long>(s.blocks), "threads_per_block",
-                       s.threads_per_block, "cluster_blocks", s.cluster_blocks);
+  return Py_BuildValue("{s:K,s:I,s:I,s:O}", "blocks", static_cast<unsigned long long>(s.blocks), "threads_per_block",
+                       s.threads_per_block, "cluster_blocks", s.cluster_blocks, "cooperative",
+                       s.cooperative ? Py_True : Py_False);
 }
 #endif
 
 PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS, "What this build of the extension contains."},
     {"constants", constants, METH_NOARGS, "The ops' limits and the meaning of their error bits."},
+    {"sampling_grid", sampling_grid, METH_VARARGS, "The sampling kernels' (blocks per request, blocks) at a batch."},
 #if defined(SPECDEC_SIM)
     {"last_launch", last_launch, METH_NOARGS, "The shape of the last kernel launch on this thread."},
 #else

@@ -75,8 +75,8 @@ def assert_tokens_match_reference(out, ref, p_rows, q_rows, ids, num_draft_token
         assert lo - tol <= t <= float(cdf[tok]) + tol, f"row {b}: token {tok} is not at the threshold's boundary"
 
 
-# 20000: three tiles. Under the emulator (4 SMs) batch 1 runs each request on a cluster of 4 blocks, batch 2
-# on a cluster of 2, larger batches on one block.
+# 20000: three tiles. Under the emulator (4 SMs) batch 1 runs each request on 4 blocks, batch 2 on 2, larger
+# batches on one block.
 SHAPES = [(1, 1, 1), (3, 1, 7), (6, 4, 1000), (5, 3, 2111), (4, 16, 300), (8, 2, 20000), (2, 3, 20000), (1, 4, 5000)]
 
 
@@ -140,15 +140,15 @@ def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
-@pytest.mark.parametrize("batch,cluster_blocks", [(1, 4), (2, 2), (3, 1)])
-def test_lanes_split_over_a_cluster_change_no_bit(dtype, logits, batch, cluster_blocks, gen, strict):
-    # The emulated device has 4 SMs, so the launcher splits each request's 1024 lanes over a cluster of 4 blocks
-    # of 256 threads at batch 1, of 2 blocks at batch 2, and runs one block of 1024 threads at batch 3. The
-    # cluster's blocks combine their lanes through distributed shared memory and keep 4 / 2 / 1 tiles of loads
-    # in flight; the tokens must be the CPU kernel's. Several rounds, so that acceptance, residual and bonus
-    # sampling, and (round 0) greedy rows all occur; 20000 entries span three tiles. Round 1 also runs on
-    # misaligned rows (scalar loads); round 4 has p == q with p(x) = q(x) = 0, whose residual has no mass, so the
-    # token is resampled from p after a search that found nothing.
+@pytest.mark.parametrize("batch,slices", [(1, 4), (2, 2), (3, 1)])
+def test_lanes_split_over_blocks_change_no_bit(dtype, logits, batch, slices, gen, strict):
+    # The emulated device has 4 SMs, so the launcher splits each request's 1024 lanes over 4 blocks of 256 threads
+    # at batch 1, over 2 blocks at batch 2, and runs one block of 1024 threads at batch 3 (sampling_slices). The
+    # blocks of a request combine their lanes through global memory in a cooperative launch and keep 4 / 2 / 1
+    # tiles of loads in flight; the tokens must be the CPU kernel's (every forced split: test_sampling_slices.py).
+    # Several rounds, so that acceptance, residual and bonus sampling, and (round 0) greedy rows all occur; 20000
+    # entries span three tiles. Round 1 also runs on misaligned rows (scalar loads); round 4 has p == q with
+    # p(x) = q(x) = 0, whose residual has no mass, so the token is resampled from p after a search that found nothing.
     for round_ in range(5):
         inp = make_chain_inputs(gen, batch, 4, 20000, dtype, with_draft=round_ != 3, sharpness=1.0)
         inp["num_draft_tokens"][0] = 4
@@ -165,8 +165,8 @@ def test_lanes_split_over_a_cluster_change_no_bit(dtype, logits, batch, cluster_
         else:
             greedy = torch.full((batch,), round_ == 0)
             cpu, emus = run_probs("cpu", inp, greedy), [run_probs("sim", x, greedy) for x in inputs]
-        assert sim.last_launch() == {"blocks": batch * cluster_blocks, "threads_per_block": 1024 // cluster_blocks,
-                                     "cluster_blocks": cluster_blocks}
+        assert sim.last_launch() == {"blocks": batch * slices, "threads_per_block": 1024 // slices,
+                                     "cluster_blocks": 1, "cooperative": slices > 1}
         if round_ == 4:
             assert bool((cpu.num_accepted == 0).all()) and bool((cpu.output_token_ids[:, 0] != 7).all())
         for emu in emus:
@@ -478,10 +478,10 @@ def test_invalid_values_raise_on_cpu(gen):
         specdec_ext.chain_speculative_sampling_from_logits(inp["ids"], nan_logits, None, temperature=1.0, seed=1)
 
 
-@pytest.mark.parametrize("batch", [4, 1], ids=["one_block", "cluster_of_4"])
+@pytest.mark.parametrize("batch", [4, 1], ids=["one_block", "four_blocks"])
 def test_device_side_checks_under_the_emulator(batch, gen):
     # Like CUDA: no host sync by default (a defined, in-range output), a ValueError in strict mode. At batch 1
-    # the request's lanes are a cluster of 4 blocks, which all record the errors.
+    # the request's lanes are split over 4 blocks, which all record the errors.
     inp = make_chain_inputs(gen, batch, 3, 40)
     tp = inp["target_probs"].clone()
     tp[batch // 4, :, :] = float("nan")

@@ -126,10 +126,10 @@ def test_a_chain_shaped_tree_is_the_chain_op(backend, with_draft, logits, gen):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("with_draft", [True, False], ids=["sampled", "point"])
-@pytest.mark.parametrize("batch,vocab", [(1, 20000), (2, 2500), (6, 20000)], ids=["cluster4", "cluster2", "block"])
+@pytest.mark.parametrize("batch,vocab", [(1, 20000), (2, 2500), (6, 20000)], ids=["slices4", "slices2", "block"])
 def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_draft, batch, vocab, gen, strict):
     # Same rows, same order of every sum: every decision and every token agree, on 16-byte-aligned rows and on
-    # misaligned ones (scalar loads), with a request's lanes on a cluster of 4, 2 or 1 blocks. Strict mode (the
+    # misaligned ones (scalar loads), with a request's lanes on 4, 2 or 1 blocks. Strict mode (the
     # fixture): valid trees, so the emulated kernel records no error either.
     inp = make_tree_inputs(gen, batch, 24, vocab, dtype, with_draft, branching=4, depth=4, sharpness=1.0)
     shifted = {key: misaligned_copy(v) if key.endswith(("probs", "logits")) else v for key, v in inp.items()}
@@ -139,7 +139,7 @@ def test_cpu_kernel_and_emulated_cuda_kernel_agree_exactly(dtype, logits, with_d
         emu = run("sim", x, logits, control)
         for a, b in zip(cpu, emu):
             assert torch.equal(a, b)
-    assert sim.last_launch()["cluster_blocks"] == {1: 4, 2: 2}.get(batch, 1)
+    assert sim.last_launch()["threads_per_block"] == 1024 // {1: 4, 2: 2}.get(batch, 1)
 
 
 def test_greedy_follows_the_argmax_path(gen):

@@ -324,6 +324,9 @@ struct CpuSamplingEngine {
     if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
     return filtered(x, target ? lo_p : lo_q);
   }
+  // The CPU reads p(x_i) and q(x_i) where the flow asks for them (a cached row entry costs nothing to wait for).
+  void gather_drafts(int64_t, int32_t) {}
+  float gathered(int64_t, int32_t, int64_t x, bool target, const T* row) { return load(row, x, target); }
   int64_t tiles() const { return (P.vocab + kTile - 1) / kTile; }
   void load_tile(const T* row, int64_t t, float absent, bool target, float* x) {
     const bool bad = !target && P.target_to_draft != nullptr ? gather_tile(row, P, t, absent, x)

@@ -16,8 +16,9 @@ struct LauncherGuard {
   explicit LauncherGuard(const at::Tensor&) {}
 };
 inline Stream current_stream(const at::Tensor&) { return {}; }
-// A small device, so that the tests' modest shapes already take the multi-block paths.
-inline int multiprocessor_count(const at::Tensor&) { return 4; }
+// The emulated device's (sim::DeviceLimits: a small device, so that the tests' modest shapes already take the
+// multi-block paths).
+inline int multiprocessor_count(const at::Tensor&) { return static_cast<int>(sim::device_limits().multiprocessors); }
 }  // namespace specdec
 #else
 #include <ATen/cuda/CUDAContext.h>

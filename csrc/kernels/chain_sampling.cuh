@@ -1,15 +1,19 @@
 // Chain speculative sampling on the GPU: the 1024 canonical lanes of one request (sampling_math.h) are the
-// threads of a thread block cluster of C blocks of 1024 / C threads (C = 1 is a plain block; clusters need
-// sm_90): thread t of the block of cluster rank r is lane r * 1024 / C + t. In every tile of 8192 entries a
-// lane owns the 8 contiguous entries at 8 * lane: one 16-byte load for fp16/bf16 (two for fp32), so each load
-// instruction of a warp reads 512 contiguous bytes. A group of 32 lanes is a warp, and the pairwise tree over
-// a group is the warp's butterfly; the tree over the 32 groups reads the warps' results across the cluster
-// (distributed shared memory). Every bit of the result depends on the lanes only, so C changes none.
+// threads of a group of S blocks ("slices") of 1024 / S threads, S in {1, 2, 4, ..., 32}: thread t of the
+// block of slice r is lane r * 1024 / S + t. In every tile of 8192 entries a lane owns the 8 contiguous
+// entries at 8 * lane: one 16-byte load for fp16/bf16 (two for fp32), so each load instruction of a warp
+// reads 512 contiguous bytes. A group of 32 lanes is a warp, and the pairwise tree over a group is the warp's
+// butterfly; the tree over the 32 groups reads the warps' results, which the S blocks exchange through global
+// memory (SliceExchange) and meet at a barrier of their own (arrive_and_wait). Every bit of the result depends
+// on the lanes only, so S changes none: the split granularity is one group (a warp), so a request spreads
+// over at most 32 blocks whatever its vocabulary.
 //
-// Why clusters: a request's rows are read one after another, so with one block per request a batch of B
-// uses B SMs. The launcher picks C by sampling_cluster_blocks (chain_sampling.h); a smaller block has the
-// registers to keep C tiles of loads in flight per thread, so an SM has as many bytes in flight as with
-// 1024 threads.
+// Why slices: a request's rows are read one after another, so with one block per request a batch of B
+// uses B SMs. The launcher picks S by sampling_slices (chain_sampling.h): B = 1 reads each row with 32 SMs.
+// A smaller block has the registers to keep more tiles of loads in flight per thread (kTilesInFlight), so the
+// bytes in flight per request grow with S. The blocks of a request wait for each other, so the launch is
+// cooperative (all blocks resident) when S > 1; each barrier costs a round trip through L2, so a reduction
+// over the lanes takes one (double-buffered exchange) and a chunk of group totals one.
 //
 // Bytes: acceptance reads p(x) and q(x) (probabilities) or, with logits, one pass over the target and
 // draft rows of each position up to the first rejection; the resampled token costs one more pass over the
@@ -39,15 +43,36 @@ struct MaxSumPairCombine {
   }
 };
 
-template <typename T, int kClusterBlocks>
-struct ClusterSamplingEngine {
-  static_assert(kClusterBlocks >= 1 && kClusterBlocks <= kMaxSamplingClusterBlocks && kLanes % (kClusterBlocks * kWarpSize) == 0);
-  static constexpr int kThreads = kLanes / kClusterBlocks;
+// The global memory through which the S blocks of a request group meet (S > 1), one per group of blocks. Each
+// exchange is double-buffered by the parity of its use, so that a block may write the next values as soon as it
+// has read the last ones: a later use of the same buffer comes after a barrier that every block reaches only after
+// reading it. So every use has a sync_all between its writes and its reads, and the users of one buffer share one
+// use counter (reduce_lanes and combine_blocks: lane_exchanges).
+struct SliceExchange {
+  uint4 lanes[2][kGroups];  // reduce_lanes: one value (<= 16 bytes) per group; combine_blocks: one per block
+  float group_totals[2][kTileChunk * kGroups];
+  float histogram[2][kMaxTiles];  // the row filters' histograms (histogram_crossing), accumulated by global atomics
+};
+// A launch's exchanges and barrier counters (one per request group, zeroed before the launch); null with S = 1.
+struct SliceWorkspace {
+  SliceExchange* exchange;
+  unsigned* arrivals;
+};
+
+template <typename T, int kSlices>
+struct SlicedSamplingEngine {
+  static_assert(kSlices >= 1 && kSlices <= kMaxSamplingSlices && (kSlices & (kSlices - 1)) == 0);
+  static constexpr int kThreads = kLanes / kSlices;
   static constexpr int kWarps = kThreads / kWarpSize;
-  static constexpr int kTilesInFlight = kClusterBlocks;  // per thread: the registers a smaller block has
+  static_assert(kThreads >= kTileChunk, "row_totals sums a chunk's tiles with one thread each");
+  // Tiles of loads in flight per thread: the registers a smaller block has (64 per thread at 1024 threads, 128 at
+  // 512, 255 below), capped at 8 (a row of 65,536 entries in one round at S = 32).
+  static constexpr int kTilesInFlight = kSlices < 8 ? kSlices : 8;
 
   const ChainSamplingParams P;  // a copy: a reference to the kernel parameter would put it in local memory
-  unsigned rank;        // of this block in the cluster
+  unsigned rank;        // this block's slice of its request's lanes
+  SliceExchange* exchange;  // the request group's (S > 1)
+  unsigned* arrivals;   // the request group's barrier counter (S > 1)
   float* group_totals;  // [kTileChunk * kGroups]: the group totals of up to kTileChunk tiles at a time
   float* tile_totals;   // [kMaxTiles]
   float* lane_sums;     // [kGroup]
@@ -55,24 +80,23 @@ struct ClusterSamplingEngine {
   ArgMax* am_scratch;   // [kGroups]
   int32_t* int_scratch;  // [2]
   float* float_scratch;  // [2]
+  float* gathered_pq;   // [2 * kMaxDraftTokens]: p(x_i), then q(x_i), of the request gather_drafts read
   int32_t errors;       // this thread's error bits, published once at the end
+  int64_t gathered_request = -1;
+  unsigned barriers = 0;  // the group barriers this block has passed (counted by thread 0)
+  unsigned lane_exchanges = 0, total_exchanges = 0, histogram_exchanges = 0;  // uses of the exchange's buffers (their
+                                                                              // parity picks one)
   float lo_p = kNegInf, lo_q = kNegInf;  // the thresholds of the target and draft rows being read (row_filter.h)
 
-  // A barrier for everything the blocks of the cluster share; with one block, the block barrier.
+  // A barrier for everything the blocks of the request group share; with one block, the block barrier.
   SPECDEC_DEVICE void sync_all() {
-    if constexpr (kClusterBlocks == 1) {
+    sync_threads();
+    if constexpr (kSlices > 1) {
+      if (threadIdx.x == 0) {
+        ++barriers;
+        arrive_and_wait(arrivals, barriers * kSlices);
+      }
       sync_threads();
-    } else {
-      sync_cluster();
-    }
-  }
-  // Shared array `p` of the block of cluster rank `r`.
-  template <typename V>
-  SPECDEC_DEVICE V* of_rank(V* p, unsigned r) {
-    if constexpr (kClusterBlocks == 1) {
-      return p;
-    } else {
-      return map_cluster_shared(p, r);
     }
   }
 
@@ -91,6 +115,32 @@ struct ClusterSamplingEngine {
     if (invalid_entry(x, P.logits)) errors |= bad_bit(target);
     return filtered(x, target ? lo_p : lo_q);
   }
+  // p(x_i) and q(x_i) (raw values; 0 for an invalid id or a column the draft lacks) of request b's positions 0..k-1,
+  // loaded by one thread each, so that the acceptance tests wait for one round trip to memory.
+  SPECDEC_DEVICE_NOINLINE void gather_drafts(int64_t b, int32_t k) {
+    sync_threads();  // the previous request's values are no longer read
+    for (int i = static_cast<int>(threadIdx.x); i < k; i += kThreads) {
+      const int64_t x = draft_token(P, b, i);
+      float p = 0.0f, q = 0.0f;
+      if (draft_id_valid(P, x)) {
+        p = to_float(row_target(b, i)[x]);
+        const int64_t c = P.draft != nullptr ? draft_column(P, x) : -1;
+        if (c >= 0) q = to_float(row_draft(b, i)[c]);
+      }
+      gathered_pq[i] = p;
+      gathered_pq[kMaxDraftTokens + i] = q;
+    }
+    gathered_request = b;
+    sync_threads();
+  }
+  // load(row, x, target) for draft position i of request b (row its target or draft row), from the gathered values.
+  SPECDEC_DEVICE float gathered(int64_t b, int32_t i, int64_t x, bool target, const T* row) {
+    if (gathered_request != b) return load(row, x, target);
+    if (!target && draft_column(P, x) < 0) return P.logits ? kNegInf : 0.0f;  // as load: a column the draft lacks
+    const float v = gathered_pq[(target ? 0 : kMaxDraftTokens) + i];
+    if (invalid_entry(v, P.logits)) errors |= bad_bit(target);
+    return filtered(v, target ? lo_p : lo_q);
+  }
   SPECDEC_DEVICE int tiles() const { return static_cast<int>((P.vocab + kTile - 1) / kTile); }
   // Entry indices within a row fit in 32 bits (vocab <= kMaxVocab), which saves registers.
   SPECDEC_DEVICE int vocab() const { return static_cast<int>(P.vocab); }
@@ -102,7 +152,7 @@ struct ClusterSamplingEngine {
   SPECDEC_DEVICE bool vector_draft_row(const T* row) const { return P.target_to_draft == nullptr && vector_row(row); }
 
   // This thread's canonical lane. With one block, threadIdx.x itself: a special register costs no register.
-  SPECDEC_DEVICE unsigned lane() const { return kClusterBlocks == 1 ? threadIdx.x : rank * kThreads + threadIdx.x; }
+  SPECDEC_DEVICE unsigned lane() const { return kSlices == 1 ? threadIdx.x : rank * kThreads + threadIdx.x; }
   SPECDEC_DEVICE int block_start(int t, unsigned lane) const { return t * kTile + static_cast<int>(lane) * kLaneEntries; }
 
   // A lane's block as loaded: one 16-byte load for 16-bit types, two for fp32 (element by element when the
@@ -153,26 +203,58 @@ struct ClusterSamplingEngine {
     for (int j = 0; j < kLaneEntries; ++j) x[j] = filtered(x[j], lo);
   }
 
-  // ----- Row filters (row_filter.h). Each block of a cluster finds a row's thresholds on its own, its threads
-  // covering all 1024 lanes (lane = round * kThreads + thread, so a warp is a group), and every block finds the same:
-  // no cluster barrier. The passes read the raw row in its own order (a draft row over its own columns); group_totals
-  // is their scratch (free until the row's statistics are computed).
+  // ----- Row filters (row_filter.h). Each block passes over its own lanes, and the blocks of a request group combine
+  // what they found through the exchange, so every block finds the same thresholds and takes the same passes. The
+  // passes read the raw row in its own order (a draft row over its own columns); group_totals is their scratch (free
+  // until the row's statistics are computed).
   //
-  // Top-k by radix select (three passes counting 11-, 11- and 10-bit digits of the ordered keys in shared memory: exact
-  // counts, whatever the order of the atomics); top-p from a bracket guessed by two levels of a histogram of the
-  // numerators by their bits (10 each; float atomics, so the guess may vary, never the threshold, which S confirms),
-  // then a few bisection steps inside it. tile_totals (kMaxTiles floats) holds the histograms.
+  // Top-k by radix select (three passes counting 11-, 11- and 10-bit digits of the ordered keys: exact counts, whatever
+  // the order of the atomics); top-p from a bracket guessed by two levels of a histogram of the numerators by their
+  // bits (10 each; float atomics, so the guess may vary from run to run, never the threshold, which S confirms; the
+  // blocks of a request read one histogram, so they guess alike), then a few bisection steps inside it. tile_totals
+  // (kMaxTiles floats) holds the histograms.
 
-  // Calls f(x, lane) with the block x[8] of tile t of each of this thread's lanes (-inf past the row's n entries).
+  // Calls f(x, lane) with this thread's lane's block x[8] of tile t (-inf past the row's n entries).
   template <typename F>
   SPECDEC_DEVICE void for_each_filter_block(const T* row, int n, int t, F&& f) const {
-    for (int k = 0; k < kClusterBlocks; ++k) {
-      const int lane = k * kThreads + static_cast<int>(threadIdx.x);
-      const int v0 = t * kTile + lane * kLaneEntries;
-      float x[kLaneEntries];
+    const int lane = static_cast<int>(this->lane());
+    const int v0 = t * kTile + lane * kLaneEntries;
+    float x[kLaneEntries];
 #pragma unroll
-      for (int j = 0; j < kLaneEntries; ++j) x[j] = v0 + j < n ? to_float(row[v0 + j]) : kNegInf;
-      f(x, lane);
+    for (int j = 0; j < kLaneEntries; ++j) x[j] = v0 + j < n ? to_float(row[v0 + j]) : kNegInf;
+    f(x, lane);
+  }
+  // Combines the blocks' values of a request group (every thread passes its block's): op must be exact in any order
+  // (max, min, sums of integers below 2^24). Every thread returns the result.
+  template <typename Op>
+  SPECDEC_DEVICE float combine_blocks(float value, Op op) {
+    if constexpr (kSlices == 1) {
+      return value;
+    } else {
+      uint4* slots = exchange->lanes[lane_exchanges++ % 2];
+      if (threadIdx.x == 0) *reinterpret_cast<float*>(&slots[rank]) = value;
+      sync_all();
+      float r = load_coherent(reinterpret_cast<const float*>(&slots[0]));
+      for (int s = 1; s < kSlices; ++s) r = op(r, load_coherent(reinterpret_cast<const float*>(&slots[s])));
+      return r;
+    }
+  }
+  // The group totals of tiles [first, end) (at most kTileChunk) in group_totals of every block of the request group:
+  // write(out) stores this block's groups' totals at out[(t - first) * kGroups + g]; with S > 1 into the exchange,
+  // which every block then copies whole.
+  template <typename Write>
+  SPECDEC_DEVICE void exchange_group_totals(int first, int end, Write&& write) {
+    if constexpr (kSlices == 1) {
+      write(group_totals);
+      sync_threads();
+    } else {
+      float* totals = exchange->group_totals[total_exchanges++ % 2];
+      write(totals);
+      sync_all();
+      for (int i = static_cast<int>(threadIdx.x); i < (end - first) * kGroups; i += kThreads) {
+        group_totals[i] = load_coherent(&totals[i]);
+      }
+      sync_threads();
     }
   }
   struct FloatMax {
@@ -191,7 +273,7 @@ struct ClusterSamplingEngine {
         for (int j = 0; j < kLaneEntries; ++j) m = x[j] > m ? x[j] : m;  // NaN never wins
       });
     }
-    return block_reduce<kThreads>(m, FloatMax{}, group_totals);
+    return combine_blocks(block_reduce<kThreads>(m, FloatMax{}, group_totals), FloatMax{});
   }
   // How many entries are >= t (a float: exact, as counts stay below 2^24).
   SPECDEC_DEVICE_NOINLINE float filter_count(const T* row, int n, float t0) {
@@ -202,7 +284,7 @@ struct ClusterSamplingEngine {
         for (int j = 0; j < kLaneEntries; ++j) c += t * kTile + lane * kLaneEntries + j < n && x[j] >= t0 ? 1.0f : 0.0f;
       });
     }
-    return block_reduce<kThreads>(c, FloatSum{}, group_totals);
+    return combine_blocks(block_reduce<kThreads>(c, FloatSum{}, group_totals), FloatSum{});
   }
   SPECDEC_DEVICE_NOINLINE float filter_min_at_gap(const T* row, int n, float m, float scale, float g) {
     float lo = m;
@@ -212,34 +294,46 @@ struct ClusterSamplingEngine {
         for (int j = 0; j < kLaneEntries; ++j) lo = scaled_gap(x[j], m, scale) >= g && x[j] < lo ? x[j] : lo;
       });
     }
-    return block_reduce<kThreads>(lo, FloatMin{}, group_totals);
+    return combine_blocks(block_reduce<kThreads>(lo, FloatMin{}, group_totals), FloatMin{});
   }
   // S(t0) in the canonical order (the CPU kernel's mass_at_least_row): every thread returns it.
   SPECDEC_DEVICE_NOINLINE float filter_mass(const T* row, int n, float m, float scale, float t0) {
     float total = 0.0f;
-    for (int t = 0; t < tiles_of(n); ++t) {
-      for_each_filter_block(row, n, t, [&](const float* x, int lane) {
-        float w[kLaneEntries];
+    for (int first = 0; first < tiles_of(n); first += kTileChunk) {
+      const int end = first + kTileChunk < tiles_of(n) ? first + kTileChunk : tiles_of(n);
+      exchange_group_totals(first, end, [&](float* out) {
+        for (int t = first; t < end; ++t) {
+          for_each_filter_block(row, n, t, [&](const float* x, int lane) {
+            float w[kLaneEntries];
 #pragma unroll
-        for (int j = 0; j < kLaneEntries; ++j) w[j] = x[j] >= t0 ? det_exp2(scaled_gap(x[j], m, scale)) : 0.0f;
-        const float g = group_reduce<kGroup>(block_sum(w), FloatSum{});
-        if (lane_id() == 0) group_totals[lane / kGroup] = g;
+            for (int j = 0; j < kLaneEntries; ++j) w[j] = x[j] >= t0 ? det_exp2(scaled_gap(x[j], m, scale)) : 0.0f;
+            const float g = group_reduce<kGroup>(block_sum(w), FloatSum{});
+            if (lane_id() == 0) out[(t - first) * kGroups + lane / kGroup] = g;
+          });
+        }
       });
-      sync_threads();
-      float tile_total = 0.0f;
-      for (int g = 0; g < kGroups; ++g) tile_total = fadd(tile_total, group_totals[g]);
-      total = fadd(total, tile_total);
-      sync_threads();
+      for (int t = first; t < end; ++t) {
+        float tile_total = 0.0f;
+        for (int g = 0; g < kGroups; ++g) tile_total = fadd(tile_total, group_totals[(t - first) * kGroups + g]);
+        total = fadd(total, tile_total);
+      }
+      sync_threads();  // the next chunk's totals overwrite group_totals
     }
     return total;
   }
 
   // Counts (or masses) per bin of `bins` (a power of two <= kMaxTiles) into tile_totals: bin_of(x) for each entry
-  // (-1: none), atomics in shared memory. Then one thread walks the bins from the top: the bin where the running total
-  // reaches `want` (0 if none does), and the total above it. Every thread returns both.
+  // (-1: none), atomics in shared memory. With S > 1 each block then adds its nonzero bins into the exchange's
+  // histogram (zeroed by the blocks in shares) with one global atomic each, and copies the sum back. Then one thread
+  // walks the bins from the top: the bin where the running total reaches `want` (0 if none does), and the total above
+  // it. Every thread returns both.
   template <typename BinOf>
   SPECDEC_DEVICE_NOINLINE int histogram_crossing(const T* row, int n, int bins, float want, BinOf&& bin_of, float* above) {
     float* hist = tile_totals;
+    float* request_hist = kSlices == 1 ? nullptr : exchange->histogram[histogram_exchanges++ % 2];
+    if constexpr (kSlices > 1) {
+      for (int i = static_cast<int>(lane()); i < bins; i += kLanes) request_hist[i] = 0.0f;
+    }
     for (int i = static_cast<int>(threadIdx.x); i < bins; i += kThreads) hist[i] = 0.0f;
     sync_threads();
     for (int t = 0; t < tiles_of(n); ++t) {
@@ -252,7 +346,15 @@ struct ClusterSamplingEngine {
         }
       });
     }
-    sync_threads();
+    sync_all();  // with S > 1 also: every block has zeroed its share of request_hist
+    if constexpr (kSlices > 1) {
+      for (int i = static_cast<int>(threadIdx.x); i < bins; i += kThreads) {
+        if (hist[i] != 0.0f) atomic_add(&request_hist[i], hist[i]);
+      }
+      sync_all();
+      for (int i = static_cast<int>(threadIdx.x); i < bins; i += kThreads) hist[i] = load_coherent(&request_hist[i]);
+      sync_threads();
+    }
     if (threadIdx.x == 0) {
       float total = 0.0f;
       int bin = bins - 1;
@@ -268,7 +370,7 @@ struct ClusterSamplingEngine {
   }
 
   struct FilterRow {
-    ClusterSamplingEngine& e;
+    SlicedSamplingEngine& e;
     const T* row;
     int n;
     SPECDEC_DEVICE int64_t size() const { return n; }
@@ -322,8 +424,8 @@ struct ClusterSamplingEngine {
           }
         });
       }
-      lo = block_reduce<kThreads>(lo, FloatMin{}, e.group_totals);
-      hi = block_reduce<kThreads>(hi, FloatMax{}, e.group_totals);
+      lo = e.combine_blocks(block_reduce<kThreads>(lo, FloatMin{}, e.group_totals), FloatMin{});
+      hi = e.combine_blocks(block_reduce<kThreads>(hi, FloatMax{}, e.group_totals), FloatMax{});
       if (lo <= hi) {
         *g_lo = lo;
         *g_hi = next_up(hi);
@@ -345,17 +447,25 @@ struct ClusterSamplingEngine {
     }
   }
 
-  // Combines the 1024 lane values by the pairwise tree: within each warp, then over the 32 warps of the
-  // cluster (group g's result is in scratch[g % kWarps] of rank g / kWarps). Every thread of the cluster
-  // returns the result; scratch may be reused as soon as it returns.
+  // Combines the 1024 lane values by the pairwise tree: within each warp, then over the 32 groups (group g's result
+  // in scratch[g] of the block, or in the request group's exchange). Every thread of the request group returns the
+  // result; scratch may be reused as soon as it returns.
   template <typename V, typename Op>
   SPECDEC_DEVICE V reduce_lanes(V value, Op op, V* scratch) {
     const V g = group_reduce<kGroup>(value, op);
-    if (lane_id() == 0) scratch[threadIdx.x / kGroup] = g;
-    sync_all();
-    const V r = group_reduce<kGroups>(of_rank(scratch, lane_id() / kWarps)[lane_id() % kWarps], op);
-    sync_all();
-    return r;
+    if constexpr (kSlices == 1) {
+      if (lane_id() == 0) scratch[threadIdx.x / kGroup] = g;
+      sync_threads();
+      const V r = group_reduce<kGroups>(scratch[lane_id()], op);
+      sync_threads();
+      return r;
+    } else {
+      static_assert(sizeof(V) <= sizeof(uint4), "an exchanged value fits one slot");
+      uint4* slots = exchange->lanes[lane_exchanges++ % 2];
+      if (lane_id() == 0) *reinterpret_cast<V*>(&slots[lane() / kGroup]) = g;
+      sync_all();
+      return group_reduce<kGroups>(load_coherent(reinterpret_cast<const V*>(&slots[lane_id()])), op);
+    }
   }
 
   // The row loops load kTilesInFlight tiles, then use them in order. With 1024-thread blocks that is one:
@@ -379,7 +489,7 @@ struct ClusterSamplingEngine {
       }
 #pragma unroll
       for (int d = 0; d < kTilesInFlight; ++d) {
-        if (t0 + d >= tiles) break;  // uniform over the cluster (f may reduce over the warp)
+        if (t0 + d >= tiles) break;  // uniform over the request group (f may reduce over the warp)
         f(p[d], q[d], t0 + d, block_start(t0 + d, lane()));
       }
     }
@@ -458,36 +568,30 @@ struct ClusterSamplingEngine {
   }
 
   // Group totals of tiles [first, end) (at most kTileChunk; the pairwise tree over each group's lanes' block sums)
-  // into group_totals[(t - first) * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
-  // This block's groups only: group g's totals are in group_totals of cluster rank g / kWarps.
+  // into out[(t - first) * kGroups + g]. Out of line, so that the hot loop gets the registers to itself.
+  // This block's groups only.
   template <typename Spec>
   SPECDEC_DEVICE_NOINLINE void tile_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec,
-                                                 int first, int end) {
+                                                 int first, int end, float* out) {
     const bool has_q = row_q != nullptr;
     for_each_tile(
         row_p, vec_p, row_q, vec_q,
         [&](const RawBlock& p, const RawBlock& q, int t, int v0) {
           const float group_total = group_reduce<kGroup>(block_mass(p, q, has_q, spec, v0), FloatSum{});
-          if (lane_id() == 0) group_totals[(t - first) * kGroups + lane() / kGroup] = group_total;
+          if (lane_id() == 0) out[(t - first) * kGroups + lane() / kGroup] = group_total;
         },
         first, end);
   }
 
-  // Group totals of tiles [first, end) in every block of the cluster: each block takes the other blocks' groups.
+  // Group totals of tiles [first, end) in the group_totals of every block of the request group: the blocks write
+  // their groups' into the exchange, then each copies them all. From here on each block searches on its own, and all
+  // find the same token.
   template <typename Spec>
   SPECDEC_DEVICE void chunk_group_totals(const T* row_p, const T* row_q, bool vec_p, bool vec_q, const Spec& spec, int first,
                                          int end) {
-    tile_group_totals(row_p, row_q, vec_p, vec_q, spec, first, end);
-    sync_all();
-    if constexpr (kClusterBlocks > 1) {
-      // From here on each block searches on its own, and all find the same token. Each block writes only entries
-      // the others do not read.
-      for (int i = static_cast<int>(threadIdx.x); i < (end - first) * kGroups; i += kThreads) {
-        const unsigned owner = static_cast<unsigned>(i % kGroups / kWarps);
-        if (owner != rank) group_totals[i] = of_rank(group_totals, owner)[i];
-      }
-      sync_all();  // no block writes its totals again before all have read them
-    }
+    exchange_group_totals(first, end, [&](float* out) {
+      tile_group_totals(row_p, row_q, vec_p, vec_q, spec, first, end, out);
+    });
   }
 
   // Pass 1 and the totals: tile_totals of every tile (its groups' totals in order), computed kTileChunk tiles at a
@@ -575,7 +679,7 @@ struct ClusterSamplingEngine {
   }
 
   SPECDEC_DEVICE void write(int64_t b, int32_t accepted, int32_t token, int32_t independent) {
-    if (rank != 0) return;  // every block of the cluster knows the outcome; one writes it
+    if (rank != 0) return;  // every block of the request group knows the outcome; one writes it
     for (int64_t j = threadIdx.x; j <= P.num_draft; j += kThreads) {
       P.output_token_ids[b * (P.num_draft + 1) + j] = output_id(P, b, j, accepted, token);
     }
@@ -586,11 +690,12 @@ struct ClusterSamplingEngine {
   }
 };
 
-// A grid of clusters of kClusterBlocks blocks, each of kLanes / kClusterBlocks threads; cluster c handles
-// requests c, c + clusters, ...
-template <typename T, int kClusterBlocks>
-__global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) chain_sampling_kernel(const ChainSamplingParams params) {
-  using Engine = ClusterSamplingEngine<T, kClusterBlocks>;
+// A grid of request groups of kSlices blocks, each of kLanes / kSlices threads; group g handles requests g,
+// g + groups, ... (blocks g * kSlices .. + kSlices - 1; with kSlices > 1 the launch is cooperative).
+template <typename T, int kSlices>
+__global__ void __launch_bounds__(kLanes / kSlices, 1) chain_sampling_kernel(const ChainSamplingParams params,
+                                                                             const SliceWorkspace workspace) {
+  using Engine = SlicedSamplingEngine<T, kSlices>;
   const ChainSamplingParams P = params;
   SPECDEC_SHARED(float, group_totals, kTileChunk * kGroups);
   SPECDEC_SHARED(float, tile_totals, kMaxTiles);
@@ -599,14 +704,16 @@ __global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) chain_sampling_ker
   SPECDEC_SHARED(ArgMax, am_scratch, kGroups);
   SPECDEC_SHARED(int32_t, int_scratch, 2);
   SPECDEC_SHARED(float, float_scratch, 2);
-  // Code compiled for an architecture without clusters sees clusters of one block (device.cuh); the launcher
-  // never asks it for more (max_active_clusters), and this stops the kernel if it ever did.
-  if (kClusterBlocks > 1 && cluster_size() != kClusterBlocks) invariant_failed("chain_sampling_kernel: wrong cluster shape");
-  const unsigned rank = kClusterBlocks == 1 ? 0u : cluster_rank();
-  Engine engine{P, rank, group_totals, tile_totals, lane_sums, ms_scratch, am_scratch,
-                int_scratch, float_scratch, 0};
-  const int64_t clusters = gridDim.x / kClusterBlocks;
-  for (int64_t b = blockIdx.x / kClusterBlocks; b < P.batch; b += clusters) chain_sampling_request(engine, P, b);
+  SPECDEC_SHARED(float, gathered_pq, 2 * kMaxDraftTokens);
+  const unsigned group = blockIdx.x / kSlices;
+  if (kSlices > 1 && (gridDim.x % kSlices != 0 || workspace.arrivals == nullptr)) {
+    invariant_failed("chain_sampling_kernel: a grid of whole request groups, with their workspace");
+  }
+  Engine engine{P, blockIdx.x % kSlices, kSlices > 1 ? workspace.exchange + group : nullptr,
+                kSlices > 1 ? workspace.arrivals + group : nullptr, group_totals, tile_totals, lane_sums, ms_scratch,
+                am_scratch, int_scratch, float_scratch, gathered_pq, 0};
+  const int64_t groups = gridDim.x / kSlices;
+  for (int64_t b = group; b < P.batch; b += groups) chain_sampling_request(engine, P, b);
   if (engine.errors != 0 && P.error_flags != nullptr) atomic_or(P.error_flags, engine.errors);
 }
 

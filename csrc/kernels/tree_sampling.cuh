@@ -1,5 +1,5 @@
 // Tree speculative sampling on the GPU: tree_sampling_request (specdec/tree_sampling.h) on the chain kernel's
-// engine, one thread block cluster per request, so that every row operation is the chain kernel's (same
+// engine, one group of blocks per request (its slices), so that every row operation is the chain kernel's (same
 // lanes, same bits). The request's nodes and the current node's levels are kept in shared memory: the flow
 // reads them in every thread (broadcast reads), and the residual reads the levels at every entry.
 //
@@ -12,9 +12,9 @@
 
 namespace specdec {
 
-template <typename T, int kClusterBlocks>
-struct TreeClusterEngine : ClusterSamplingEngine<T, kClusterBlocks> {
-  using Base = ClusterSamplingEngine<T, kClusterBlocks>;
+template <typename T, int kSlices>
+struct TreeSlicedEngine : SlicedSamplingEngine<T, kSlices> {
+  using Base = SlicedSamplingEngine<T, kSlices>;
   const TreeSamplingParams* tree;  // the kernel's copy of its parameters
   int32_t* node_parent;   // [kMaxTreeNodes]: the request's nodes, copied once
   int64_t* node_token;    // [kMaxTreeNodes]
@@ -34,8 +34,8 @@ struct TreeClusterEngine : ClusterSamplingEngine<T, kClusterBlocks> {
       node_token[c] = tree_token(*tree, b, c);
     }
     sync_threads();
-    const int c = static_cast<int>(threadIdx.x);
-    if (c >= 1 && c < n) {  // one thread per node (N <= 64 < the block's threads)
+    for (int c = static_cast<int>(threadIdx.x); c < n; c += Base::kThreads) {  // a block of 32 threads checks 2 each
+      if (c == 0) continue;
       const int32_t bits = tree_node_errors([&](int32_t i) { return node_parent[i]; }, [&](int32_t i) { return node_token[i]; },
                                             c, tree->rows.vocab);
       node_valid[c] = bits == 0;
@@ -60,9 +60,10 @@ struct TreeClusterEngine : ClusterSamplingEngine<T, kClusterBlocks> {
   }
 };
 
-template <typename T, int kClusterBlocks>
-__global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) tree_sampling_kernel(const TreeSamplingParams params) {
-  using Engine = TreeClusterEngine<T, kClusterBlocks>;
+template <typename T, int kSlices>
+__global__ void __launch_bounds__(kLanes / kSlices, 1) tree_sampling_kernel(const TreeSamplingParams params,
+                                                                            const SliceWorkspace workspace) {
+  using Engine = TreeSlicedEngine<T, kSlices>;
   const TreeSamplingParams TP = params;
   SPECDEC_SHARED(float, group_totals, kTileChunk * kGroups);
   SPECDEC_SHARED(float, tile_totals, kMaxTiles);
@@ -77,12 +78,16 @@ __global__ void __launch_bounds__(kLanes / kClusterBlocks, 1) tree_sampling_kern
   SPECDEC_SHARED(int32_t, level_removed, kMaxTreeNodes);
   SPECDEC_SHARED(float, level_inv_q, kMaxTreeNodes);
   SPECDEC_SHARED(float, level_inv_s, kMaxTreeNodes);
-  if (kClusterBlocks > 1 && cluster_size() != kClusterBlocks) invariant_failed("tree_sampling_kernel: wrong cluster shape");
-  const unsigned rank = kClusterBlocks == 1 ? 0u : cluster_rank();
-  Engine engine{{TP.rows, rank, group_totals, tile_totals, lane_sums, ms_scratch, am_scratch, int_scratch, float_scratch, 0},
+  const unsigned group = blockIdx.x / kSlices;
+  if (kSlices > 1 && (gridDim.x % kSlices != 0 || workspace.arrivals == nullptr)) {
+    invariant_failed("tree_sampling_kernel: a grid of whole request groups, with their workspace");
+  }
+  Engine engine{{TP.rows, blockIdx.x % kSlices, kSlices > 1 ? workspace.exchange + group : nullptr,
+                 kSlices > 1 ? workspace.arrivals + group : nullptr, group_totals, tile_totals, lane_sums, ms_scratch,
+                 am_scratch, int_scratch, float_scratch, /*gathered_pq: the chain flow's*/ nullptr, 0},
                 &TP, node_parent, node_token, node_valid, level_removed, level_inv_q, level_inv_s};
-  const int64_t clusters = gridDim.x / kClusterBlocks;
-  for (int64_t b = blockIdx.x / kClusterBlocks; b < TP.rows.batch; b += clusters) tree_sampling_request(engine, TP, b);
+  const int64_t groups = gridDim.x / kSlices;
+  for (int64_t b = group; b < TP.rows.batch; b += groups) tree_sampling_request(engine, TP, b);
   if (engine.errors != 0 && TP.rows.error_flags != nullptr) atomic_or(TP.rows.error_flags, engine.errors);
 }
 

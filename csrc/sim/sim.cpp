@@ -21,6 +21,7 @@
 #endif
 
 #ifdef SPECDEC_SIM_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -74,10 +75,14 @@ constexpr size_t kStackBytes = 512 * 1024;  // instrumented frames are several t
 constexpr size_t kStackBytes = 256 * 1024;
 #endif
 
-enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCluster, kAtWarp, kDone, kFailed };
+// kSpinning: yielded polling again in a spin loop (spin_wait); runnable, but its switch was no progress.
+enum class FiberState : uint8_t { kRunnable, kAtBarrier, kAtCluster, kAtWarp, kSpinning, kDone, kFailed };
 
 struct FiberStack {
   char* base = nullptr;  // guard page first, then kStackBytes of stack
+  // A fiber abandoned on this stack (a failed launch) left its frames' AddressSanitizer redzones poisoned: cleared
+  // before the stack runs another fiber, which would otherwise be reported writing into them.
+  bool abandoned = false;
   FiberStack() {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     void* p = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -102,7 +107,7 @@ struct Fiber {
   FiberState state = FiberState::kRunnable;
   uint3 tid{};
   unsigned linear = 0;  // index within its block
-  unsigned rank = 0;    // its block's rank in the cluster
+  unsigned rank = 0;    // its block's index among the blocks run together (its cluster's rank in a cluster)
   unsigned slot = 0;    // index among the fibers of the running cluster (and of its stack)
   // The pending warp collective (valid in kAtWarp).
   WarpOp op = WarpOp::kSync;
@@ -136,7 +141,9 @@ struct Launch {
   const std::function<void()>* body = nullptr;
   unsigned nthreads = 0;         // per block
   unsigned cluster_blocks = 1;   // blocks per cluster
-  std::vector<Block> blocks;     // the running cluster's, by rank
+  unsigned group_blocks = 1;     // blocks run together: a cluster's, or a cooperative launch's grid
+  bool cooperative = false;
+  std::vector<Block> blocks;     // the running group's, by rank
   std::vector<Fiber> fibers;     // block rank r's thread i is fibers[r * nthreads + i]
   Fiber* current = nullptr;
 #ifdef SPECDEC_SIM_FAST_SWITCH
@@ -398,6 +405,9 @@ std::string describe_states(const Launch& L, unsigned first, unsigned count) {
   }
   s << ", " << at_warp << " at a warp collective";
   if (warp_example) s << " (e.g. " << thread_name(*warp_example) << " in " << op_name(warp_example->op) << " at " << warp_example->file << ":" << warp_example->line << ")";
+  unsigned spinning = 0;
+  for (unsigned i = first; i < first + count; ++i) spinning += L.fibers[i].state == FiberState::kRunnable;
+  if (spinning > 0) s << ", " << spinning << " spin on memory no other thread writes";
   s << ", " << done << " have exited";
   if (done_example) s << " (e.g. " << thread_name(*done_example) << ")";
   return s.str();
@@ -429,8 +439,14 @@ void run_cluster(Launch& L, uint64_t cluster_index) {
       std::memset(b.dynamic_shared, 0xFF, L.dynamic_shared_bytes);
     }
   }
-  const unsigned total = L.nthreads * L.cluster_blocks;
+  const unsigned total = L.nthreads * L.group_blocks;
   for (unsigned slot = 0; slot < total; ++slot) {
+#ifdef SPECDEC_SIM_ASAN
+    if (tls_stacks[slot]->abandoned) {
+      __asan_unpoison_memory_region(tls_stacks[slot]->base, kStackBytes);
+      tls_stacks[slot]->abandoned = false;
+    }
+#endif
     Fiber& f = L.fibers[slot];
     const unsigned i = slot % L.nthreads;
     f = Fiber{};
@@ -464,14 +480,18 @@ void run_cluster(Launch& L, uint64_t cluster_index) {
   for (;;) {
     const bool reverse = phase % 2 == 1;
     bool progress = false;
-    for (unsigned k = 0; k < L.cluster_blocks; ++k) {
-      const unsigned rank = reverse ? L.cluster_blocks - 1 - k : k;
+    for (unsigned k = 0; k < L.group_blocks; ++k) {
+      const unsigned rank = reverse ? L.group_blocks - 1 - k : k;
       const unsigned first = rank * L.nthreads;
       for (;;) {
         for (unsigned i = first; i < first + L.nthreads; ++i) {
           if (L.fibers[i].state != FiberState::kRunnable) continue;
           switch_to_fiber(L, L.fibers[i]);
-          progress = true;
+          if (L.fibers[i].state == FiberState::kSpinning) {
+            L.fibers[i].state = FiberState::kRunnable;  // polled and found nothing new: no progress
+          } else {
+            progress = true;
+          }
           if (L.failed) return;
         }
         if (release_warp_collectives(L, rank)) continue;
@@ -507,7 +527,10 @@ void run_cluster(Launch& L, uint64_t cluster_index) {
       ++phase;
       continue;
     }
-    if (progress) continue;
+    if (progress) {
+      if (L.cooperative) ++phase;  // the blocks of a cooperative launch alternate their order at every round
+      continue;
+    }
     record_block_failure(L, 0, "deadlock: " + describe_states(L, 0, total));
     return;
   }
@@ -520,8 +543,14 @@ const DeviceLimits& device_limits() {
   return limits;
 }
 
+unsigned resident_blocks(unsigned threads_per_block) {
+  const DeviceLimits& lim = device_limits();
+  const unsigned per_sm = threads_per_block == 0 ? 0 : lim.max_threads_per_multiprocessor / threads_per_block;
+  return lim.multiprocessors * std::min(per_sm, lim.max_blocks_per_multiprocessor);
+}
+
 void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t dynamic_shared_bytes,
-            const std::function<void()>& body) {
+            const std::function<void()>& body, bool cooperative) {
   const DeviceLimits& lim = device_limits();
   auto reject = [&](const std::string& why) {
     throw SimError(std::string("specdec sim: launch of ") + kernel_name + " rejected (invalid configuration): " + why);
@@ -549,6 +578,12 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t
     reject(std::to_string(dynamic_shared_bytes) + " bytes of dynamic shared memory, the device allows " +
            std::to_string(lim.max_shared_optin));
   }
+  const uint64_t grid_blocks = uint64_t{grid.x} * grid.y * grid.z;
+  if (cooperative && cluster_blocks != 1) reject("a cooperative launch with clusters");
+  if (cooperative && grid_blocks > resident_blocks(static_cast<unsigned>(nthreads))) {
+    reject("a cooperative launch of " + std::to_string(grid_blocks) + " blocks of " + std::to_string(nthreads) +
+           " threads, the device holds " + std::to_string(resident_blocks(static_cast<unsigned>(nthreads))) + " at once");
+  }
   if (tls_launch != nullptr) throw SimError("specdec sim: a kernel launched another kernel (dynamic parallelism is not emulated)");
 
   Launch L;
@@ -559,11 +594,14 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t
   L.body = &body;
   L.nthreads = static_cast<unsigned>(nthreads);
   L.cluster_blocks = static_cast<unsigned>(cluster_blocks);
+  L.group_blocks = cooperative ? static_cast<unsigned>(grid_blocks) : L.cluster_blocks;
+  L.cooperative = cooperative;
   L.dynamic_shared_bytes = dynamic_shared_bytes;
   L.stats.threads_per_block = L.nthreads;
   L.stats.cluster_blocks = L.cluster_blocks;
-  L.blocks.resize(L.cluster_blocks);
-  L.fibers.resize(L.nthreads * L.cluster_blocks);
+  L.stats.cooperative = cooperative;
+  L.blocks.resize(L.group_blocks);
+  L.fibers.resize(L.nthreads * L.group_blocks);
   while (tls_stacks.size() < L.fibers.size()) tls_stacks.push_back(std::make_unique<FiberStack>());
 
   tls_launch = &L;
@@ -575,11 +613,32 @@ void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t
       tls_launch = nullptr;
     }
   } reset{L};
+  // A failed launch abandons the fibers that had not finished, on their stacks (FiberStack::abandoned).
+  struct MarkAbandoned {
+    Launch& L;
+    ~MarkAbandoned() {
+      if (!L.failed) return;
+      for (const Fiber& f : L.fibers) {
+        if (f.state != FiberState::kDone) tls_stacks[f.slot]->abandoned = true;
+      }
+    }
+  } mark{L};
+  if (cooperative) {  // one group: every block of the grid, x fastest
+    for (unsigned i = 0; i < L.group_blocks; ++i) {
+      Block& b = L.blocks[i];
+      b.id = uint3{i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
+      b.serial = ++tls_blocks_run;
+    }
+    run_cluster(L, 0);
+    L.stats.blocks = L.group_blocks;
+    if (L.failed) throw SimError(L.error);
+    return;
+  }
   for (unsigned z = 0; z < grid.z; z += cluster.z) {
     for (unsigned y = 0; y < grid.y; y += cluster.y) {
       for (unsigned x = 0; x < grid.x; x += cluster.x) {
         // CUDA's block rank within a cluster: x fastest, then y, then z.
-        for (unsigned rank = 0; rank < L.cluster_blocks; ++rank) {
+        for (unsigned rank = 0; rank < L.group_blocks; ++rank) {
           Block& b = L.blocks[rank];
           b.id = uint3{x + rank % cluster.x, y + rank / cluster.x % cluster.y, z + rank / (cluster.x * cluster.y)};
           b.serial = ++tls_blocks_run;
@@ -603,7 +662,10 @@ uint64_t block_serial() {
   Launch& L = active("block_serial");
   return L.block_of(*L.current).serial;
 }
-unsigned cluster_block_rank() { return active("cluster.block_rank()").current->rank; }
+unsigned cluster_block_rank() {
+  Launch& L = active("cluster.block_rank()");
+  return L.current->rank % L.cluster_blocks;
+}
 unsigned cluster_num_blocks() { return active("cluster.num_blocks()").cluster_blocks; }
 
 namespace {
@@ -619,7 +681,20 @@ void wait_at_barrier(const char* what, FiberState barrier, const char* file, uns
 }  // namespace
 
 void sync_block(const char* file, unsigned line) { wait_at_barrier("__syncthreads", FiberState::kAtBarrier, file, line); }
-void sync_cluster(const char* file, unsigned line) { wait_at_barrier("cluster.sync()", FiberState::kAtCluster, file, line); }
+void sync_cluster(const char* file, unsigned line) {
+  // A cluster of one block (every block of a cooperative launch) synchronises as a block.
+  const bool alone = active("cluster.sync()").cluster_blocks == 1;
+  wait_at_barrier("cluster.sync()", alone ? FiberState::kAtBarrier : FiberState::kAtCluster, file, line);
+}
+
+void spin_wait(const char* file, unsigned line, bool again) {
+  Launch& L = active("a spin loop");
+  Fiber& f = *L.current;
+  f.state = again ? FiberState::kSpinning : FiberState::kRunnable;  // a first poll follows work: progress
+  f.file = file;
+  f.line = line;
+  yield(L, f);
+}
 
 uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int width, const char* file,
                          unsigned line) {
@@ -691,13 +766,14 @@ void* map_shared_rank(const void* p, unsigned rank, const char* file, unsigned l
                           std::to_string(L.cluster_blocks) + " blocks");
     abandon(L);
   }
-  if (block_exited(L, rank)) {
+  const unsigned index = L.current->rank / L.cluster_blocks * L.cluster_blocks + rank;  // among the blocks run together
+  if (block_exited(L, index)) {
     record_failure(L, "cluster.map_shared_rank" + call_site(file, line) + ": block rank " + std::to_string(rank) +
                           " has exited, and its shared memory with it");
     abandon(L);
   }
   const Block& mine = L.block_of(*L.current);
-  const Block& other = L.blocks[rank];
+  const Block& other = L.blocks[index];
   const auto* q = static_cast<const char*>(p);
   if (mine.dynamic_shared != nullptr && q >= static_cast<const char*>(mine.dynamic_shared) &&
       q < static_cast<const char*>(mine.dynamic_shared) + L.dynamic_shared_bytes) {

@@ -1,9 +1,11 @@
 // The SIMT emulator: runs the CUDA kernels of csrc/kernels on the CPU (docs/design.md §7).
 //
 // Execution model: each CUDA thread of a block is a fiber; a fiber runs until it reaches a block or
-// cluster barrier or a warp collective, or returns. Thread block clusters (sm_90) run one after another
-// on the calling OS thread, the blocks of a cluster together (a launch without clusters has clusters of
-// one block), so atomics are plain read-modify-writes. Within a cluster each block runs as far as it can
+// cluster barrier or a warp collective, spins on memory (spin_wait), or returns. Thread block clusters
+// (sm_90) run one after another on the calling OS thread, the blocks of a cluster together (a launch without
+// clusters has clusters of one block), so atomics are plain read-modify-writes. A cooperative launch runs
+// every block of its grid together (the device must hold them all at once, as cudaLaunchCooperativeKernel
+// requires), so blocks may wait for each other through global memory. Within a cluster each block runs as far as it can
 // before the next starts (rank order or reverse, alternating at each cluster barrier), so a read of another
 // block's shared memory that no cluster barrier orders sees that block's later writes. A barrier that not every live thread of the block
 // (or cluster) reaches, a warp collective whose mask names a lane that does not take part, and a launch
@@ -48,16 +50,25 @@ struct DeviceLimits {
   size_t max_static_shared = 48 * 1024;
   size_t max_shared_optin = 227 * 1024;  // sm_90; the launch helper opts in above 48 KiB
   unsigned max_cluster_blocks = 8;        // the portable cluster size
+  // A small device, so that tests' modest shapes already take the multi-block paths. Residency (what a
+  // cooperative launch may hold at once): multiprocessors x min(max_blocks_per_multiprocessor,
+  // max_threads_per_multiprocessor / threads per block).
+  unsigned multiprocessors = 4;
+  unsigned max_threads_per_multiprocessor = 1024;
+  unsigned max_blocks_per_multiprocessor = 32;
 };
 const DeviceLimits& device_limits();
 
 struct Stream {};  // launches are synchronous
 
 // Runs `body` once per thread of every block of `grid`, in clusters of `cluster` blocks (each dimension
-// of the grid a multiple of the cluster's); returns when all blocks are done.
+// of the grid a multiple of the cluster's); returns when all blocks are done. `cooperative`: every block of
+// the grid runs together (no clusters; at most resident_blocks(block) blocks).
 // Throws SimError on an invalid configuration or on an error raised inside the kernel.
 void launch(const char* kernel_name, dim3 grid, dim3 block, dim3 cluster, size_t dynamic_shared_bytes,
-            const std::function<void()>& body);
+            const std::function<void()>& body, bool cooperative = false);
+// How many blocks of `threads_per_block` threads the emulated device holds at once (DeviceLimits).
+unsigned resident_blocks(unsigned threads_per_block);
 
 // Built-in variables of the calling fiber.
 const uint3& thread_idx();
@@ -81,6 +92,11 @@ unsigned cluster_num_blocks();
 void sync_cluster(const char* file, unsigned line);
 void* map_shared_rank(const void* p, unsigned rank, const char* file, unsigned line);
 
+// The calling thread polls memory another block writes (a spin loop's body): it yields so that the other
+// blocks of a cooperative launch run. `again`: the poll before it, with nothing done since, found nothing either.
+// A round in which every running thread only polls again is a deadlock (SimError).
+void spin_wait(const char* file, unsigned line, bool again);
+
 enum class WarpOp : uint8_t { kSync, kShflIdx, kShflUp, kShflDown, kShflXor, kBallot, kAny, kAll };
 // One warp collective: every lane named in `mask` must call it with the same op, mask and width.
 // Returns the 64-bit payload the lane receives (the shuffled value, or the vote result).
@@ -103,6 +119,7 @@ struct LaunchStats {
   uint64_t switches = 0;
   unsigned threads_per_block = 0;
   unsigned cluster_blocks = 0;
+  bool cooperative = false;
 };
 LaunchStats last_launch_stats();
 

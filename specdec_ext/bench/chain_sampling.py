@@ -6,7 +6,8 @@ by an exponential race), and `reference`, the readable float64 oracle of specdec
 graph_us is the op replayed from a CUDA graph (the kernel without Python's launch overhead). bytes are those the op
 must read: the rows up to the first rejection (all of them for logits, whose normalisers need every entry) and the
 row the last token is drawn from; with probabilities, acceptance itself needs only p(x) and q(x). floor_us is their
-time at the copy bandwidth measured in the run, GB/s their rate at graph_us, of_copy_bw = floor_us / graph_us.
+time at the copy bandwidth measured in the run, GB/s their rate at graph_us, of_copy_bw = floor_us / graph_us; grid
+is the CUDA launch, blocks x threads (an H200's when run on the CPU).
 --against flashinfer adds FlashInfer's chain_speculative_sampling on the same float32 probabilities (vs_flashinfer:
 its time over ours). Also reported: the cost per row of Gumbel coupling's draw (gumbel_sample) against the op's
 inverse-CDF bonus draw.
@@ -19,7 +20,17 @@ import specdec_ext
 from specdec_ext import reference
 
 from ..factory import choose_device
-from .common import add_common_arguments, copy_bandwidth_gbs, cuda_graph, int_list, median_us, print_row, report, save
+from .common import (
+    add_common_arguments,
+    copy_bandwidth_gbs,
+    cuda_graph,
+    int_list,
+    median_us,
+    print_row,
+    report,
+    sampling_grid,
+    save,
+)
 
 
 def add_arguments(parser) -> None:
@@ -120,7 +131,7 @@ def main(args) -> int:
            f"bonus draw)", noise, ["dtype", "V", "gumbel_us_per_row", "inverse_cdf_us_per_row", "ratio"])
     report(f"chain speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
            ["path", "dtype", "B", "K", "V", "accepted", "ours_us", "graph_us", "torch_us", "speedup", "reference_us",
-            "vs_reference", "bytes", "floor_us", "GB/s", "of_copy_bw"] +
+            "vs_reference", "bytes", "floor_us", "GB/s", "of_copy_bw", "grid"] +
            (["flashinfer_us", "vs_flashinfer"] if anchor is not None else []))
     save(args, {"title": f"chain speculative sampling, {name}", "device": name, "copy_bw_gbs": peak,
                 "gumbel_noise": noise}, rows,
@@ -180,7 +191,7 @@ def measure(case, path, batch, k, vocab, dtype, device, repeats, peak, anchor=No
            "accepted": float(out.num_accepted.float().mean()), "ours_us": ours_us, "graph_us": graph_us,
            "torch_us": torch_us, "speedup": torch_us / ours_us, "reference_us": ref_us,
            "vs_reference": ref_us / ours_us, "bytes": nbytes, "floor_us": nbytes / (peak * 1e9) * 1e6, "GB/s": gbs,
-           "of_copy_bw": gbs / peak}
+           "of_copy_bw": gbs / peak, "grid": sampling_grid(batch, device)}
     if anchor is not None:
         row["flashinfer_us"] = flashinfer_us(anchor, case, path, dtype, device, repeats)
         row["vs_flashinfer"] = row["flashinfer_us"] / graph_us

@@ -87,6 +87,21 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+# An H200's multiprocessors: the device the grid column describes when the benchmark runs on the CPU.
+H200_MULTIPROCESSORS = 132
+
+
+def sampling_grid(batch: int, device: torch.device) -> str:
+    """The CUDA sampling kernels' launch at `batch` requests, "blocks x threads" (a request's 1024 lanes over the
+    blocks the launcher picks): on the device's multiprocessors, or an H200's when the benchmark runs on the CPU."""
+    from ..ops import _C
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else H200_MULTIPROCESSORS
+    per_request, blocks = _C.sampling_grid(batch, sms)
+    return f"{blocks}x{1024 // per_request}"
+
+
 def report(title: str, rows: list[dict], columns: list[str]) -> None:
     print(title)
     widths = {c: max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns}

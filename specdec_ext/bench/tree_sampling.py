@@ -5,9 +5,9 @@ drawn from a draft related to the target, so that walks go a few nodes deep. Two
 `torch`, a vectorised float32 implementation of the same method (over requests; one step per depth and per
 child, softmax over the whole [B, N, V] tensors, the last token by an exponential race), and `reference`, the
 float64 oracle of specdec_ext.reference. bytes: what the op must read, floor_us: their time at the copy bandwidth
-measured in the run. GB/s (from graph_us on a GPU) counts the bytes the op must read at
-least: the target row (and, when its children were sampled, the draft row) of every node on the accepted path,
-once more for the row the last token is drawn from.
+measured in the run; grid: the CUDA launch, blocks x threads (an H200's when run on the CPU). GB/s (from graph_us on
+a GPU) counts the bytes the op must read at least: the target row (and, when its children were sampled, the draft
+row) of every node on the accepted path, once more for the row the last token is drawn from.
 """
 import torch
 
@@ -16,7 +16,16 @@ from specdec_ext import reference
 
 from ..factory import choose_device
 from .chain_sampling import graph_replay_us
-from .common import add_common_arguments, copy_bandwidth_gbs, int_list, median_us, print_row, report, save
+from .common import (
+    add_common_arguments,
+    copy_bandwidth_gbs,
+    int_list,
+    median_us,
+    print_row,
+    report,
+    sampling_grid,
+    save,
+)
 
 BRANCHING = 4  # children per node of the drafted trees
 
@@ -133,7 +142,8 @@ def measure(case, batch, n, branching, vocab, sampled, dtype, device, repeats, p
             "N": n, "branching": branching, "V": vocab, "accepted": float(out.num_accepted.float().mean()),
             "ours_us": ours_us, "graph_us": graph_us, "torch_us": torch_us, "speedup": torch_us / ours_us,
             "reference_us": ref_us, "vs_reference": ref_us / ours_us, "bytes": nbytes,
-            "floor_us": nbytes / (peak * 1e9) * 1e6, "GB/s": gbs, "of_copy_bw": gbs / peak}
+            "floor_us": nbytes / (peak * 1e9) * 1e6, "GB/s": gbs, "of_copy_bw": gbs / peak,
+            "grid": sampling_grid(batch, device)}
 
 
 def main(args) -> int:
@@ -154,7 +164,7 @@ def main(args) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     report(f"tree speculative sampling on {name} (copy bandwidth {peak:.0f} GB/s)", rows,
            ["children", "dtype", "B", "N", "V", "accepted", "ours_us", "graph_us", "torch_us", "speedup",
-            "reference_us", "vs_reference", "bytes", "floor_us", "GB/s", "of_copy_bw"])
+            "reference_us", "vs_reference", "bytes", "floor_us", "GB/s", "of_copy_bw", "grid"])
     save(args, {"title": f"tree speculative sampling, {name}", "device": name, "copy_bw_gbs": peak}, rows,
          ["children", "dtype", "B", "N", "V"])
     return 0

@@ -250,4 +250,44 @@ __global__ void cluster_misuse_kernel(int mode, int* out) {
   }
 }
 
+// Groups of `group` consecutive blocks of a cooperative launch: in each of `rounds` rounds every block publishes
+// a value in slots[block], the group meets (arrive_and_wait on arrivals[group index]) and every thread reads the
+// group's total; the next round's value is that total plus the block's rank in the group. A second barrier per
+// round keeps a block from overwriting its slot while another still reads it. out[thread] = the last total.
+template <int kBlock>
+__global__ void group_sum_kernel(const int* in, int group, int rounds, int* slots, unsigned* arrivals, int* out) {
+  SPECDEC_SHARED(int, partial, kBlock / kWarpSize);
+  const int b = static_cast<int>(blockIdx.x), first = b / group * group;
+  const int i = b * kBlock + static_cast<int>(threadIdx.x);
+  int value = block_reduce<kBlock>(in[i], Sum{}, partial), total = 0;
+  unsigned passed = 0;
+  for (int round = 0; round < rounds; ++round) {
+    if (threadIdx.x == 0) slots[b] = value;
+    for (int phase = 0; phase < 2; ++phase) {  // after the writes, then after the reads
+      sync_threads();
+      if (threadIdx.x == 0) arrive_and_wait(&arrivals[b / group], ++passed * static_cast<unsigned>(group));
+      sync_threads();
+      if (phase == 0) {
+        total = 0;
+        for (int r = 0; r < group; ++r) total += load_coherent(&slots[first + r]);
+      }
+    }
+    value = total + (b - first);
+  }
+  out[i] = total;
+}
+
+// Back-to-back waits of blocks of one thread, with nothing between them: each block arrives at the second barrier in
+// the same turn as it passes the first, which is progress (not a deadlock).
+__global__ void back_to_back_waits_kernel(unsigned* arrivals) {
+  arrive_and_wait(arrivals, gridDim.x);
+  arrive_and_wait(arrivals, 2 * gridDim.x);
+}
+
+// Waits for a flag nobody sets.
+__global__ void spin_forever_kernel(unsigned* flag) {
+  if (threadIdx.x == 0) arrive_and_wait(flag, 1000u);
+  sync_threads();
+}
+
 }  // namespace selftest

@@ -114,18 +114,26 @@ TEST_CASE("the row's max keeps its term 1 at any scale: logits up to 3e38, scale
   }
 }
 
-TEST_CASE("sampling_cluster_blocks: the largest cluster with batch x blocks <= SMs whose clusters all fit at once") {
-  auto fits = [](int four, int two) { return [=](int blocks) { return blocks == 4 ? four : two; }; };
-  CHECK_EQ(sampling_cluster_blocks(1, 132, fits(32, 66)), 4);
-  CHECK_EQ(sampling_cluster_blocks(32, 132, fits(32, 66)), 4);
-  CHECK_EQ(sampling_cluster_blocks(33, 132, fits(32, 66)), 2);  // 33 x 4 <= 132, but only 32 clusters of 4 fit
-  CHECK_EQ(sampling_cluster_blocks(64, 132, fits(32, 66)), 2);
-  CHECK_EQ(sampling_cluster_blocks(66, 132, fits(32, 60)), 1);  // 66 x 2 <= 132, but only 60 clusters of 2 fit
-  CHECK_EQ(sampling_cluster_blocks(67, 132, fits(32, 66)), 1);
-  CHECK_EQ(sampling_cluster_blocks(1, 132, fits(0, 0)), 1);     // no clusters (before sm_90)
-  CHECK_EQ(sampling_cluster_blocks(1, 4, fits(1 << 30, 1 << 30)), 4);  // the emulated device
-  CHECK_EQ(sampling_cluster_blocks(2, 4, fits(1 << 30, 1 << 30)), 2);
-  CHECK_EQ(sampling_cluster_blocks(3, 4, fits(1 << 30, 1 << 30)), 1);
+TEST_CASE("sampling_slices: the largest split with batch x slices <= SMs whose group of blocks the device holds") {
+  const auto holds = [](int blocks) { return [=](int) { return blocks; }; };
+  CHECK_EQ(sampling_slices(1, 132, holds(1 << 30)), 32);
+  CHECK_EQ(sampling_slices(4, 132, holds(1 << 30)), 32);   // 128 blocks
+  CHECK_EQ(sampling_slices(5, 132, holds(1 << 30)), 16);
+  CHECK_EQ(sampling_slices(8, 132, holds(1 << 30)), 16);
+  CHECK_EQ(sampling_slices(64, 132, holds(1 << 30)), 2);
+  CHECK_EQ(sampling_slices(66, 132, holds(1 << 30)), 2);
+  CHECK_EQ(sampling_slices(67, 132, holds(1 << 30)), 1);
+  CHECK_EQ(sampling_slices(1, 132, holds(0)), 1);          // no cooperative launches
+  CHECK_EQ(sampling_slices(1, 132, [](int s) { return s <= 8 ? 1 << 30 : s - 1; }), 8);  // 16 blocks do not fit
+  CHECK_EQ(sampling_slices(1, 4, holds(1 << 30)), 4);      // the emulated device
+  CHECK_EQ(sampling_slices(2, 4, holds(1 << 30)), 2);
+  CHECK_EQ(sampling_slices(3, 4, holds(1 << 30)), 1);
+  // Groups at once: the whole batch when it fits, else what a cooperative launch holds.
+  CHECK_EQ(sampling_groups(4, 32, 4224), 4);
+  CHECK_EQ(sampling_groups(300, 2, 264), 132);
+  CHECK_EQ(sampling_groups(300, 1, 0), 300);
+  CHECK_EQ(sampling_groups(int64_t{1} << 40, 1, 0), int64_t{1} << 28);
+  CHECK_EQ(sampling_groups(1, 32, 16), 0);                 // the device cannot hold one group
 }
 
 TEST_CASE("first_crossing: the first cumulative mass above the threshold, else the last positive part") {

@@ -322,11 +322,73 @@ TEST_CASE("blocks of a cluster run ahead of each other: a missing cluster barrie
   CHECK_EQ(out[3], 20);
 }
 
-TEST_CASE("the sampling kernel stops on a cluster shape it was not compiled for") {
+TEST_CASE("the sampling kernel stops on a grid that splits a request group, or without its workspace") {
   const ChainSamplingParams params{};
-  CHECK_THROWS_WITH(launch_kernel("chain_sampling_kernel<float, 4>", chain_sampling_kernel<float, 4>, dim3(4),
-                                  dim3(kLanes / 4), 0, Stream{}, params),
-                    "wrong cluster shape");
+  CHECK_THROWS_WITH(launch_cooperative_kernel("chain_sampling_kernel<float, 4>", chain_sampling_kernel<float, 4>, dim3(4),
+                                              dim3(kLanes / 4), 0, Stream{}, params, SliceWorkspace{nullptr, nullptr}),
+                    "a grid of whole request groups, with their workspace");
+  std::vector<SliceExchange> exchange(2);
+  std::vector<unsigned> arrivals(2, 0);
+  CHECK_THROWS_WITH(launch_cooperative_kernel("chain_sampling_kernel<float, 4>", chain_sampling_kernel<float, 4>, dim3(6),
+                                              dim3(kLanes / 4), 0, Stream{}, params,
+                                              SliceWorkspace{exchange.data(), arrivals.data()}),
+                    "a grid of whole request groups, with their workspace");
+}
+
+TEST_CASE("a cooperative launch runs every block together: groups of blocks meet through global memory") {
+  // Each group of `group` blocks sums its inputs: every block writes its block total, all meet at the group's
+  // barrier, and every thread then reads the group's total; `rounds` rounds reuse the same slots, each round's
+  // values being the previous round's totals plus the block's index, so a barrier that let a block through early
+  // would leave a stale or a future value somewhere.
+  constexpr int kBlock = 64;
+  for (const int group : {1, 2, 4, 8}) {
+    const int groups = 16 / group, blocks = groups * group, rounds = 4;
+    const std::vector<int> in = random_ints(blocks * kBlock, -100, 100, 11 + group);
+    std::vector<int> slots(static_cast<size_t>(blocks), -999), out(static_cast<size_t>(blocks) * kBlock, -999);
+    std::vector<unsigned> arrivals(static_cast<size_t>(groups), 0);
+    launch_cooperative_kernel("group_sum", selftest::group_sum_kernel<kBlock>, dim3(blocks), dim3(kBlock), 0, Stream{},
+                              in.data(), group, rounds, slots.data(), arrivals.data(), out.data());
+    CHECK(sim::last_launch_stats().cooperative);
+    CHECK_EQ(sim::last_launch_stats().blocks, static_cast<uint64_t>(blocks));
+    for (int g = 0; g < groups; ++g) {
+      std::vector<int> value(static_cast<size_t>(group));
+      for (int r = 0; r < group; ++r) {
+        const int b = g * group + r;
+        value[r] = std::accumulate(in.begin() + b * kBlock, in.begin() + (b + 1) * kBlock, 0);
+      }
+      int total = 0;
+      for (int round = 0; round < rounds; ++round) {
+        total = std::accumulate(value.begin(), value.end(), 0);
+        for (int r = 0; r < group; ++r) value[r] = total + r;
+      }
+      for (int i = g * group * kBlock; i < (g + 1) * group * kBlock; ++i) CHECK_EQ(out[i], total);
+      CHECK_EQ(arrivals[g], static_cast<unsigned>(rounds * 2 * group));
+    }
+  }
+}
+
+TEST_CASE("cooperative launches: a spin nobody ends is a deadlock, and the grid must fit the device") {
+  std::vector<unsigned> waits(1, 0);
+  launch_cooperative_kernel("waits", selftest::back_to_back_waits_kernel, dim3(2), dim3(1), 0, Stream{}, waits.data());
+  CHECK_EQ(waits[0], 4u);
+  std::vector<unsigned> flag(1, 0);
+  CHECK_THROWS_WITH(launch_cooperative_kernel("spin", selftest::spin_forever_kernel, dim3(2), dim3(32), 0, Stream{},
+                                              flag.data()),
+                    "deadlock");
+  // The deadlocked launch's fibers were abandoned mid-frame; their stacks run the next launch cleanly (under
+  // AddressSanitizer: no stale redzones).
+  std::vector<int> ones(64, 1), slots(2), sums(64);
+  std::vector<unsigned> counters(1, 0);
+  launch_cooperative_kernel("group_sum", selftest::group_sum_kernel<32>, dim3(2), dim3(32), 0, Stream{}, ones.data(), 2, 1,
+                            slots.data(), counters.data(), sums.data());
+  CHECK_EQ(sums[63], 64);
+  const unsigned fit = sim::resident_blocks(256);
+  CHECK_EQ(fit, 16u);  // 4 SMs x 1024 threads
+  std::vector<int> in(static_cast<size_t>(fit + 1) * 256, 1), slots(fit + 1), out(in.size());
+  std::vector<unsigned> arrivals(fit + 1, 0);
+  CHECK_THROWS_WITH(launch_cooperative_kernel("group_sum", selftest::group_sum_kernel<256>, dim3(fit + 1), dim3(256), 0,
+                                              Stream{}, in.data(), 1, 1, slots.data(), arrivals.data(), out.data()),
+                    "the device holds 16 at once");
 }
 
 TEST_CASE("cluster misuses are reported") {

@@ -39,8 +39,8 @@ def run(c, device, logits, with_draft):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "point"])
-# On sm_90 with 100-132 SMs, batches up to 25 split each request over clusters of 4 blocks, 50 over 2, and 300
-# runs one block per request.
+# With 100-132 SMs, batch 1 splits each request over 32 blocks, 3 and 4 over 32 or 16, 17 over 4, 50 over 2, and 300
+# runs one block per request (sampling_slices).
 @pytest.mark.parametrize("batch,k,vocab", [(1, 1, 1), (3, 4, 1000), (300, 4, 3001), (17, 8, 32000), (4, 16, 128256),
                                            (2, 3, 262144), (50, 4, 20000)])
 def test_cuda_matches_cpu_exactly(dtype, logits, with_draft, batch, k, vocab, strict):
@@ -52,17 +52,14 @@ def test_cuda_matches_cpu_exactly(dtype, logits, with_draft, batch, k, vocab, st
 
 
 @pytest.mark.parametrize("batch", [1, 50, 300])
-def test_small_batches_split_each_request_over_a_cluster(batch):
-    # Which instantiation ran, from the profiler's kernel names: chain_sampling_kernel<T, blocks per cluster>.
-    # With sm_90 code on an sm_90 device of 100-132 SMs: 4 at batch 1, 2 at batch 50, 1 at batch 300 (all
-    # of those clusters fit at once on an H100/H200); otherwise always 1.
-    archs = specdec_ext.build_info()["cuda_archs"].replace(";", " ").split()
-    clusters = torch.cuda.get_device_capability() >= (9, 0) and any(a.replace(".", "").startswith("90") for a in archs)
+def test_small_batches_split_each_request_over_blocks(batch):
+    # Which instantiation ran, from the profiler's kernel names: chain_sampling_kernel<T, blocks per request>: the
+    # largest power of two up to 32 with batch x blocks <= SMs (32 at batch 1, 2 at batch 50 on 100-132 SMs, 1 at 300).
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    expected = next(c for c in (4, 2, 1) if c == 1 or (clusters and batch * c <= sms))
+    expected = next(s for s in (32, 16, 8, 4, 2, 1) if s == 1 or batch * s <= sms)
     c = case(batch, 4, 20000, torch.bfloat16, batch)
     cpu = run(c, "cpu", True, True)
-    run(c, "cuda", True, True)  # warm-up: module load, cluster occupancy query
+    run(c, "cuda", True, True)  # warm-up: module load, occupancy query
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         gpu = run(c, "cuda", True, True)
@@ -70,9 +67,37 @@ def test_small_batches_split_each_request_over_a_cluster(batch):
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
         pytest.skip("the profiler recorded no kernels (CUPTI in use by another tool?)")
-    launched = [re.search(r"chain_sampling_kernel<[^<>]+, (\d)>", name) for name in kernels]
+    launched = [re.search(r"chain_sampling_kernel<[^<>]+, (\d+)>", name) for name in kernels]
     assert [int(m.group(1)) for m in launched if m] == [expected], kernels
     assert torch.equal(gpu.output_token_ids.cpu(), cpu.output_token_ids)
+
+
+@pytest.mark.parametrize("slices", [1, 2, 32])
+@pytest.mark.parametrize("batch,vocab", [(1, 32000), (8, 128256)])
+def test_every_forced_split_matches_cpu_and_replays_from_a_graph(slices, batch, vocab, monkeypatch, strict):
+    # The benchmark's shapes with each request forced onto 1, 2 or 32 blocks (a cooperative launch above 1): the same
+    # bits as the CPU kernel, eagerly and from a CUDA graph, whose capture must keep the launch and its workspace.
+    monkeypatch.setenv("SPECDEC_SAMPLING_SLICES", str(slices))
+    c = case(batch, 4, vocab, torch.float32, slices + batch)
+    cpu = run(c, "cpu", True, True)
+    d = {k: v.cuda() for k, v in c.items()}
+    out = (torch.full((batch, 5), -7, dtype=torch.int32, device="cuda"), torch.full((batch,), -7, dtype=torch.int32,
+                                                                                    device="cuda"))
+
+    def call():
+        specdec_ext.chain_speculative_sampling_from_logits(d["ids"], d["tl"], d["dl"], temperature=d["temp"],
+                                                           num_draft_tokens=d["nd"], seed=d["seed"],
+                                                           offset=d["offset"], out=out)
+
+    call()
+    assert torch.equal(out[0].cpu(), cpu.output_token_ids) and torch.equal(out[1].cpu(), cpu.num_accepted)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out[0].fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0].cpu(), cpu.output_token_ids)
 
 
 def test_unaligned_rows_take_the_scalar_path():

@@ -1,6 +1,6 @@
 """Gumbel coupling on CUDA: the CUDA kernel's Gumbel-max tokens equal the CPU kernel's bit for bit (chain and tree,
-every
-cluster size), replay from a CUDA graph, and sampling="invariant" decoding on CUDA with graphs equals plain decoding."""
+every split of a request over blocks), replay from a CUDA graph, and sampling="invariant" decoding on CUDA with graphs
+equals plain decoding."""
 import pytest
 import torch
 
@@ -17,7 +17,7 @@ def on(inp, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
-# Batch 1 and 20 run each request on a cluster of 4 blocks (sm_90, 132 SMs), 60 on 2, 300 on one block.
+# On 132 SMs batch 1 runs each request on 32 blocks, 20 on 4, 60 on 2, 300 on one block (sampling_slices).
 @pytest.mark.parametrize("batch,k,vocab", [(1, 8, 49152), (20, 4, 32000), (60, 4, 3001), (300, 2, 1000)])
 def test_chain_cuda_matches_cpu_exactly(dtype, logits, batch, k, vocab, strict):
     gen = torch.Generator().manual_seed(batch + k + vocab)

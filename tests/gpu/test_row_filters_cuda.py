@@ -1,7 +1,6 @@
 """top_k / top_p / min_p on CUDA: the CUDA kernel's decisions and tokens with processed rows equal the CPU kernel's bit
-for
-bit (chain and tree, every cluster size, both couplings), with the thresholds found by bisection on the GPU and by a
-histogram guess on the CPU; and the ops replay from a CUDA graph."""
+for bit (chain and tree, every split of a request over blocks, both couplings), with the thresholds found by bisection
+on the GPU and by a histogram guess on the CPU; and the ops replay from a CUDA graph."""
 import pytest
 import torch
 
@@ -24,7 +23,7 @@ def controls(gen, batch, vocab):
 
 @pytest.mark.parametrize("coupling", ["rejection", "gumbel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-# Batch 1 and 20 run each request on a cluster of 4 blocks (sm_90, 132 SMs), 60 on 2, 300 on one block.
+# On 132 SMs batch 1 runs each request on 32 blocks, 20 on 4, 60 on 2, 300 on one block (sampling_slices).
 @pytest.mark.parametrize("batch,k,vocab", [(1, 8, 49152), (20, 4, 128256), (60, 4, 3001), (300, 2, 1000)])
 def test_chain_cuda_matches_cpu_exactly(coupling, dtype, batch, k, vocab, strict):
     gen = torch.Generator().manual_seed(batch + k + vocab)

@@ -135,17 +135,25 @@ SPECDEC_HD int32_t output_id(const ChainSamplingParams& P, int64_t b, int64_t j,
   return j == accepted ? token : -1;
 }
 
-// The CUDA kernel's blocks per request (a thread block cluster on sm_90; the launcher's rule, kept here so
-// that it is tested without a GPU): the largest C in {4, 2} with batch * C <= sms and all `batch` clusters
-// resident at once, clusters_at_once(C) (a cluster must fit in one GPC, so fewer than sms / C may; 0 without
-// clusters), else 1. More SMs per request while the batch leaves SMs idle, never a second wave.
-constexpr int kMaxSamplingClusterBlocks = 4;
-template <typename ClustersAtOnce>
-int sampling_cluster_blocks(int64_t batch, int sms, ClustersAtOnce&& clusters_at_once) {
-  for (int c = kMaxSamplingClusterBlocks; c > 1; c /= 2) {
-    if (batch * c <= sms && batch <= clusters_at_once(c)) return c;
+// The CUDA kernel's blocks per request, its "slices" (the launcher's rule, kept here so that it is tested without a
+// GPU): the request's 1024 canonical lanes split into S blocks of whole groups (warps), S in {1, 2, 4, ..., 32}. The
+// largest S with batch * S <= sms whose group of S blocks the device can hold at once (resident_blocks(S) >= S, the
+// blocks of S threads it holds; 0 without cooperative launches), else 1: more SMs per request while the batch leaves
+// SMs idle, never a second wave. The split changes no bit (sampling_math.h).
+constexpr int kMaxSamplingSlices = kGroups;
+template <typename ResidentBlocks>
+int sampling_slices(int64_t batch, int sms, ResidentBlocks&& resident_blocks) {
+  for (int s = kMaxSamplingSlices; s > 1; s /= 2) {
+    if (batch * s <= sms && resident_blocks(s) >= s) return s;
   }
   return 1;
+}
+// The request groups a launch of S slices runs at once (the grid is groups * S blocks; a grid-stride loop covers the
+// rest of the batch): every request when the device holds them (S > 1 is a cooperative launch, so at most
+// resident / S groups), and at most 2^28 groups of one block.
+inline int64_t sampling_groups(int64_t batch, int slices, int64_t resident) {
+  const int64_t fit = slices > 1 ? resident / slices : int64_t{1} << 28;
+  return batch < fit ? batch : fit;
 }
 
 // One level of the inverse CDF: the first i whose cumulative mass fadd(base, c_i), c_i the left-to-right
@@ -251,13 +259,15 @@ SPECDEC_HD bool draft_id_valid(const ChainSamplingParams& P, int64_t x) { return
 
 // The statistics of a sampled request's row pair (row_p, row_q; row_q null for point proposals), whose thresholds
 // filter_rows has set, into *spec (point: x when q is a point mass), and the target's and the draft's probability of
-// token x there into *p, *q (x = -1: p = 0, and q = 0, or 1 for a point mass).
+// token x there into *p, *q (x = -1: p = 0, and q = 0, or 1 for a point mass). The rows are draft position i's of
+// request b: probabilities at x are the engine's gathered values (gather_drafts).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
 #endif
 template <typename Engine, typename Row>
-SPECDEC_FLOW void chain_row_probs(Engine& e, const ChainSamplingParams& P, int64_t x, const Row* row_p, const Row* row_q,
-                                  float scale, MassSpec* spec, float* p_out, float* q_out) {
+SPECDEC_FLOW void chain_row_probs(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t i, int64_t x,
+                                  const Row* row_p, const Row* row_q, float scale, MassSpec* spec, float* p_out,
+                                  float* q_out) {
   const bool has_q = row_q != nullptr;
   *spec = MassSpec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
   float p = 0.0f, q = has_q ? 0.0f : 1.0f;
@@ -273,8 +283,8 @@ SPECDEC_FLOW void chain_row_probs(Engine& e, const ChainSamplingParams& P, int64
       if (has_q) q = softmax_prob(e.load(row_q, x, false), scale, spec->m_q, spec->inv_z_q);
     }
   } else if (x >= 0) {
-    p = e.load(row_p, x, true);
-    if (has_q) q = e.load(row_q, x, false);
+    p = e.gathered(b, i, x, true, row_p);
+    if (has_q) q = e.gathered(b, i, x, false, row_q);
   }
   *p_out = p;
   *q_out = q;
@@ -299,7 +309,7 @@ SPECDEC_FLOW bool chain_draft_accepted(Engine& e, const ChainSamplingParams& P, 
     return *best >= 0 && x == *best;
   }
   float p, q;
-  chain_row_probs(e, P, x, row_p, row_q, scale, spec, &p, &q);
+  chain_row_probs(e, P, b, i, x, row_p, row_q, scale, spec, &p, &q);
   // Accept with probability min(1, p/q): u < p/q, as u * q < p so that q == 0 always rejects.
   const float u = accept_uniform(P, b, i, seed, offset);
   return x >= 0 && q > 0.0f && fmul(u, q) < p;
@@ -362,7 +372,7 @@ SPECDEC_FLOW void chain_block_verify(Engine& e, const ChainSamplingParams& P, in
     filter_rows(e, P, b, false, row_p, row_q, scale);
     MassSpec spec;
     float p, q;
-    chain_row_probs(e, P, draft_token(P, b, i), row_p, row_q, scale, &spec, &p, &q);
+    chain_row_probs(e, P, b, i, draft_token(P, b, i), row_p, row_q, scale, &spec, &p, &q);
     spec.p_scale = c;
     if (i == 0) {
       tau_spec = spec;
@@ -399,7 +409,8 @@ SPECDEC_FLOW void chain_block_verify(Engine& e, const ChainSamplingParams& P, in
 
 // The flow for one request. Engine supplies:
 //   row_target(b, i), row_draft(b, i) -> const T*; load(row, v, is_target) -> float (raw value, checked; a draft
-//   row is read at draft_column(v), absent columns reading as probability 0); argmax(row) -> int32, or -1 if the
+//   row is read at draft_column(v), absent columns reading as probability 0); gather_drafts(b, k) (may fetch
+//   p(x_i) and q(x_i) of positions 0..k-1 ahead) and gathered(b, i, x, is_target, row) -> load(row, x, is_target); argmax(row) -> int32, or -1 if the
 //   row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale, MaxSum*, MaxSum*) (base-2 statistics of
 //   the logits at scale, maxsum_push_block); sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is
 //   zero or not finite; gumbel_argmax(row, scale, seed, position) -> int32, the first index of the largest
@@ -424,6 +435,10 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
   const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
 
   int32_t accepted = 0, token = -1;
+  // From probabilities, the acceptance tests need p(x_i) and q(x_i) alone: gathered for every position at once, so that
+  // the tests wait for one round trip to memory, not one each (values past the first rejection are used only by
+  // accepted_independently).
+  if (!P.logits && !greedy && !P.gumbel) e.gather_drafts(b, k);
   if (P.block && !greedy && !P.gumbel) {  // a sampled request under block verification
     chain_block_verify(e, P, b, k, scale, seed, offset, &accepted, &token);
   } else {  // token by token, up to the first rejection

@@ -3,7 +3,7 @@
 // same kernel source runs on a GPU and under the emulator.
 //
 // Primitives (twinned): built-in variables, sync_threads/sync_warp, thread block clusters (rank, barrier,
-// distributed shared memory), shuffles, votes, atomics, shared memory declarations, 16-byte vector
+// distributed shared memory), blocks meeting through global memory, shuffles, votes, atomics, shared memory declarations, 16-byte vector
 // loads/stores, half/bfloat16 conversions, tensor-core MMA, ldmatrix and asynchronous global -> shared copies.
 // Compound helpers (warp/block reductions and scans) are written once, on top of the primitives.
 #pragma once
@@ -236,6 +236,48 @@ template <> SPECDEC_DEVICE float atomic_max<float>(float* p, float v) {
 }
 template <> SPECDEC_DEVICE float atomic_cas<float>(float* p, float compare, float v) {
   return __int_as_float(atomicCAS(reinterpret_cast<int*>(p), __float_as_int(compare), __float_as_int(v)));
+}
+#endif
+
+// ----- blocks that meet through global memory (a cooperative launch: all of them resident) -----------
+// arrive_and_wait(counter, target), by one thread of each block after a block barrier: adds the block's
+// arrival to `counter` and waits until it reaches `target`. The block's global writes before the barrier are
+// visible to every block that passed the same target (a fence before the arrival, an acquire load and a fence
+// after it: the grid barrier of cooperative groups, kept per group of blocks). load_coherent reads such a
+// write: from L2, never from a line this SM's L1 kept from before the barrier.
+#if defined(SPECDEC_SIM)
+inline void arrive_and_wait(unsigned* counter, unsigned target,
+                            std::source_location loc = std::source_location::current()) {
+  *counter += 1u;
+  for (bool again = false; *static_cast<volatile unsigned*>(counter) < target; again = true) {
+    sim::spin_wait(loc.file_name(), loc.line(), again);
+  }
+}
+template <typename T>
+T load_coherent(const T* p) {
+  return *p;
+}
+#else
+SPECDEC_DEVICE void arrive_and_wait(unsigned* counter, unsigned target) {
+  __threadfence();
+  atomicAdd(counter, 1u);
+  for (;;) {
+    unsigned seen;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen >= target) break;
+    __nanosleep(32);
+  }
+  __threadfence();
+}
+template <typename T>
+SPECDEC_DEVICE T load_coherent(const T* p) {
+  static_assert(sizeof(T) % 4 == 0 && std::is_trivially_copyable_v<T>, "a struct of 32-bit words");
+  uint32_t w[sizeof(T) / 4];
+#pragma unroll
+  for (unsigned i = 0; i < sizeof(T) / 4; ++i) w[i] = __ldcg(reinterpret_cast<const unsigned*>(p) + i);
+  T v;
+  memcpy(&v, w, sizeof(T));
+  return v;
 }
 #endif
 

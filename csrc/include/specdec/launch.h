@@ -2,6 +2,7 @@
 // a launch configuration is written once and checked the same way on both backends.
 #pragma once
 #include <cstddef>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -36,6 +37,21 @@ void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, d
 // How many clusters of `cluster_blocks` blocks of `kernel` run at once: the emulator runs any number.
 template <typename... KernelArgs>
 int max_active_clusters(void (*)(KernelArgs...), dim3, unsigned, size_t) { return 1 << 30; }
+
+// A cooperative launch: every block of the grid resident at once (at most max_resident_blocks), so that blocks may
+// wait for each other (arrive_and_wait, device.cuh).
+template <typename... KernelArgs, typename... Args>
+void launch_cooperative_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                               Stream, Args&&... args) {
+  const std::tuple<KernelArgs...> params(std::forward<Args>(args)...);
+  sim::launch(name, grid, block, dim3(1), dynamic_smem, [&] { std::apply(kernel, params); }, /*cooperative=*/true);
+}
+
+// How many blocks of `kernel` the device holds at once (sim::resident_blocks).
+template <typename... KernelArgs>
+int max_resident_blocks(void (*)(KernelArgs...), dim3 block, size_t) {
+  return static_cast<int>(sim::resident_blocks(block.x * block.y * block.z));
+}
 #else
 using Stream = cudaStream_t;
 
@@ -60,25 +76,37 @@ void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, d
   check_cuda(cudaGetLastError(), name);
 }
 
-// A launch configuration for thread block clusters of `cluster_blocks` blocks along x.
-struct ClusterLaunchConfig {
-  cudaLaunchAttribute cluster{};
+// A launch configuration with one launch attribute: a cluster shape (cluster_attribute) or a cooperative launch
+// (cooperative_attribute).
+struct LaunchConfig {
+  cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config{};
-  ClusterLaunchConfig(dim3 grid, dim3 block, unsigned cluster_blocks, size_t dynamic_smem, Stream stream) {
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = cluster_blocks;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
+  LaunchConfig(dim3 grid, dim3 block, size_t dynamic_smem, Stream stream, cudaLaunchAttribute a) : attribute(a) {
     config.gridDim = grid;
     config.blockDim = block;
     config.dynamicSmemBytes = dynamic_smem;
     config.stream = stream;
-    config.attrs = &cluster;
+    config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  ClusterLaunchConfig(const ClusterLaunchConfig&) = delete;  // config points into the object
-  ClusterLaunchConfig& operator=(const ClusterLaunchConfig&) = delete;
+  LaunchConfig(const LaunchConfig&) = delete;  // config points into the object
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
 };
+// Thread block clusters of `cluster_blocks` blocks along x.
+inline cudaLaunchAttribute cluster_attribute(unsigned cluster_blocks) {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeClusterDimension;
+  a.val.clusterDim.x = cluster_blocks;
+  a.val.clusterDim.y = 1;
+  a.val.clusterDim.z = 1;
+  return a;
+}
+inline cudaLaunchAttribute cooperative_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeCooperative;
+  a.val.cooperative = 1;
+  return a;
+}
 
 // Launches thread block clusters of `cluster_blocks` blocks along x (sm_90 and later; grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
@@ -89,7 +117,7 @@ void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3
     return;
   }
   opt_in_dynamic_smem(name, kernel, dynamic_smem);
-  ClusterLaunchConfig c(grid, block, cluster_blocks, dynamic_smem, stream);
+  LaunchConfig c(grid, block, dynamic_smem, stream, cluster_attribute(cluster_blocks));
   check_cuda(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...), name);
 }
 
@@ -107,13 +135,47 @@ int max_active_clusters(void (*kernel)(KernelArgs...), dim3 block, unsigned clus
     return 0;
   }
   if (attributes.ptxVersion < 90 || major < 9) return 0;
-  ClusterLaunchConfig c(dim3(cluster_blocks), block, cluster_blocks, dynamic_smem, nullptr);
+  LaunchConfig c(dim3(cluster_blocks), block, dynamic_smem, nullptr, cluster_attribute(cluster_blocks));
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.config) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
   return clusters;
 }
+
+// A cooperative launch (cudaLaunchAttributeCooperative, which stream capture keeps): every block of the grid resident
+// at once, so that blocks may wait for each other (arrive_and_wait, device.cuh). The grid must not exceed
+// max_resident_blocks.
+template <typename... KernelArgs, typename... Args>
+void launch_cooperative_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                               Stream stream, Args&&... args) {
+  opt_in_dynamic_smem(name, kernel, dynamic_smem);
+  LaunchConfig c(grid, block, dynamic_smem, stream, cooperative_attribute());
+  check_cuda(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...), name);
+}
+
+// How many blocks of `kernel` the current device holds at once; 0 without cooperative launches or where a query
+// fails (its error is cleared, so that it is not blamed on a later launch).
+template <typename... KernelArgs>
+int max_resident_blocks(void (*kernel)(KernelArgs...), dim3 block, size_t dynamic_smem) {
+  int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, static_cast<int>(block.x * block.y * block.z),
+                                                    dynamic_smem) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return cooperative != 0 ? per_sm * sms : 0;
+}
+#endif
+
+// Zeroes n bytes of device memory in stream order (a memset node under graph capture).
+#if defined(SPECDEC_SIM)
+inline void zero_device_bytes(void* p, size_t n, Stream) { std::memset(p, 0, n); }
+#else
+inline void zero_device_bytes(void* p, size_t n, Stream stream) { check_cuda(cudaMemsetAsync(p, 0, n, stream), "cudaMemsetAsync"); }
 #endif
 
 inline unsigned ceil_div(size_t a, size_t b) { return static_cast<unsigned>((a + b - 1) / b); }
