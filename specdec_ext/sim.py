@@ -17,7 +17,7 @@ def build_info() -> dict:
 
 
 def last_launch() -> dict:
-    """The shape of the last kernel launch on this thread: blocks, threads_per_block, cluster_blocks."""
+    """The shape of the last kernel launch on this thread: blocks, threads_per_block, cluster_blocks, cooperative."""
     return _sim.last_launch()
 
 
