@@ -15,24 +15,25 @@ import torch
 from .config import LlamaConfig
 from .llama import LlamaForCausalLM
 
-# The published config.json values (meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B), as Hugging Face dicts.
+# The published config.json values (meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B), as Hugging Face dicts: what
+# the two share, then each one's own.
+_LLAMA3 = {
+    "model_type": "llama", "vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "attention_bias": False,
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
 SYNTHETIC_PRESETS = {
-    "llama-3.2-1b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    },
-    "llama-3.1-8b": {
-        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192},
-    },
+    "llama-3.2-1b": {**_LLAMA3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": _llama3_rope(32.0)},
+    "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "head_dim": 128, "tie_word_embeddings": False, "rope_scaling": _llama3_rope(8.0)},
     # head_dim 64: one of the CUDA attention kernel's head dims (64, 128, 256), so the tests' model runs there too.
     "tiny": {
         "model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
