@@ -1,9 +1,9 @@
 """The CUDA sampling kernels split a request's 1024 canonical lanes over S blocks (its slices, S = 1 .. 32, whole warps
-each) that meet through global memory in a cooperative launch. The split must change no bit: with S forced to 1, 2 and
-32 (SPECDEC_SAMPLING_SLICES), the emulated kernel returns the CPU kernel's tokens and counts exactly, on every path:
-probabilities and logits, every dtype, padded and flat layouts, K = 0 and 128, a vocabulary that is not a multiple of
-the tile (nor of 8: scalar loads), both couplings, block verification, row filters, a reduced draft vocabulary,
-FlashInfer's independent count, and trees."""
+each) that meet through global memory in a cooperative launch. The split must change no bit: with S forced to each
+split the launcher can pick (SPECDEC_SAMPLING_SLICES), the emulated kernel returns the CPU kernel's tokens and counts
+exactly, on every path: probabilities and logits, every dtype, padded and flat layouts, K = 0 and 128, a vocabulary
+that is not a multiple of the tile (nor of 8: scalar loads), both couplings, block verification, row filters, a
+reduced draft vocabulary, FlashInfer's independent count, and trees."""
 import pytest
 import torch
 
@@ -17,7 +17,7 @@ from helpers.sampling_inputs import (
 )
 from specdec_ext import sim
 
-SLICES = [1, 2, 32]
+SLICES = [1, 2, 4, 8, 16, 32]  # every split the launcher can pick
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCAB = 8203  # two tiles, the second partial; not a multiple of 8, so rows take the scalar loads
 BACKENDS = {"cpu": specdec_ext, "sim": sim}
