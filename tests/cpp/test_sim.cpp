@@ -384,10 +384,10 @@ TEST_CASE("cooperative launches: a spin nobody ends is a deadlock, and the grid 
   CHECK_EQ(sums[63], 64);
   const unsigned fit = sim::resident_blocks(256);
   CHECK_EQ(fit, 16u);  // 4 SMs x 1024 threads
-  std::vector<int> in(static_cast<size_t>(fit + 1) * 256, 1), slots(fit + 1), out(in.size());
+  std::vector<int> in(static_cast<size_t>(fit + 1) * 256, 1), big_slots(fit + 1), out(in.size());
   std::vector<unsigned> arrivals(fit + 1, 0);
   CHECK_THROWS_WITH(launch_cooperative_kernel("group_sum", selftest::group_sum_kernel<256>, dim3(fit + 1), dim3(256), 0,
-                                              Stream{}, in.data(), 1, 1, slots.data(), arrivals.data(), out.data()),
+                                              Stream{}, in.data(), 1, 1, big_slots.data(), arrivals.data(), out.data()),
                     "the device holds 16 at once");
 }
 
