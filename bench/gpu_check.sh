@@ -92,7 +92,7 @@ TAIL=25 step tests_gpu 240 python3 -m pytest tests/gpu -q -p no:cacheprovider -r
 TAIL=30 bench e2e-must 200 --target "$E2E_TARGET" --batch "$E2E_BATCH" --k 4 --oracle-acceptance 0.8 \
   --draft "none,$E2E_DRAFT" --sampling greedy --new-tokens "$E2E_TOKENS" --repeats 3 \
   --json "$OUT/e2e_must.json" --plot "$OUT/e2e_must.png"
-TAIL=26 bench chain_sampling 60 --repeats 30 --json "$OUT/chain_sampling.json" --plot "$OUT/chain_sampling.png"
+TAIL=38 bench chain_sampling 80 --repeats 30 --json "$OUT/chain_sampling.json" --plot "$OUT/chain_sampling.png"
 TAIL=30 bench verify_attention 90 --repeats 30 --json "$OUT/verify_attention.json" --plot "$OUT/verify_attention.png"
 TAIL=30 bench e2e-rest 200 --target "$E2E_TARGET" --batch "$E2E_WIDE" --k 4 --oracle-acceptance 0.6,0.8,0.9 \
   --draft "none,head" --sampling greedy,invariant --new-tokens "$E2E_TOKENS" --repeats 3 \

@@ -29,13 +29,18 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
   // The same from logits: softmax(logits / temperature[b]) in float32 inside the kernel; temperature 0 = greedy.
   // top_k [B] int32 (0: off), top_p [B] float32 (1: off), min_p [B] float32 (0: off) process every target and draft
   // row of a sampled request inside the kernel, after temperature, in transformers' order (specdec/row_filter.h).
+  // target_lse / draft_lse: the caller's normalisers of the rows, ln sum exp(logits / temperature) over each processed
+  // row (the rows' shape less V, float32), which replace the rows' statistics pass; check_lse (strict mode) computes
+  // the statistics anyway and records a value off them. row_lse [B] (K = 0): writes each request's row-0 normaliser
+  // instead of sampling (logits_normalizer).
   m.def(
       "chain_speculative_sampling_from_logits(Tensor draft_token_ids, Tensor target_logits, Tensor? draft_logits, "
       "Tensor? num_draft_tokens, Tensor temperature, Tensor seed, Tensor offset, Tensor(a!) output_token_ids, "
       "Tensor(b!) num_accepted, Tensor(c!)? error_flags, Tensor? cu_num_draft_tokens=None, "
       "Tensor? bonus_token_ids=None, Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
       "Tensor(d!)? accepted_independently=None, str coupling=\"rejection\", Tensor? top_k=None, Tensor? top_p=None, "
-      "Tensor? min_p=None, str verification=\"token\") -> ()");
+      "Tensor? min_p=None, str verification=\"token\", Tensor? target_lse=None, Tensor? draft_lse=None, "
+      "bool check_lse=False, Tensor(e!)? row_lse=None) -> ()");
 
   // coupling="gumbel" (every sampling op): a sampled request's token at row i is the Gumbel-max sample of the row with
   // the noise of position offset[b] + i (a tree node: + its depth), uniform v of Philox stream 2 for token v
@@ -63,7 +68,7 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
       "Tensor(a!) output_token_ids, Tensor(b!) accepted_nodes, Tensor(c!) num_accepted, Tensor(d!)? error_flags, "
       "Tensor? uniforms=None, Tensor? final_uniforms=None, Tensor? target_to_draft=None, "
       "Tensor? cu_num_draft_tokens=None, str coupling=\"rejection\", Tensor? top_k=None, Tensor? top_p=None, "
-      "Tensor? min_p=None) -> ()");
+      "Tensor? min_p=None, Tensor? target_lse=None, Tensor? draft_lse=None, bool check_lse=False) -> ()");
 
   // KV-cache truncation after verification (docs/design.md §3.3, §3.4): cache_seqlens[b] += num_kept[b]; with
   // kept_indices (tree), block slot kept_indices[b, j] moves to block slot j in every layer; with clear, the

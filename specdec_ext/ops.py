@@ -462,11 +462,19 @@ def _check_verification(op: str, verification, coupling, accepted_independently)
                              "verification='block' does not define: pass accepted_independently=None")
 
 
+def _check_normalizers(op: str, device, tname: str, target_lse, draft_lse) -> None:
+    """The caller normalisers are tensors (or None) on the rows' device; the kernels check their shapes."""
+    for name, t in (("target_lse", target_lse), ("draft_lse", draft_lse)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a float32 tensor or None, got {type(t).__name__}")
+    _check_devices(op, device, tname, target_lse=target_lse, draft_lse=draft_lse)
+
+
 def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_tokens, greedy_or_temperature, seed,
                     offset, generator, out, cu_num_draft_tokens, max_draft_tokens, bonus_token_ids, uniforms,
                     final_uniforms, draft_to_target, accepted_independently, coupling, records_errors,
                     top_k=None, top_p=None, min_p=None, names: _MessageNames | None = None,
-                    verification="token") -> SamplingOutput:
+                    verification="token", target_lse=None, draft_lse=None, row_lse=None) -> SamplingOutput:
     """The chain ops' checks and defaults, then the schema; names: the caller's words for its messages (default the
     schema's)."""
     schema_names = _chain_names(logits)
@@ -496,6 +504,7 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
         if k > LIMITS["max_draft_tokens"]:
             raise ValueError(f"{op}: at most {LIMITS['max_draft_tokens']} draft tokens per request, got K = {k}")
     _check_devices(op, device, tname, draft_token_ids=draft_token_ids, **{dname: draft})
+    _check_normalizers(op, device, tname, target_lse, draft_lse)
     if not flat:
         num_draft_tokens = torch.full((batch,), k, dtype=torch.int32, device=device) if num_draft_tokens is None else \
             _per_request(num_draft_tokens, "num_draft_tokens", op, batch, device, torch.int32)
@@ -535,14 +544,15 @@ def _chain_sampling(ops, draft_token_ids, target, draft, *, logits, num_draft_to
             ops.chain_speculative_sampling_from_logits(
                 draft_token_ids, target, draft, num_draft_tokens, control, seed, offset, out.output_token_ids,
                 out.num_accepted, kernel_flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms,
-                target_to_draft, accepted_independently, coupling, *filters, verification)
+                target_to_draft, accepted_independently, coupling, *filters, verification, target_lse, draft_lse,
+                _strict, row_lse)
         else:
             ops.chain_speculative_sampling(draft_token_ids, target, draft, num_draft_tokens, control, seed, offset,
                                            out.output_token_ids, out.num_accepted, kernel_flags, cu_num_draft_tokens,
                                            bonus_token_ids, uniforms, final_uniforms, target_to_draft,
                                            accepted_independently, coupling, verification)
         _raise_recorded_errors(op, device, flags, "chain_speculative_sampling", target=tname, draft=dname)
-    if _strict and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
+    if _strict and row_lse is None and not flat and target.dim() == 3 and target.shape[0] and not _capturing():
         _check_every_row(op, tname, dname, target, draft, num_draft_tokens, k, bonus_token_ids is not None, logits)
     return out
 
@@ -592,6 +602,35 @@ def _sample_without_drafts(ops, logits, *, temperature, seed, offset, coupling, 
     return out
 
 
+def _logits_normalizer(ops, logits, *, temperature, top_k, top_p, min_p, records_errors) -> torch.Tensor:
+    """logits_normalizer: the chain op from logits with K = 0 over the rows [R, 1, V], each row its own request, and
+    row_lse [R]: the kernels' statistics pass of target row 0, nothing sampled."""
+    op = "logits_normalizer"
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        raise ValueError(f"{op}: logits must be a [..., V] tensor, got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    shape, vocab = logits.shape[:-1], logits.shape[-1]
+    rows = logits.reshape(-1, 1, vocab)
+
+    def per_row(value, name: str):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.shape != shape:
+            raise ValueError(f"{op}: {name} must be a float, or a tensor of logits' shape less V {tuple(shape)}, "
+                             f"got {tuple(value.shape)}")
+        return value.reshape(-1)
+
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    _chain_sampling(ops, torch.zeros((rows.shape[0], 0), dtype=torch.int32, device=logits.device), rows, None,
+                    logits=True, num_draft_tokens=None, greedy_or_temperature=per_row(temperature, "temperature"),
+                    seed=0, offset=0, generator=None, out=None, cu_num_draft_tokens=None, max_draft_tokens=None,
+                    bonus_token_ids=None, uniforms=None, final_uniforms=None, draft_to_target=None,
+                    accepted_independently=None, coupling="rejection", records_errors=records_errors,
+                    top_k=per_row(top_k, "top_k"), top_p=per_row(top_p, "top_p"), min_p=per_row(min_p, "min_p"),
+                    names=_MessageNames(op, "logits"), row_lse=out)
+    return out.reshape(shape)
+
+
 class TreeSamplingOutput(NamedTuple):
     output_token_ids: torch.Tensor  # [B, N] int32: the accepted nodes' tokens, the resampled or bonus token, then -1
     accepted_nodes: torch.Tensor  # [B, N] int32: the accepted path's nodes from the root (0), then -1
@@ -613,7 +652,7 @@ def _check_every_tree_row(op: str, tname: str, dname: str, target, draft, parent
 def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, num_nodes, greedy_or_temperature,
                    seed, offset, generator, out, uniforms, final_uniforms, draft_to_target, cu_num_draft_tokens,
                    max_draft_tokens, coupling, records_errors, top_k=None, top_p=None,
-                   min_p=None) -> TreeSamplingOutput:
+                   min_p=None, target_lse=None, draft_lse=None) -> TreeSamplingOutput:
     op = "tree_speculative_sampling_from_logits" if logits else "tree_speculative_sampling"
     tname = "target_logits" if logits else "target_probs"
     dname = "draft_logits" if logits else "draft_probs"
@@ -642,6 +681,7 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
                          f"{tuple(candidate_token_ids.shape)}")
     device = target.device
     _check_devices(op, device, tname, parents=parents, candidate_token_ids=candidate_token_ids, **{dname: draft})
+    _check_normalizers(op, device, tname, target_lse, draft_lse)
     parents = _as_int32(parents, "parents", op).contiguous()
     if candidate_token_ids.dtype not in (torch.int32, torch.int64):
         candidate_token_ids = _as_int32(candidate_token_ids, "candidate_token_ids", op)
@@ -673,7 +713,8 @@ def _tree_sampling(ops, parents, candidate_token_ids, target, draft, *, logits, 
         if logits:
             ops.tree_speculative_sampling_from_logits(
                 parents, candidate_token_ids, num_nodes, target, draft, control, seed, offset, *out, flags, uniforms,
-                final_uniforms, target_to_draft, cu_num_draft_tokens, coupling, *filters)
+                final_uniforms, target_to_draft, cu_num_draft_tokens, coupling, *filters, target_lse, draft_lse,
+                _strict)
         else:
             ops.tree_speculative_sampling(parents, candidate_token_ids, num_nodes, target, draft, control, seed,
                                           offset, *out, flags, uniforms, final_uniforms, target_to_draft,
@@ -1069,7 +1110,8 @@ class Ops:
                                                bonus_token_ids=None, uniforms=None, final_uniforms=None,
                                                draft_to_target=None, accepted_independently=None,
                                                coupling="rejection", top_k=None, top_p=None,
-                                               min_p=None, verification="token") -> SamplingOutput:
+                                               min_p=None, verification="token", target_lse=None,
+                                               draft_lse=None) -> SamplingOutput:
         """Chain speculative sampling from logits: chain_speculative_sampling with p and q computed in the kernel.
 
         p = softmax(target_logits / temperature[b]) and likewise q are computed inside the kernel in float32 and never
@@ -1092,8 +1134,11 @@ class Ops:
             1: off.
         min_p : float or torch.Tensor, optional
             A float or [B]: then keep those with p >= min_p * max p; 0: off.
-        num_draft_tokens, seed, offset, generator, out : optional
-            As in chain_speculative_sampling.
+        target_lse, draft_lse : torch.Tensor, optional
+            float32, the rows' shape less V ([B, K+1] and [B, K]; flat: [T+B] and [T]): each row's normaliser
+            ln sum exp(logits / temperature) over its processed row, as logits_normalizer computes it (an LM head's
+            epilogue or the drafter's sampler may have it). A finite entry replaces that row's statistics pass; a
+            non-finite one is ignored. See Notes.
         cu_num_draft_tokens, max_draft_tokens, bonus_token_ids : optional
             The engine layouts of chain_speculative_sampling.
         uniforms, final_uniforms, draft_to_target, accepted_independently, coupling, verification : optional
@@ -1119,6 +1164,13 @@ class Ops:
         row with draft_to_target is processed over its own Vd columns. Definition and method: README "Top-k, top-p,
         min-p"; reference.filter_logits is the readable version.
 
+        With target_lse / draft_lse a probability is exp(logit / temperature - lse) instead of the row's own
+        exp((logit - max) / temperature) / sum: every backend and grid still returns the same tokens for the same
+        normalisers, and logits_normalizer's own values give the tokens of the call without them except where a
+        decision lies within the normaliser's float32 rounding (a relative ~|lse| 2^-23) of its boundary. A normaliser
+        off by d scales its row's probabilities by exp(-d). Strict mode (set_strict(True)) computes the rows'
+        statistics anyway and raises, naming target_lse or draft_lse, on a value more than 2^-14 + 2^-20 |lse| off.
+
         Examples
         --------
         >>> import torch
@@ -1139,7 +1191,7 @@ class Ops:
                                final_uniforms=final_uniforms, draft_to_target=draft_to_target,
                                accepted_independently=accepted_independently, coupling=coupling,
                                records_errors=self.records_errors(target_logits), top_k=top_k, top_p=top_p,
-                               min_p=min_p, verification=verification)
+                               min_p=min_p, verification=verification, target_lse=target_lse, draft_lse=draft_lse)
 
     def sample_without_drafts(self, logits, *, temperature, seed, offset, coupling="rejection", top_k=None,
                               top_p=None, min_p=None, out=None) -> torch.Tensor:
@@ -1339,7 +1391,7 @@ class Ops:
                                               out=None, uniforms=None, final_uniforms=None,
                                               draft_to_target=None, cu_num_draft_tokens=None,
                                               max_draft_tokens=None, coupling="rejection", top_k=None, top_p=None,
-                                              min_p=None) -> TreeSamplingOutput:
+                                              min_p=None, target_lse=None, draft_lse=None) -> TreeSamplingOutput:
         """Tree speculative sampling from logits: tree_speculative_sampling with p and q computed in the kernel.
 
         softmax(logits / temperature[b]) in float32 inside the kernel, never written to memory; a temperature below
@@ -1357,6 +1409,8 @@ class Ops:
             A float or [B] float32.
         top_k, top_p, min_p : int, float or torch.Tensor, optional
             Every node's target and draft rows processed, as in chain_speculative_sampling_from_logits.
+        target_lse, draft_lse : torch.Tensor, optional
+            [B, N] float32 (flat: [T+B]): the rows' normalisers, as in chain_speculative_sampling_from_logits.
         num_nodes, seed, offset, generator, out, uniforms, final_uniforms : optional
             As in tree_speculative_sampling.
         draft_to_target, cu_num_draft_tokens, max_draft_tokens, coupling : optional
@@ -1390,7 +1444,50 @@ class Ops:
                               draft_to_target=draft_to_target, cu_num_draft_tokens=cu_num_draft_tokens,
                               max_draft_tokens=max_draft_tokens, coupling=coupling,
                               records_errors=self.records_errors(target_logits), top_k=top_k, top_p=top_p,
-                              min_p=min_p)
+                              min_p=min_p, target_lse=target_lse, draft_lse=draft_lse)
+
+    def logits_normalizer(self, logits, *, temperature, top_k=None, top_p=None, min_p=None) -> torch.Tensor:
+        """Each row's softmax normaliser ln sum exp(logits / temperature), computed as the sampling kernels do.
+
+        The value to pass as target_lse / draft_lse to the from-logits sampling ops: those ops then skip the rows'
+        statistics pass. Computed by the sampling kernels' own pass (the canonical order of docs/design.md §3.1), so it
+        is the same bits on every backend and grid, over each row processed by top_k / top_p / min_p as those ops
+        process it.
+
+        Parameters
+        ----------
+        logits : torch.Tensor
+            [..., V] float32/bfloat16/float16, contiguous in V.
+        temperature : float or torch.Tensor
+            A float, or float32 of logits' shape less V (a row's request's temperature, repeated over its rows).
+        top_k, top_p, min_p : int, float or torch.Tensor, optional
+            Per row likewise (shaped like temperature), as in chain_speculative_sampling_from_logits.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 of logits' shape less V: (max * scale + log2 sum) * ln 2 from the row's statistics; -inf for a row
+            without mass; +inf for a greedy row (temperature below LIMITS["min_temperature"]), whose normaliser no op
+            reads.
+
+        Raises
+        ------
+        ValueError
+            chain_speculative_sampling_from_logits' errors for logits and the controls, in this function's words.
+
+        Examples
+        --------
+        >>> import torch
+        >>> from specdec_ext import ops
+        >>> logits = torch.tensor([[0.0, 1.0, 2.0], [5.0, 5.0, float("-inf")]])
+        >>> lse = ops.logits_normalizer(logits, temperature=1.0)
+        >>> torch.allclose(lse, torch.logsumexp(logits, -1))
+        True
+        >>> ops.logits_normalizer(logits, temperature=0.0).tolist()  # greedy rows
+        [inf, inf]
+        """
+        return _logits_normalizer(self.namespace, logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, records_errors=self.records_errors(logits))
 
     def truncate_kv_cache(self, cache_seqlens, num_kept, *, block_len=None, kept_indices=None, k_caches=(),
                           v_caches=(), block_table=None, clear=False, kv_layout="NHD", kv_indptr=None,
@@ -1628,6 +1725,7 @@ chain_speculative_sampling_from_logits = NATIVE.chain_speculative_sampling_from_
 tree_speculative_sampling = NATIVE.tree_speculative_sampling
 sample_without_drafts = NATIVE.sample_without_drafts
 gumbel_sample = NATIVE.gumbel_sample
+logits_normalizer = NATIVE.logits_normalizer
 tree_speculative_sampling_from_logits = NATIVE.tree_speculative_sampling_from_logits
 truncate_kv_cache = NATIVE.truncate_kv_cache
 verify_attention = NATIVE.verify_attention

@@ -30,6 +30,7 @@ chain_speculative_sampling_from_logits = EMULATED.chain_speculative_sampling_fro
 tree_speculative_sampling = EMULATED.tree_speculative_sampling
 gumbel_sample = EMULATED.gumbel_sample
 sample_without_drafts = EMULATED.sample_without_drafts
+logits_normalizer = EMULATED.logits_normalizer
 tree_speculative_sampling_from_logits = EMULATED.tree_speculative_sampling_from_logits
 truncate_kv_cache = EMULATED.truncate_kv_cache
 verify_attention = EMULATED.verify_attention

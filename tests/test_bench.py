@@ -133,7 +133,7 @@ TINY = {
     "compat_vllm": ["--batch", "2", "--k", "2", "--vocab", "64"],
     "compat_vllm_v2": ["--batch", "2", "--k", "2", "--vocab", "64"],
 }
-TINY_ROWS = {"chain_sampling": 8, "chain_sampling_flat": 4, "chain_sampling_row_filters": 2, "philox_uniform": 2,
+TINY_ROWS = {"chain_sampling": 12, "chain_sampling_flat": 4, "chain_sampling_row_filters": 2, "philox_uniform": 2,
              "tree_sampling": 2, "verify_attention": 1, "compat_flashinfer": 1, "compat_sglang": 1, "compat_vllm": 2,
              "compat_vllm_v2": 1}
 

@@ -28,7 +28,8 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
                                              const std::optional<at::Tensor>& cu_num_draft_tokens,
                                              const std::optional<at::Tensor>& bonus_token_ids, const EngineLayoutArgs& E,
                                              const std::optional<at::Tensor>& accepted_independently, bool logits,
-                                             c10::string_view verification = "token") {
+                                             c10::string_view verification = "token",
+                                             const std::optional<at::Tensor>* row_lse = nullptr) {
   const char* op = logits ? "chain_speculative_sampling_from_logits" : "chain_speculative_sampling";
   TORCH_CHECK_VALUE(verification == "token" || verification == "block", op,
                     ": verification must be \"token\" or \"block\", got \"", std::string(verification), "\"");
@@ -106,6 +107,11 @@ inline ChainSamplingParams make_chain_params(const at::Tensor& draft_token_ids, 
   P.num_accepted = num_accepted.data_ptr<int32_t>();
   P.num_draft = K;
   P.block = block;
+  if (row_lse != nullptr && row_lse->has_value()) {  // logits_normalizer: K = 0, one row per request
+    TORCH_CHECK_VALUE(logits && K == 0 && !flat, op, ": row_lse takes the padded form with K = 0");
+    A.vector_of(**row_lse, "row_lse", at::kFloat);
+    P.row_lse = (*row_lse)->data_ptr<float>();
+  }
   return P;
 }
 
@@ -121,6 +127,8 @@ inline constexpr ErrorBit kSamplingErrorBits[] = {
     {kErrCuNumDraftTokens, "cu_num_draft_tokens must be non-decreasing, in [0, T], with steps of at most max_draft_tokens"},
     {kErrDraftToTarget, "draft_to_target holds an id outside [0, V) or an id twice"},
     {kErrRowFilter, "top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1)"},
+    {kErrTargetLse, "target_lse holds a row's normaliser more than 2^-14 + 2^-20 |lse| off logits_normalizer's"},
+    {kErrDraftLse, "draft_lse holds a row's normaliser more than 2^-14 + 2^-20 |lse| off logits_normalizer's"},
 };
 
 // The message for error bits raised by the sampling kernels (SamplingError).

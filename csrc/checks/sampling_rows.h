@@ -50,6 +50,10 @@ struct EngineLayoutArgs {
   const std::optional<at::Tensor>* top_k = nullptr;
   const std::optional<at::Tensor>* top_p = nullptr;
   const std::optional<at::Tensor>* min_p = nullptr;
+  // The from-logits ops' caller normalisers (ChainSamplingParams::target_lse): float32, the rows' shape less V.
+  const std::optional<at::Tensor>* target_lse = nullptr;
+  const std::optional<at::Tensor>* draft_lse = nullptr;
+  bool check_lse = false;
 };
 
 // Target rows: [B, rows, V] (padded) or [rows, V] (flat); draft rows likewise with draft_rows rows and V columns, or Vd
@@ -130,6 +134,25 @@ inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, c
     A.vector_of(**t, name, type);
     return (*t)->data_ptr();
   };
+  const auto normalizer = [&](const std::optional<at::Tensor>* t, const char* name, const at::Tensor& rows,
+                              const char* rows_name) -> const float* {
+    if (t == nullptr || !t->has_value()) return nullptr;
+    const at::Tensor& n = **t;
+    const auto shape = rows.sizes().slice(0, rows.dim() - 1);
+    TORCH_CHECK_VALUE(n.sizes() == shape && n.scalar_type() == at::kFloat && n.is_contiguous(), op, ": ", name,
+                      " must be a contiguous float32 tensor of ", rows_name, "'s shape less its last dimension, ", shape,
+                      ", got ", n.sizes(), " ", n.scalar_type(), n.is_contiguous() ? "" : " (not contiguous)");
+    A.same_device(n, name);
+    return n.data_ptr<float>();
+  };
+  P.target_lse = normalizer(E.target_lse, "target_lse", target, tname);
+  if (E.draft_lse != nullptr && E.draft_lse->has_value()) {
+    TORCH_CHECK_VALUE(draft.has_value(), op, ": draft_lse normalises ", dname, ", which is None");
+    P.draft_lse = normalizer(E.draft_lse, "draft_lse", *draft, dname);
+  }
+  P.check_lse = E.check_lse;
+  P.target_rows = flat ? 0 : target.size(1);
+  P.draft_rows = flat || !draft.has_value() ? 0 : draft->size(1);
   P.top_k = static_cast<const int32_t*>(row_filter(E.top_k, "top_k", at::kInt));
   P.top_p = static_cast<const float*>(row_filter(E.top_p, "top_p", at::kFloat));
   P.min_p = static_cast<const float*>(row_filter(E.min_p, "min_p", at::kFloat));

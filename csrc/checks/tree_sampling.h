@@ -93,6 +93,8 @@ inline constexpr ErrorBit kTreeSamplingErrorBits[] = {
     {kErrCuNumDraftTokens, "cu_num_draft_tokens must be non-decreasing, in [0, T], with steps of at most max_draft_tokens"},
     {kErrDraftToTarget, "draft_to_target holds an id outside [0, V) or an id twice"},
     {kErrRowFilter, "top_k must be >= 0, top_p in (0, 1] and min_p in [0, 1)"},
+    {kErrTargetLse, "target_lse holds a row's normaliser more than 2^-14 + 2^-20 |lse| off logits_normalizer's"},
+    {kErrDraftLse, "draft_lse holds a row's normaliser more than 2^-14 + 2^-20 |lse| off logits_normalizer's"},
 };
 
 inline std::string tree_sampling_error_message(int32_t bits, bool logits) {

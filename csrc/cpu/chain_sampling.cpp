@@ -17,11 +17,11 @@ void chain_sampling_cpu(const at::Tensor& draft_token_ids, const at::Tensor& tar
                         const at::Tensor& offset, const at::Tensor& output_token_ids, const at::Tensor& num_accepted,
                         const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                         const EngineLayoutArgs& E, const Opt& accepted_independently, bool logits,
-                        c10::string_view verification) {
+                        c10::string_view verification, const Opt* row_lse = nullptr) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
                         output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids, E,
-                        accepted_independently, logits, verification);
+                        accepted_independently, logits, verification, row_lse);
   // Counts, ids and temperatures of every request first: they raise before anything is sampled or written.
   int32_t errors = 0;
   for (int64_t b = 0; b < P.batch; ++b) errors |= check_request_controls(P, b);
@@ -59,11 +59,13 @@ void chain_sampling_from_logits_op_cpu(const at::Tensor& draft_token_ids, const 
                                        const Opt& bonus_token_ids, const Opt& uniforms, const Opt& final_uniforms,
                                        const Opt& target_to_draft, const Opt& accepted_independently,
                                        c10::string_view coupling, const Opt& top_k, const Opt& top_p,
-                                       const Opt& min_p, c10::string_view verification) {
+                                       const Opt& min_p, c10::string_view verification, const Opt& target_lse,
+                                       const Opt& draft_lse, bool check_lse, const Opt& row_lse) {
   chain_sampling_cpu(draft_token_ids, target, draft, num_draft_tokens, temperature, seed, offset, output_token_ids,
                      num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                     EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p},
-                     accepted_independently, true, verification);
+                     EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p,
+                                      &target_lse, &draft_lse, check_lse},
+                     accepted_independently, true, verification, &row_lse);
 }
 }  // namespace
 

@@ -388,14 +388,16 @@ struct CpuSamplingEngine {
       spp[l] = sqq[l] = 0.0f;
     }
     for (int64_t t = 0; t < tiles(); ++t) {
-      load_tile(row_p, t, kNegInf, true, tile_p.data());
-      push_tile(tile_p.data(), scale, mp, spp);
+      if (row_p != nullptr) {
+        load_tile(row_p, t, kNegInf, true, tile_p.data());
+        push_tile(tile_p.data(), scale, mp, spp);
+      }
       if (row_q != nullptr) {
         load_tile(row_q, t, kNegInf, false, tile_q.data());
         push_tile(tile_q.data(), scale, mq, sqq);
       }
     }
-    *sp = reduce_lanes(mp, spp, scale);
+    *sp = row_p != nullptr ? reduce_lanes(mp, spp, scale) : maxsum_identity();
     *sq = row_q != nullptr ? reduce_lanes(mq, sqq, scale) : maxsum_identity();
   }
 
@@ -456,6 +458,7 @@ struct CpuSamplingEngine {
     P.num_accepted[b] = accepted;
     if (P.accepted_independently != nullptr) P.accepted_independently[b] = independent;
   }
+  void write_row_lse(int64_t b, float lse) { P.row_lse[b] = lse; }
 };
 
 // Runs request(engine, b) for every request b, each thread on its own Engine(params); returns the error bits of

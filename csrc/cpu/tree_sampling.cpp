@@ -126,10 +126,13 @@ void tree_sampling_from_logits_op_cpu(const at::Tensor& parents, const at::Tenso
                                       const at::Tensor& num_accepted, const Opt& error_flags, const Opt& uniforms,
                                       const Opt& final_uniforms, const Opt& target_to_draft,
                                       const Opt& cu_num_draft_tokens, c10::string_view coupling, const Opt& top_k,
-                                      const Opt& top_p, const Opt& min_p) {
+                                      const Opt& top_p, const Opt& min_p, const Opt& target_lse,
+                                      const Opt& draft_lse, bool check_lse) {
   tree_sampling_cpu(parents, candidate_token_ids, num_nodes, target, draft, temperature, seed, offset, output_token_ids,
                     accepted_nodes, num_accepted, error_flags, cu_num_draft_tokens,
-                    EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p}, true);
+                    EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p,
+                                     &target_lse, &draft_lse, check_lse},
+                    true);
 }
 }  // namespace
 

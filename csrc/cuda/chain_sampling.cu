@@ -24,12 +24,14 @@ void chain_sampling_launch(const at::Tensor& draft_token_ids, const at::Tensor& 
                            const Opt& error_flags, const Opt& cu_num_draft_tokens, const Opt& bonus_token_ids,
                            const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
                            const Opt& accepted_independently, c10::string_view coupling, const Opt& top_k,
-                           const Opt& top_p, const Opt& min_p, c10::string_view verification) {
+                           const Opt& top_p, const Opt& min_p, c10::string_view verification,
+                           const Opt& target_lse, const Opt& draft_lse, bool check_lse, const Opt& row_lse) {
   const ChainSamplingParams P =
       make_chain_params(draft_token_ids, target, draft, num_draft_tokens, greedy_or_temperature, seed, offset,
                         output_token_ids, num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids,
-                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p},
-                        accepted_independently, kLogits, verification);
+                        EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p,
+                                         &target_lse, &draft_lse, check_lse},
+                        accepted_independently, kLogits, verification, &row_lse);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "chain sampling: tensors must be on ", kLauncherDevice);
   if (P.batch == 0) return;
   const LauncherGuard guard(target);
@@ -55,7 +57,7 @@ void chain_sampling_probs(const at::Tensor& draft_token_ids, const at::Tensor& t
   chain_sampling_launch<false>(draft_token_ids, target, draft, num_draft_tokens, greedy, seed, offset, output_token_ids,
                                num_accepted, error_flags, cu_num_draft_tokens, bonus_token_ids, uniforms, final_uniforms,
                                target_to_draft, accepted_independently, coupling, std::nullopt, std::nullopt,
-                               std::nullopt, verification);
+                               std::nullopt, verification, std::nullopt, std::nullopt, false, std::nullopt);
 }
 
 }  // namespace

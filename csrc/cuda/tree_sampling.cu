@@ -24,11 +24,15 @@ void tree_sampling_launch(const at::Tensor& parents, const at::Tensor& candidate
                           const at::Tensor& accepted_nodes, const at::Tensor& num_accepted, const Opt& error_flags,
                           const Opt& uniforms, const Opt& final_uniforms, const Opt& target_to_draft,
                           const Opt& cu_num_draft_tokens, c10::string_view coupling, const Opt& top_k = std::nullopt,
-                          const Opt& top_p = std::nullopt, const Opt& min_p = std::nullopt) {
+                          const Opt& top_p = std::nullopt, const Opt& min_p = std::nullopt,
+                          const Opt& target_lse = std::nullopt, const Opt& draft_lse = std::nullopt,
+                          bool check_lse = false) {
   const TreeSamplingParams TP = make_tree_params(
       parents, candidate_token_ids, num_nodes, target, draft, greedy_or_temperature, seed, offset, output_token_ids,
       accepted_nodes, num_accepted, error_flags, cu_num_draft_tokens,
-      EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p}, kLogits);
+      EngineLayoutArgs{uniforms, final_uniforms, target_to_draft, coupling, &top_k, &top_p, &min_p, &target_lse,
+                       &draft_lse, check_lse},
+      kLogits);
   TORCH_CHECK_VALUE(target.device().type() == kLauncherDevice, "tree sampling: tensors must be on ", kLauncherDevice);
   if (TP.rows.batch == 0) return;
   const LauncherGuard guard(target);

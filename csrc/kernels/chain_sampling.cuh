@@ -484,7 +484,7 @@ struct SlicedSamplingEngine {
 #pragma unroll
       for (int d = 0; d < kTilesInFlight; ++d) {
         const int v0 = block_start(t0 + d, lane());
-        p[d] = load_block(row_p, vec_p, v0);
+        p[d] = row_p != nullptr ? load_block(row_p, vec_p, v0) : RawBlock{};
         q[d] = row_q != nullptr ? load_draft_block(row_q, vec_q, v0) : RawBlock{};
       }
 #pragma unroll
@@ -535,19 +535,21 @@ struct SlicedSamplingEngine {
   }
 
   SPECDEC_DEVICE_NOINLINE void softmax_stats(const T* row_p, const T* row_q, float scale, MaxSum* sp, MaxSum* sq) {
-    const bool has_q = row_q != nullptr;
+    const bool has_p = row_p != nullptr, has_q = row_q != nullptr;
     MaxSum lp = maxsum_identity(), lq = maxsum_identity();
     for_each_tile(row_p, vector_row(row_p), row_q, vector_draft_row(row_q), [&](const RawBlock& p, const RawBlock& q, int, int v0) {
       float x[kLaneEntries];
-      to_floats(p, v0, true, x);
-      lp = maxsum_push_block(lp, x, block_max(x), scale);
+      if (has_p) {
+        to_floats(p, v0, true, x);
+        lp = maxsum_push_block(lp, x, block_max(x), scale);
+      }
       if (has_q) {
         to_floats(q, v0, false, x);
         lq = maxsum_push_block(lq, x, block_max(x), scale);
       }
     });
     const MaxSumPair r = reduce_lanes(MaxSumPair{lp, lq}, MaxSumPairCombine{scale}, ms_scratch);
-    *sp = r.p;
+    *sp = has_p ? r.p : maxsum_identity();
     *sq = has_q ? r.q : maxsum_identity();
   }
 
@@ -687,6 +689,9 @@ struct SlicedSamplingEngine {
       P.num_accepted[b] = accepted;
       if (P.accepted_independently != nullptr) P.accepted_independently[b] = independent;
     }
+  }
+  SPECDEC_DEVICE void write_row_lse(int64_t b, float lse) {
+    if (rank == 0 && threadIdx.x == 0) P.row_lse[b] = lse;
   }
 };
 

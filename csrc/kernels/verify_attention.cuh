@@ -39,7 +39,6 @@ constexpr int kAttnRows = 16 * kAttnWarps;  // query rows per block
 constexpr int kAttnKeys = 64;               // keys per shared-memory stage: four 16-key subtiles
 constexpr int kAttnStages = 2;
 constexpr int kAttnMergeWarps = 4;          // rows merged per block of the split-merge kernel
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Shared-memory rows are padded by 8 elements (16 bytes), so the eight rows an ldmatrix reads fall in
 // different banks.

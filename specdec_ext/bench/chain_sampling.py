@@ -5,7 +5,9 @@ over the whole [B, K+1, V] tensors, acceptance by gather, the residual row gathe
 by an exponential race), and `reference`, the readable float64 oracle of specdec_ext.reference.
 graph_us is the op replayed from a CUDA graph (the kernel without Python's launch overhead). bytes are those the op
 must read: the rows up to the first rejection (all of them for logits, whose normalisers need every entry) and the
-row the last token is drawn from; with probabilities, acceptance itself needs only p(x) and q(x). floor_us is their
+row the last token is drawn from; with probabilities, acceptance itself needs only p(x) and q(x), and so does the path
+`logits+lse`, logits with the caller's normalisers (target_lse, draft_lse from logits_normalizer, computed before the
+timing as an LM head's epilogue would have them). floor_us is their
 time at the copy bandwidth measured in the run, GB/s their rate at graph_us, of_copy_bw = floor_us / graph_us; grid
 is the CUDA launch, blocks x threads (an H200's when run on the CPU).
 --against flashinfer adds FlashInfer's chain_speculative_sampling on the same float32 probabilities (vs_flashinfer:
@@ -119,7 +121,7 @@ def main(args) -> int:
                     # The same draws for every dtype, so that dtypes are compared on the same acceptance pattern.
                     gen = torch.Generator().manual_seed(batch * 1000 + k * 10 + vocab)
                     case = make_case(batch, k, vocab, dtype, device, gen)
-                    for path in ("probs", "logits"):
+                    for path in ("probs", "logits", "logits+lse"):
                         rows.append(measure(case, path, batch, k, vocab, dtype, device, args.repeats, peak,
                                             anchor))
                         print_row(rows[-1])
@@ -171,8 +173,12 @@ def measure(case, path, batch, k, vocab, dtype, device, repeats, peak, anchor=No
     else:
         tl, dl = case["target_logits"], case["draft_logits"]
         t = torch.ones(batch, device=device)  # a device tensor: ours is also captured in a CUDA graph below
+        lse = {}
+        if path == "logits+lse":
+            lse = {"target_lse": specdec_ext.logits_normalizer(tl, temperature=t[:, None].expand(-1, k + 1)),
+                   "draft_lse": specdec_ext.logits_normalizer(dl, temperature=t[:, None].expand(-1, k))}
         def ours():
-            return specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed)
+            return specdec_ext.chain_speculative_sampling_from_logits(ids, tl, dl, temperature=t, seed=seed, **lse)
         def base():
             return torch_sampling_from_logits(ids, tl, dl, 1.0)
         def ref():

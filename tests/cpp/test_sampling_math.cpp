@@ -110,8 +110,39 @@ TEST_CASE("the row's max keeps its term 1 at any scale: logits up to 3e38, scale
     CHECK_EQ(maxsum_combine(b, a, scale).s, r.s);
     CHECK_EQ(r.m, top);
     CHECK(r.s >= 1.0f && r.s <= 24.0f);
-    CHECK_EQ(softmax_prob(top, scale, r.m, 1.0f), 1.0f);
+    CHECK_EQ(softmax_prob(top, scale, SoftmaxNorm{r.m, 0.0f, 1.0f}), 1.0f);
   }
+}
+
+TEST_CASE("a row's normaliser: lse_of_stats, norm_of_lse and the tolerance lse_matches allows") {
+  // Row x_v = v / 7 - 3 (v < 50) at temperature 0.7: ln sum exp(x / t) in double is the reference.
+  const float t = 0.7f, scale = fmul(fdiv(1.0f, t), kLog2e);
+  float x[kLaneEntries * 8];
+  double sum = 0.0;
+  for (int v = 0; v < kLaneEntries * 8; ++v) {
+    x[v] = v < 50 ? static_cast<float>(v) / 7.0f - 3.0f : kNegInf;
+    if (v < 50) sum += std::exp(static_cast<double>(x[v]) / static_cast<double>(t));
+  }
+  MaxSum st = maxsum_identity();
+  for (int blk = 0; blk < 8; ++blk) st = maxsum_push_block(st, x + kLaneEntries * blk, block_max(x + kLaneEntries * blk), scale);
+  const float lse = lse_of_stats(st, scale);
+  CHECK(std::fabs(lse - std::log(sum)) < 4e-6);
+  // Probabilities from the normaliser agree with the row's own statistics within the normaliser's rounding.
+  for (int v : {0, 17, 49}) {
+    const float own = softmax_prob(x[v], scale, norm_of_stats(st)), from_lse = softmax_prob(x[v], scale, norm_of_lse(lse));
+    CHECK(std::fabs(from_lse / own - 1.0f) < 2e-6f);
+  }
+  // The row's own normaliser subtracts c = 0 exactly: the bits of 2^((x - m) * scale) / sum.
+  CHECK_EQ(softmax_prob(x[3], scale, norm_of_stats(st)), fmul(det_exp2(scaled_gap(x[3], st.m, scale)), fdiv(1.0f, st.s)));
+  // No mass: -inf; the tolerance is 2^-14 + 2^-20 |lse|, NaN never within it.
+  CHECK_EQ(lse_of_stats(maxsum_identity(), scale), kNegInf);
+  CHECK(lse_matches(lse, lse));
+  CHECK(lse_matches(fadd(lse, 6.0e-5f), lse));
+  CHECK(!lse_matches(fadd(lse, 7.0e-5f), lse));
+  CHECK(lse_matches(1000.0f + 1.0e-3f, 1000.0f));   // 2^-14 + 2^-20 * 1000 = 1.015e-3
+  CHECK(!lse_matches(1000.0f + 1.1e-3f, 1000.0f));
+  CHECK(lse_matches(-1000.0f - 1.0e-3f, -1000.0f));
+  CHECK(!lse_matches(__builtin_nanf(""), lse));
 }
 
 TEST_CASE("sampling_slices: the largest split with batch x slices <= SMs whose group of blocks the device holds") {

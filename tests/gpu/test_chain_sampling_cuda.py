@@ -100,6 +100,56 @@ def test_every_forced_split_matches_cpu_and_replays_from_a_graph(slices, batch, 
     assert torch.equal(out[0].cpu(), cpu.output_token_ids)
 
 
+@pytest.mark.parametrize("batch,k,vocab", [(1, 4, 128256), (64, 8, 128256), (8, 4, 32000)])
+def test_caller_normalizers_match_cpu_without_sync_and_replay_from_a_graph(batch, k, vocab):
+    # The benchmark's logits+lse rows: logits_normalizer on CUDA gives the CPU's bits; the op with them returns the
+    # CPU's tokens, makes no host sync and replays from a CUDA graph; strict mode checks them (none is off).
+    c = case(batch, k, vocab, torch.bfloat16, batch + k)
+    d = {key: v.cuda() for key, v in c.items()}
+    t_rows, d_rows = c["temp"][:, None].expand(-1, k + 1), c["temp"][:, None].expand(-1, k)
+    target_lse = specdec_ext.logits_normalizer(d["tl"], temperature=t_rows.cuda())
+    draft_lse = specdec_ext.logits_normalizer(d["dl"], temperature=d_rows.cuda())
+    cpu_target_lse = specdec_ext.logits_normalizer(c["tl"], temperature=t_rows)
+    assert torch.equal(target_lse.cpu(), cpu_target_lse)
+    cpu = specdec_ext.chain_speculative_sampling_from_logits(
+        c["ids"], c["tl"], c["dl"], temperature=c["temp"], num_draft_tokens=c["nd"], seed=c["seed"],
+        offset=c["offset"], target_lse=cpu_target_lse, draft_lse=draft_lse.cpu())
+    out = (torch.full((batch, k + 1), -7, dtype=torch.int32, device="cuda"),
+           torch.full((batch,), -7, dtype=torch.int32, device="cuda"))
+
+    def call():
+        specdec_ext.chain_speculative_sampling_from_logits(d["ids"], d["tl"], d["dl"], temperature=d["temp"],
+                                                           num_draft_tokens=d["nd"], seed=d["seed"],
+                                                           offset=d["offset"], out=out, target_lse=target_lse,
+                                                           draft_lse=draft_lse)
+
+    call()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(out[0].cpu(), cpu.output_token_ids) and torch.equal(out[1].cpu(), cpu.num_accepted)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out[0].fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0].cpu(), cpu.output_token_ids)
+    specdec_ext.set_strict(True)
+    try:
+        call()
+        with pytest.raises(ValueError, match="target_lse"):
+            specdec_ext.chain_speculative_sampling_from_logits(d["ids"], d["tl"], d["dl"],
+                                                               temperature=torch.ones_like(d["temp"]),
+                                                               num_draft_tokens=torch.full_like(d["nd"], k),
+                                                               seed=d["seed"], offset=d["offset"],
+                                                               target_lse=target_lse + 0.05)
+    finally:
+        specdec_ext.set_strict(False)
+
+
 def test_unaligned_rows_take_the_scalar_path():
     c = case(5, 3, 1001, torch.float32, 5)
     tp = torch.zeros(5, 4, 1002)

@@ -21,6 +21,7 @@ struct ChainSamplingParams {
   const void* draft;            // [B, K, Vd] or [T, Vd], or nullptr: point proposals
   int64_t target_stride_b, target_stride_k;  // in elements (flat: stride_b 0, stride_k the row stride); the
   int64_t draft_stride_b, draft_stride_k;    // vocabulary dimension is contiguous
+  int64_t target_rows, draft_rows;           // padded form: the rows per request (target.size(1), draft.size(1))
   // [B]: the drafts request b judges. Padded form: required, in [0, K]. Flat form: nullptr (every draft its
   // layout holds), or a cap in [0, cu[b] - cu[b-1]]: request b judges its first num_draft_tokens[b] drafts, and its
   // all-accepted token comes from its target row num_draft_tokens[b]; the drafts past the cap are never read.
@@ -51,6 +52,16 @@ struct ChainSamplingParams {
   const float* min_p;           // [B], 0: off
   const bool* greedy;           // [B] (probabilities); nullptr with logits
   const float* temperature;     // [B] (logits); nullptr with probabilities
+  // Caller normalisers (logits): ln sum_v exp(x_v / temperature) over each processed row (after top_k / top_p /
+  // min_p), [rows] in the rows' order (target_row_number, draft_row_number), or nullptr. A finite value replaces the
+  // row's statistics pass (norm_of_lse); a non-finite one is ignored (the row's statistics are computed). With
+  // check_lse (strict mode) the statistics are computed anyway and a value off them (lse_matches) is flagged.
+  const float* target_lse;
+  const float* draft_lse;
+  bool check_lse;
+  // logits_normalizer: with row_lse [B], each request's target row 0 is not sampled; its normaliser (lse_of_stats of
+  // the processed row; +inf for a greedy request) is written to row_lse[b], and nothing else is.
+  float* row_lse;
   const int64_t* seed;          // [B]
   const int64_t* offset;        // [B]
   int32_t* output_token_ids;    // [B, K+1]
@@ -96,6 +107,17 @@ SPECDEC_HD int64_t target_row_offset(const ChainSamplingParams& P, int64_t b, in
 SPECDEC_HD int64_t draft_row_offset(const ChainSamplingParams& P, int64_t b, int64_t i) {
   if (P.cu_num_draft_tokens == nullptr) return b * P.draft_stride_b + i * P.draft_stride_k;
   return (draft_start(P, b) + (P.draft_rows_per_node ? b : 0) + i) * P.draft_stride_k;
+}
+
+// The row numbers of request b's target row i and draft row i among all the target (draft) rows: b * R + i in the
+// padded form, the row itself in the flat one (where the caller's normalisers are found).
+SPECDEC_HD int64_t target_row_number(const ChainSamplingParams& P, int64_t b, int64_t i) {
+  if (P.cu_num_draft_tokens == nullptr) return b * P.target_rows + i;
+  return draft_start(P, b) + (P.bonus_ids != nullptr ? 0 : b) + i;
+}
+SPECDEC_HD int64_t draft_row_number(const ChainSamplingParams& P, int64_t b, int64_t i) {
+  if (P.cu_num_draft_tokens == nullptr) return b * P.draft_rows + i;
+  return draft_start(P, b) + (P.draft_rows_per_node ? b : 0) + i;
 }
 
 SPECDEC_HD int64_t draft_token(const ChainSamplingParams& P, int64_t b, int64_t i) {
@@ -257,6 +279,32 @@ SPECDEC_HD int32_t request_num_drafts(const ChainSamplingParams& P, int64_t b) {
 // ends a block).
 SPECDEC_HD bool draft_id_valid(const ChainSamplingParams& P, int64_t x) { return x >= 0 && x < P.vocab; }
 
+// The softmax normalisers of request b's target row i (row_p) and, given row_q, its draft row i, whose thresholds
+// filter_rows has set: the caller's (target_lse, draft_lse) where given and finite, else the rows' statistics, one pass
+// over the rows that need them. With check_lse the statistics are computed for every row and a caller's value off
+// them is flagged (kErrTargetLse, kErrDraftLse; it is still used: the flag is the report).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // instantiated with a device engine (CUDA) or a host one (CPU)
+#endif
+template <typename Engine, typename Row>
+SPECDEC_FLOW void logits_norms(Engine& e, const ChainSamplingParams& P, int64_t b, int32_t i, const Row* row_p,
+                               const Row* row_q, float scale, SoftmaxNorm* norm_p, SoftmaxNorm* norm_q) {
+  const float lse_p = P.target_lse != nullptr ? P.target_lse[target_row_number(P, b, i)] : kNegInf;
+  const float lse_q = P.draft_lse != nullptr && row_q != nullptr ? P.draft_lse[draft_row_number(P, b, i)] : kNegInf;
+  const bool given_p = is_finite(lse_p), given_q = is_finite(lse_q);
+  const bool stats_p = !given_p || P.check_lse, stats_q = row_q != nullptr && (!given_q || P.check_lse);
+  if (stats_p || stats_q) {
+    MaxSum sp, sq;
+    e.softmax_stats(stats_p ? row_p : nullptr, stats_q ? row_q : nullptr, scale, &sp, &sq);
+    if (stats_p) *norm_p = norm_of_stats(sp);
+    if (stats_q) *norm_q = norm_of_stats(sq);
+    if (given_p && stats_p && !lse_matches(lse_p, lse_of_stats(sp, scale))) e.flag(kErrTargetLse);
+    if (given_q && stats_q && !lse_matches(lse_q, lse_of_stats(sq, scale))) e.flag(kErrDraftLse);
+  }
+  if (given_p) *norm_p = norm_of_lse(lse_p);
+  if (given_q) *norm_q = norm_of_lse(lse_q);
+}
+
 // The statistics of a sampled request's row pair (row_p, row_q; row_q null for point proposals), whose thresholds
 // filter_rows has set, into *spec (point: x when q is a point mass), and the target's and the draft's probability of
 // token x there into *p, *q (x = -1: p = 0, and q = 0, or 1 for a point mass). The rows are draft position i's of
@@ -269,18 +317,13 @@ SPECDEC_FLOW void chain_row_probs(Engine& e, const ChainSamplingParams& P, int64
                                   const Row* row_p, const Row* row_q, float scale, MassSpec* spec, float* p_out,
                                   float* q_out) {
   const bool has_q = row_q != nullptr;
-  *spec = MassSpec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, 0.0f, 1.0f, 0.0f, 1.0f};
+  *spec = MassSpec{P.logits, false, has_q ? -1 : static_cast<int32_t>(x), scale, {}, {}};
   float p = 0.0f, q = has_q ? 0.0f : 1.0f;
   if (P.logits) {
-    MaxSum sp, sq;
-    e.softmax_stats(row_p, row_q, scale, &sp, &sq);
-    spec->m_p = sp.m;
-    spec->inv_z_p = fdiv(1.0f, sp.s);
-    spec->m_q = sq.m;
-    spec->inv_z_q = fdiv(1.0f, sq.s);
+    logits_norms(e, P, b, i, row_p, row_q, scale, &spec->norm_p, &spec->norm_q);
     if (x >= 0) {
-      p = softmax_prob(e.load(row_p, x, true), scale, spec->m_p, spec->inv_z_p);
-      if (has_q) q = softmax_prob(e.load(row_q, x, false), scale, spec->m_q, spec->inv_z_q);
+      p = softmax_prob(e.load(row_p, x, true), scale, spec->norm_p);
+      if (has_q) q = softmax_prob(e.load(row_q, x, false), scale, spec->norm_q);
     }
   } else if (x >= 0) {
     p = e.gathered(b, i, x, true, row_p);
@@ -328,13 +371,8 @@ SPECDEC_FLOW int32_t draw_from_target_row(Engine& e, const ChainSamplingParams& 
   filter_rows(e, P, b, greedy, row_p, static_cast<decltype(row_p)>(nullptr), scale);
   if (greedy) return e.argmax(row_p);
   if (P.gumbel) return e.gumbel_argmax(row_p, scale, seed, offset + static_cast<uint64_t>(i));
-  MassSpec spec{P.logits, true, -1, scale, 0.0f, 1.0f, 0.0f, 1.0f};
-  if (P.logits) {
-    MaxSum sp, sq;
-    e.softmax_stats(row_p, nullptr, scale, &sp, &sq);
-    spec.m_p = sp.m;
-    spec.inv_z_p = fdiv(1.0f, sp.s);
-  }
+  MassSpec spec{P.logits, true, -1, scale, {}, {}};
+  if (P.logits) logits_norms(e, P, b, i, row_p, static_cast<decltype(row_p)>(nullptr), scale, &spec.norm_p, &spec.norm_q);
   return e.sample(row_p, nullptr, spec, final_uniform(P, b, seed, offset));
 }
 
@@ -412,9 +450,9 @@ SPECDEC_FLOW void chain_block_verify(Engine& e, const ChainSamplingParams& P, in
 //   row is read at draft_column(v), absent columns reading as probability 0); gather_drafts(b, k) (may fetch
 //   p(x_i) and q(x_i) of positions 0..k-1 ahead) and gathered(b, i, x, is_target, row) -> load(row, x, is_target); argmax(row) -> int32, or -1 if the
 //   row has no mass (row_has_mass); softmax_stats(row_p, row_q, scale, MaxSum*, MaxSum*) (base-2 statistics of
-//   the logits at scale, maxsum_push_block); sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is
+//   the logits at scale, maxsum_push_block; either row may be null, its statistics then not computed); sample(row_p, row_q, MassSpec, u) -> int32 or -1 if the mass is
 //   zero or not finite; gumbel_argmax(row, scale, seed, position) -> int32, the first index of the largest
-//   gumbel_keys4 key, or -1 if the row has no mass; flag(bits); write(b, accepted, token).
+//   gumbel_keys4 key, or -1 if the row has no mass; flag(bits); write(b, accepted, token); write_row_lse(b, lse).
 // Invalid controls are flagged up front and then given defined meanings (a count is clamped to [0, K], an id
 // outside [0, V) is rejected, a bad temperature is greedy, as is one below kMinTemperature; a flat request whose
 // positions are inconsistent emits nothing). A target row the round must draw its last token from, but which has
@@ -433,6 +471,18 @@ SPECDEC_FLOW void chain_sampling_request(Engine& e, const ChainSamplingParams& P
   float scale;  // log2(e) / temperature: softmax in base 2
   const bool greedy = request_greedy(P, b, &scale);
   const uint64_t seed = static_cast<uint64_t>(P.seed[b]), offset = static_cast<uint64_t>(P.offset[b]);
+  if (P.row_lse != nullptr) {  // logits_normalizer: target row 0's normaliser, nothing sampled
+    float lse = -kNegInf;
+    if (!greedy) {
+      const auto* row_p = e.row_target(b, 0);
+      filter_rows(e, P, b, false, row_p, static_cast<decltype(row_p)>(nullptr), scale);
+      MaxSum sp, sq;
+      e.softmax_stats(row_p, static_cast<decltype(row_p)>(nullptr), scale, &sp, &sq);
+      lse = lse_of_stats(sp, scale);
+    }
+    e.write_row_lse(b, lse);
+    return;
+  }
 
   int32_t accepted = 0, token = -1;
   // From probabilities, the acceptance tests need p(x_i) and q(x_i) alone: gathered for every position at once, so that

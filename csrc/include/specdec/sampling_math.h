@@ -53,6 +53,7 @@ constexpr int kMaxTiles = static_cast<int>(kMaxVocab / kTile);
 // tile totals chunk by chunk, and sampling recomputes the chosen tile's.
 constexpr int kTileChunk = 32;
 constexpr float kLog2e = 1.44269502e+00f;  // log2(e), rounded to float
+constexpr float kLn2 = 6.93147182e-01f;    // ln(2), rounded to float
 constexpr int kMaxDraftTokens = 128;  // per request (vLLM's limit)
 // Temperatures t < kMinTemperature (0 included) make a request greedy (argmax acceptance, no randomness), in
 // every backend and the reference (vLLM's _SAMPLING_EPS), bit for bit as temperature 0. Below it,
@@ -86,6 +87,8 @@ enum SamplingError : int32_t {
   kErrCuNumDraftTokens = 2048,   // cu_num_draft_tokens not an inclusive cumsum in [0, T] with steps <= max_draft_tokens
   kErrDraftToTarget = 4096,      // draft_to_target holds an id outside [0, V) or one id twice
   kErrRowFilter = 8192,          // top_k < 0, top_p outside (0, 1] or min_p outside [0, 1) (row_filter.h)
+  kErrTargetLse = 16384,         // checked (strict mode): a target_lse row off its row's normaliser (lse_matches)
+  kErrDraftLse = 32768,          // likewise draft_lse
 };
 
 // ----- correctly rounded primitives, never contracted ----------------------------------------------
@@ -256,31 +259,60 @@ struct FloatSum {
   SPECDEC_HD float operator()(float a, float b) const { return fadd(a, b); }
 };
 
+// How the probabilities of a row of logits are computed from its raw logits x at `scale` = log2(e) / temperature:
+//   p(x) = 2^(((x - m) * scale) - c) * inv_z        (softmax_prob)
+// From the row's own statistics (norm_of_stats): m its max, c = 0, inv_z = 1 / sum, so that the max's term is exactly
+// inv_z at any temperature and logit size. From a caller's normaliser lse = ln sum_v exp(x_v / temperature)
+// (norm_of_lse): m = 0, c = lse * log2(e), inv_z = 1; every probability then carries the normaliser's float32
+// rounding, a relative error of about |lse| * 2^-24 (lse_matches bounds what strict mode accepts).
+struct SoftmaxNorm {
+  float m = 0.0f;
+  float c = 0.0f;
+  float inv_z = 1.0f;
+};
+SPECDEC_HD SoftmaxNorm norm_of_stats(MaxSum s) { return SoftmaxNorm{s.m, 0.0f, fdiv(1.0f, s.s)}; }
+SPECDEC_HD SoftmaxNorm norm_of_lse(float lse) { return SoftmaxNorm{0.0f, fmul(lse, kLog2e), 1.0f}; }
+// The natural-log normaliser of a row from its statistics: ln sum_v exp(x_v / temperature) = (m * scale + log2 sum)
+// * ln 2; -inf for a row without mass, +-inf when |m| / temperature overflows float32. What logits_normalizer returns.
+SPECDEC_HD float lse_of_stats(MaxSum s, float scale) {
+  return fmul(fadd(fmul(s.m, scale), det_log2(s.s)), kLn2);
+}
+// Whether a caller's normaliser `given` matches the row's own `exact` (lse_of_stats, finite) within
+// 2^-14 + 2^-20 |exact|: a normaliser that close scales every probability of its row by a factor within
+// exp(+-(2^-14 + 2^-20 |exact|)); it covers a float32 log-sum-exp computed any reasonable way (torch.logsumexp,
+// an LM head's epilogue). NaN never matches.
+SPECDEC_HD bool lse_matches(float given, float exact) {
+  const float diff = fadd(given, -exact);
+  const float tolerance = ffma(exact >= 0.0f ? exact : -exact, 9.53674316e-07f, 6.10351562e-05f);
+  return diff <= tolerance && -diff <= tolerance;
+}
+
 // What one sampling pass draws from: the mass of entry v is
 //   logits == false: max(0, fmul(p_v, p_scale) - q_v), with q_v = [v == point] when q is absent, or p_v alone
 //                    (p_only, unscaled);
-//   logits == true : p_v = 2^((l_v - m_p) * scale) * inv_z_p, likewise q from the draft logits.
+//   logits == true : p_v = softmax_prob(l_v, scale, norm_p), likewise q from the draft logits with norm_q.
 // Masses are clamped to >= 0 and NaN counts as 0. p_scale is block verification's weight c_j (chain_sampling.h);
-// token verification leaves it 1, and fmul(p, 1) == p, so its masses are unchanged bit for bit. The code builds
-// MassSpec by positional aggregate initialisation of the first eight members: p_scale keeps its default there.
+// token verification leaves it 1, and fmul(p, 1) == p, so its masses are unchanged bit for bit.
 struct MassSpec {
   bool logits;
   bool p_only;
   int32_t point;  // the draft token when q is a point mass (no draft row), else -1
-  float scale, m_p, inv_z_p, m_q, inv_z_q;
+  float scale;
+  SoftmaxNorm norm_p, norm_q;
   float p_scale = 1.0f;
 };
 
-// Softmax probability of one raw logit given its row's statistics (m, 1 / sum; MaxSum) at `scale`.
-SPECDEC_HD float softmax_prob(float logit, float scale, float m, float inv_z) {
-  return fmul(det_exp2(scaled_gap(logit, m, scale)), inv_z);
+// Softmax probability of one raw logit given its row's normaliser at `scale`. With c = 0 (a row's own statistics)
+// the subtraction of c is exact: the bits are those of 2^((x - m) * scale) * inv_z.
+SPECDEC_HD float softmax_prob(float logit, float scale, const SoftmaxNorm& n) {
+  return fmul(det_exp2(fadd(scaled_gap(logit, n.m, scale), -n.c)), n.inv_z);
 }
 
 // Mass of entry v from the raw row values pv (target) and qv (draft; ignored without a draft row).
 SPECDEC_HD float entry_mass(const MassSpec& s, int32_t v, float pv, float qv, bool has_q) {
-  float p = s.logits ? softmax_prob(pv, s.scale, s.m_p, s.inv_z_p) : pv;
+  float p = s.logits ? softmax_prob(pv, s.scale, s.norm_p) : pv;
   if (s.p_only) return p > 0.0f ? p : 0.0f;
-  float q = has_q ? (s.logits ? softmax_prob(qv, s.scale, s.m_q, s.inv_z_q) : qv) : (v == s.point ? 1.0f : 0.0f);
+  float q = has_q ? (s.logits ? softmax_prob(qv, s.scale, s.norm_q) : qv) : (v == s.point ? 1.0f : 0.0f);
   const float r = fadd(fmul(p, s.p_scale), -q);
   return r > 0.0f ? r : 0.0f;
 }

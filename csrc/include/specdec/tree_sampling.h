@@ -143,7 +143,8 @@ struct TreeMass {
   const int32_t* removed;
   const float* inv_q;
   const float* inv_s;
-  float scale, m_p, inv_z_p, m_q, inv_z_q;
+  float scale;
+  SoftmaxNorm norm_p, norm_q;  // logits: the rows' normalisers (sampling_math.h)
 };
 
 // Where an engine keeps a node's levels (kMaxTreeNodes entries each).
@@ -157,7 +158,7 @@ struct TreeLevels {
 // its inv_s (so r is the normalised residual where every inv_s is set, and the unnormalised one where the last
 // is 1). Point proposals: p(v), or 0 once v was rejected.
 SPECDEC_HD float tree_residual(const TreeMass& s, int32_t levels, int32_t v, float pv, float qv) {
-  const float p = s.logits ? softmax_prob(pv, s.scale, s.m_p, s.inv_z_p) : pv;
+  const float p = s.logits ? softmax_prob(pv, s.scale, s.norm_p) : pv;
   if (s.p_only) return p > 0.0f ? p : 0.0f;
   if (!s.has_q) {
     for (int32_t i = 0; i < levels; ++i) {
@@ -165,7 +166,7 @@ SPECDEC_HD float tree_residual(const TreeMass& s, int32_t levels, int32_t v, flo
     }
     return p > 0.0f ? p : 0.0f;
   }
-  const float q = s.logits ? softmax_prob(qv, s.scale, s.m_q, s.inv_z_q) : qv;
+  const float q = s.logits ? softmax_prob(qv, s.scale, s.norm_q) : qv;
   float r = p;
   bool removed = false;  // v was rejected at an earlier level: q_i(v) = 0 from the next level on
   for (int32_t i = 0; i < levels; ++i) {
@@ -246,15 +247,8 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
       break;
     }
     TreeMass spec{P.logits, false, node_q, 0, e.levels().removed, e.levels().inv_q, e.levels().inv_s,
-                  scale, 0.0f, 1.0f, 0.0f, 1.0f};
-    if (P.logits) {
-      MaxSum sp, sq;
-      e.softmax_stats(row_p, row_q, scale, &sp, &sq);
-      spec.m_p = sp.m;
-      spec.inv_z_p = fdiv(1.0f, sp.s);
-      spec.m_q = sq.m;
-      spec.inv_z_q = fdiv(1.0f, sq.s);
-    }
+                  scale, {}, {}};
+    if (P.logits) logits_norms(e, P, b, node, row_p, row_q, scale, &spec.norm_p, &spec.norm_q);
     float mass_left = 1.0f;  // R_j (point proposals) or Q_j (the draft's mass not yet drawn)
     int32_t accepted = -1;
     while (child >= 0) {
@@ -269,7 +263,7 @@ SPECDEC_FLOW void tree_sampling_request(Engine& e, const TreeSamplingParams& T, 
         accept = fmul(u, mass_left) < p_x;
       } else {
         const float r_x = tree_residual(spec, spec.levels, x, pv, qv);
-        p_x = P.logits ? softmax_prob(qv, scale, spec.m_q, spec.inv_z_q) : qv;  // q_n(x), for Q
+        p_x = P.logits ? softmax_prob(qv, scale, spec.norm_q) : qv;  // q_n(x), for Q
         const float q_x = fmul(p_x, inv_q);
         accept = q_x > 0.0f && fmul(u, q_x) < r_x;
       }
