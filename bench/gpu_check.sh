@@ -10,7 +10,8 @@
 #                             Llama-3.2-1B, greedy: plain against the weight-read floor, efficiency against the bound
 #    4. chain_sampling, verify_attention          the kernels' figures
 #    5. e2e_rest              B = 32; a = 0.6 / 0.9; invariant sampling; a one-layer head as the draft
-#    6. flashinfer            FlashInfer's chain_speculative_sampling beside ours (when .anchors/ is carried)
+#    6. flashinfer            FlashInfer's chain_speculative_sampling, then its paged attention wrappers, beside
+#                             ours (when .anchors/ is carried)
 #    7. tree_sampling, verify_attention-layouts, chain_sampling_flat, row_filters, quantized_linear, philox,
 #       compat_* shims, verify_attention-flex
 #
@@ -108,6 +109,11 @@ if [ -d .anchors ]; then
         .anchors/flashinfer_python-0.3.1.tar.gz || exit 3
     PYTHONPATH=/tmp/fi:${PYTHONPATH:-} python3 -m specdec_ext.cli bench chain_sampling --device "$1" --batch 1,8,64 \
       --k 4 --vocab 32000,128256 --repeats 30 --against flashinfer --json "$0/chain_sampling_flashinfer.json"' \
+    "$OUT" "$DEVICE"
+  # FlashInfer's paged prefill (decode at Q = 1) wrapper beside verify_attention, from the install above.
+  TAIL=12 step flashinfer_attention 120 bash -c '
+    PYTHONPATH=/tmp/fi:${PYTHONPATH:-} python3 -m specdec_ext.cli bench verify_attention --device "$1" --batch 1,8,32 \
+      --contexts 4096,32768 --queries 1,5 --repeats 20 --against flashinfer --json "$0/verify_attention_flashinfer.json"' \
     "$OUT" "$DEVICE"
 fi
 TAIL=40 bench tree_sampling 70 --repeats 30 --json "$OUT/tree_sampling.json"

@@ -145,6 +145,18 @@ PyObject* sampling_grid(PyObject*, PyObject* args) {
   return Py_BuildValue("(iL)", slices, static_cast<long long>(groups * slices));
 }
 
+// The CUDA verify_attention kernel's split size (keys) for a request with `length` cached tokens
+// (attention_length_split_keys), for the benchmark's plan column and its test.
+PyObject* attention_split_keys(PyObject*, PyObject* args) {
+  long long length = 0;
+  if (!PyArg_ParseTuple(args, "L", &length)) return nullptr;
+  if (length < 0) {
+    PyErr_SetString(PyExc_ValueError, "attention_split_keys: length must be >= 0");
+    return nullptr;
+  }
+  return PyLong_FromLongLong(static_cast<long long>(specdec::attention_length_split_keys(length)));
+}
+
 #if defined(SPECDEC_SIM)
 // The shape of the last kernel launch on the calling thread, for tests of the launchers' choices.
 PyObject* last_launch(PyObject*, PyObject*) {
@@ -159,6 +171,7 @@ PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS, "What this build of the extension contains."},
     {"constants", constants, METH_NOARGS, "The ops' limits and the meaning of their error bits."},
     {"sampling_grid", sampling_grid, METH_VARARGS, "The sampling kernels' (blocks per request, blocks) at a batch."},
+    {"attention_split_keys", attention_split_keys, METH_VARARGS, "verify_attention's CUDA split size at a length."},
 #if defined(SPECDEC_SIM)
     {"last_launch", last_launch, METH_NOARGS, "The shape of the last kernel launch on this thread."},
 #else

@@ -1138,7 +1138,9 @@ class Ops:
             float32, the rows' shape less V ([B, K+1] and [B, K]; flat: [T+B] and [T]): each row's normaliser
             ln sum exp(logits / temperature) over its processed row, as logits_normalizer computes it (an LM head's
             epilogue or the drafter's sampler may have it). A finite entry replaces that row's statistics pass; a
-            non-finite one is ignored. See Notes.
+            non-finite one is ignored. draft_lse is not taken with draft_to_target. See Notes.
+        num_draft_tokens, seed, offset, generator, out : optional
+            As in chain_speculative_sampling.
         cu_num_draft_tokens, max_draft_tokens, bonus_token_ids : optional
             The engine layouts of chain_speculative_sampling.
         uniforms, final_uniforms, draft_to_target, accepted_independently, coupling, verification : optional
@@ -1167,7 +1169,7 @@ class Ops:
         With target_lse / draft_lse a probability is exp(logit / temperature - lse) instead of the row's own
         exp((logit - max) / temperature) / sum: every backend and grid still returns the same tokens for the same
         normalisers, and logits_normalizer's own values give the tokens of the call without them except where a
-        decision lies within the normaliser's float32 rounding (a relative ~|lse| 2^-23) of its boundary. A normaliser
+        decision lies within the normaliser's float32 rounding (a relative ~|lse| 2^-24) of its boundary. A normaliser
         off by d scales its row's probabilities by exp(-d). Strict mode (set_strict(True)) computes the rows'
         statistics anyway and raises, naming target_lse or draft_lse, on a value more than 2^-14 + 2^-20 |lse| off.
 
@@ -1616,7 +1618,7 @@ class Ops:
         ------
         ValueError
             CPU: float32, bfloat16, float16, any head dim up to 256; invalid input raises. CUDA: float16 and bfloat16
-            on tensor cores (sm_80+), head dim 64, 128 or 256, no host sync; a request whose block runs past its
+            on tensor cores (sm_80+), head dim 16, 32, 64, 128 or 256, no host sync; a request whose block runs past its
             cache, whose pages are outside the cache or whose qo_indptr / kv_indptr entries are inconsistent gets NaN
             outputs (rows unknown with a bad qo_indptr: nothing written); set_strict(True) raises. Rows of q that no
             request owns (qo_indptr[B] < T) are not written. A page that k_new is written to must appear once among

@@ -189,6 +189,25 @@ def test_chain_sampling_against_flashinfer(parser, tmp_path, monkeypatch, capsys
     assert {tuple(s) for s in calls} == {(1, 2), (2, 2)}  # each B's own [B, K] draft ids
 
 
+def test_verify_attention_rows_state_bytes_floor_and_split_plan(parser, tmp_path, monkeypatch, capsys):
+    """Each verify_attention row has the bytes that must move (K and V of context + Q tokens, q and out), their time
+    at the copy bandwidth, and the CUDA kernel's split plan; --against flashinfer on the CPU says why it has no
+    column."""
+    module = benchmarks.module("verify_attention")
+    monkeypatch.setattr(module, "copy_bandwidth_gbs", lambda device: 10.0)
+    out = tmp_path / "rows.json"
+    args = parse(parser, ["bench", "verify_attention", "--batch", "1", "--contexts", "300", "--queries", "1,5",
+                          "--device", "cpu", "--repeats", "1", "--against", "flashinfer", "--json", str(out)])
+    assert args.fn(args) == 0
+    assert "need a GPU; no FlashInfer column" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    for r, n_q in zip(rows, (1, 5)):
+        assert r["bytes"] == (2 * (300 + n_q) * 8 + 2 * n_q * 32) * 128 * 4  # float32 on the CPU
+        assert r["floor_us"] == pytest.approx(r["bytes"] / 10e9 * 1e6)
+        assert r["plan"] == "256x2, 16 blocks"  # 305 keys at 256 a split; 8 KV heads; 4 or 20 rows: one row tile
+        assert "flashinfer_us" not in r
+
+
 def test_verify_attention_layouts_run_at_tiny_sizes(parser, tmp_path):
     out = tmp_path / "layouts.json"
     args = parse(parser, ["bench", "attention", "--layouts", "--batch", "2", "--contexts", "32", "--device", "cpu",

@@ -196,6 +196,18 @@ def test_flat_trees_with_normalizers(gen):
         max_draft_tokens=max_nodes - 1, temperature=temperature, seed=seed, offset=offset, target_lse=target_lse,
         draft_lse=draft_lse) for be in BACKENDS.values()]
     assert_equal_outputs(*outs)
+    # The flat nodes' normalisers are found as the padded ones: the padded call with them agrees.
+    padded_lse = [torch.full((batch, max_nodes), float("nan")) for _ in range(2)]
+    start = 0
+    for b in range(batch):
+        n = int(padded["num_nodes"][b])
+        for dst, src in zip(padded_lse, (target_lse, draft_lse)):
+            dst[b, :n] = src[start:start + n]
+        start += n
+    assert_equal_outputs(outs[0], specdec_ext.tree_speculative_sampling_from_logits(
+        padded["parents"], padded["cand"], padded["target_logits"], padded["draft_logits"],
+        num_nodes=padded["num_nodes"], temperature=temperature, seed=seed, offset=offset, target_lse=padded_lse[0],
+        draft_lse=padded_lse[1]))
 
 
 # ------------------------------------------------------------------------------ what the caller's value does
@@ -277,6 +289,13 @@ def test_strict_mode_catches_a_wrong_normalizer(backend, strict, gen):
         be.tree_speculative_sampling_from_logits(tree["parents"], tree["tokens"], tree["target_logits"],
                                                  num_nodes=tree["num_nodes"], temperature=temperature, seed=1,
                                                  offset=2, target_lse=tree_lse - 0.01)
+    # A row without mass has no normaliser to match: a finite value for it is flagged too.
+    empty = inp["target_logits"].clone()
+    empty[0, 0] = float("-inf")
+    with pytest.raises(ValueError, match="target_lse holds a row's normaliser"):
+        be.chain_speculative_sampling_from_logits(inp["ids"], empty, inp["draft_logits"], temperature=temperature,
+                                                  num_draft_tokens=inp["num_draft_tokens"], seed=inp["seed"],
+                                                  offset=inp["offset"], target_lse=target_lse, draft_lse=draft_lse)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -309,6 +328,8 @@ def test_normalizer_arguments_are_checked(backend):
         run(draft_lse=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="draft_lse normalises draft_logits, which is None"):
         run(draft=None, draft_lse=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="draft_lse is not taken with a draft vocabulary map"):
+        run(draft=torch.randn(2, 3, 30), draft_to_target=torch.arange(30), draft_lse=torch.zeros(2, 3))
     with pytest.raises(TypeError, match="target_lse must be a float32 tensor or None"):
         run(target_lse=[0.0, 0.0])
     with pytest.raises(ValueError, match="target_lse is on meta"):

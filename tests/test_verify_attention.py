@@ -101,7 +101,8 @@ def test_opcheck(gen):
 
 
 # ----- the CUDA kernel under the emulator (float16/bfloat16, head dim 64/128, small shapes) -----------------
-# The emulator runs a 4-SM device, so even these shapes take the split-KV path with its merge kernel.
+# Requests of more than 256 cached tokens take several KV splits (256 keys each up to 8064 tokens) and the merge
+# kernel: the long-context and random-shape cases below, and the layout tests' longer requests.
 SIM_DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -150,7 +151,7 @@ def test_sim_row_with_nothing_visible(sim):
 
 @pytest.mark.parametrize("d,length,n_q", [(64, 6000, 5), (128, 1500, 64)])
 def test_sim_long_context_many_rows(d, length, n_q, gen, sim):
-    # Long contexts at B = 1 take several KV splits, merged by lse (6000 tokens: eight splits of 768 keys);
+    # Long contexts at B = 1 take several KV splits, merged by lse (6000 tokens: 24 splits of 256 keys);
     # 64 queries x 2 heads = 128 query rows per KV head: two row tiles.
     q, kc, vc, sl, kn, vn, _ = make_case(gen, 1, n_q, 2, 1, d, torch.bfloat16, [length])
     check_against_reference(sim.verify_attention, q, kc, vc, sl, kn, vn, lse_atol=2e-3, softmax_scale=0.07)
@@ -190,7 +191,7 @@ def test_sim_unsupported_inputs_are_named(gen, sim):
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         sim.verify_attention(q, kc, vc, sl)
     q, kc, vc, sl, _, _, _ = make_case(gen, 1, 2, 2, 1, 96, torch.float16, [3])
-    with pytest.raises(ValueError, match="head dim 64, 128 or 256"):
+    with pytest.raises(ValueError, match="head dim 16, 32, 64, 128 or 256, got 96"):
         sim.verify_attention(q, kc, vc, sl)
 
 
@@ -304,8 +305,8 @@ def test_csr_table_equals_block_table(backend, append, gen):
     lengths[1] = page - n_q  # the block ends on a page boundary: a full last page
     q, kc, vc, sl, kn, vn, table = make_case(gen, batch, n_q, 8, 2, 64, dtype, lengths, paged=page)
     indptr, indices, last = csr_table(table, [n + n_q for n in lengths], page)
-    # A block table with as many columns as kv_indices has entries: both forms bound a request's capacity alike
-    # (the CUDA kernel sizes its KV splits from that bound), so the bits must agree.
+    # A block table with as many columns as kv_indices has entries: both forms bound a request's capacity alike (the
+    # CUDA kernel sizes its grid from that bound; the splits come from each request's length), so the bits agree.
     wide = torch.zeros(batch, indices.numel(), dtype=torch.int32)
     wide[:, : table.shape[1]] = table
     new = (kn, vn) if append else (None, None)

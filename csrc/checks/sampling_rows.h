@@ -148,6 +148,10 @@ inline void check_sampling_rows(ChainSamplingParams& P, const SamplingArgs& A, c
   P.target_lse = normalizer(E.target_lse, "target_lse", target, tname);
   if (E.draft_lse != nullptr && E.draft_lse->has_value()) {
     TORCH_CHECK_VALUE(draft.has_value(), op, ": draft_lse normalises ", dname, ", which is None");
+    // A reduced draft row is normalised over its mapped columns in target-id order, which a normaliser of the draft
+    // rows themselves does not reproduce.
+    TORCH_CHECK_VALUE(!E.target_to_draft.has_value(), op, ": draft_lse is not taken with a draft vocabulary map "
+                      "(draft_to_target); pass target_lse alone");
     P.draft_lse = normalizer(E.draft_lse, "draft_lse", *draft, dname);
   }
   P.check_lse = E.check_lse;

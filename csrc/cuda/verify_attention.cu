@@ -1,3 +1,5 @@
+#include <cstdlib>
+
 #include "checks/verify_attention.h"
 #include "cuda/launcher.h"
 #include "kernels/verify_attention.cuh"
@@ -5,10 +7,18 @@
 namespace specdec {
 namespace {
 
-// Keys per KV split: kAttnSplitKeys, doubled while a cache of this capacity would need more than
-// kAttnMaxSplits splits (which bounds the merge workspace to kAttnMaxSplits partial outputs per row).
-constexpr int64_t kAttnSplitKeys = 4 * kAttnKeys;
-constexpr int64_t kAttnMaxSplits = 32;
+// SPECDEC_ATTENTION_SPLIT_KEYS=C (a multiple of 64) forces every request's split size to C, for tests of the split
+// plans; unset, the size follows each request's cached length (attention_length_split_keys).
+int64_t forced_split_keys() {
+  const char* env = std::getenv("SPECDEC_ATTENTION_SPLIT_KEYS");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long long keys = std::strtoll(env, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && keys >= kAttnSplitAlign && keys % kAttnSplitAlign == 0 && keys <= (1LL << 30),
+                    "SPECDEC_ATTENTION_SPLIT_KEYS must be a positive multiple of ", kAttnSplitAlign, ", got \"", env,
+                    "\"");
+  return keys;
+}
 
 template <typename T, int D>
 void launch_verify_attention(AttentionParams& P, const at::Tensor& q, Stream stream) {
@@ -24,7 +34,8 @@ void launch_verify_attention(AttentionParams& P, const at::Tensor& q, Stream str
                      static_cast<unsigned>(P.batch)),
                 dim3(kAttnThreads), attention_smem_bytes<D>(), stream, P);
   if (P.num_splits > 1) {
-    launch_kernel("merge_attention_splits_kernel", merge_attention_splits_kernel<T>,
+    // Launched while the attention kernel's last blocks run; it waits for their partial outputs on the device.
+    launch_dependent_kernel("merge_attention_splits_kernel", merge_attention_splits_kernel<T>,
                   dim3(ceil_div(P.num_queries * P.q_heads, kAttnMergeWarps), static_cast<unsigned>(P.batch)),
                   dim3(kAttnMergeWarps * kWarpSize), 0, stream, P);
   }
@@ -33,6 +44,8 @@ void launch_verify_attention(AttentionParams& P, const at::Tensor& q, Stream str
 template <typename T>
 void dispatch_head_dim(AttentionParams& P, const at::Tensor& q, Stream stream) {
   switch (P.head_dim) {
+    case 16: launch_verify_attention<T, 16>(P, q, stream); break;
+    case 32: launch_verify_attention<T, 32>(P, q, stream); break;
     case 64: launch_verify_attention<T, 64>(P, q, stream); break;
     case 128: launch_verify_attention<T, 128>(P, q, stream); break;
     default: launch_verify_attention<T, 256>(P, q, stream);
@@ -57,8 +70,9 @@ void verify_attention_launch(const at::Tensor& q, const at::Tensor& k_cache, con
   TORCH_CHECK_VALUE(q.device().type() == kLauncherDevice, op, ": tensors must be on ", kLauncherDevice);
   TORCH_CHECK_VALUE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, op,
                     ": the tensor-core kernel takes float16 or bfloat16, got ", q.scalar_type());
-  TORCH_CHECK_VALUE(P.head_dim == 64 || P.head_dim == 128 || P.head_dim == 256, op,
-                    ": the tensor-core kernel takes head dim 64, 128 or 256, got ", P.head_dim);
+  TORCH_CHECK_VALUE(P.head_dim == 16 || P.head_dim == 32 || P.head_dim == 64 || P.head_dim == 128 ||
+                        P.head_dim == 256,
+                    op, ": the tensor-core kernel takes head dim 16, 32, 64, 128 or 256, got ", P.head_dim);
   // cp.async moves 16-byte chunks: every cache row and new-token row must start on a 16-byte boundary.
   TORCH_CHECK_VALUE(aligned(P.k_cache, 16) && aligned(P.v_cache, 16) && P.stride_page % 8 == 0 &&
                         P.stride_slot % 8 == 0 && P.stride_head % 8 == 0,
@@ -72,15 +86,19 @@ void verify_attention_launch(const at::Tensor& q, const at::Tensor& k_cache, con
   if (P.batch == 0 || P.total_queries == 0) return;
 
   const LauncherGuard guard(q);
-  // Blocks: (request, KV head, row tile of 64 query rows) x KV splits. A request uses the splits that its own
-  // keys fill (attention_request_splits): its output bits depend on its keys and the bound on a request's
-  // capacity (S_max, max_pages x page_size, or len(kv_indices) x page_size with the CSR table), never on the
-  // other requests' lengths. The split size comes from that bound, so nothing is read back from the device.
+  // Blocks: (request, KV head, row tile of 64 query rows) x KV splits. A request uses the splits its own keys
+  // straddle (attention_request_splits, sized by its cached length): its output bits depend on its own keys only,
+  // never on the other requests, nor on how many new tokens it has. The grid holds the most splits a request of
+  // this capacity (S_max, max_pages x page_size, or len(kv_indices) x page_size with the CSR table) can have, so
+  // nothing is read back from the device; the blocks past a request's own splits return at once.
   const int64_t rows_per_head = P.num_queries * (P.q_heads / P.kv_heads);
   P.row_tiles = (rows_per_head + kAttnRows - 1) / kAttnRows;
-  P.split_keys = kAttnSplitKeys;
-  while ((P.capacity + P.split_keys - 1) / P.split_keys > kAttnMaxSplits) P.split_keys *= 2;
-  P.num_splits = std::max<int64_t>(1, (P.capacity + P.split_keys - 1) / P.split_keys);
+  P.split_keys = forced_split_keys();
+  const int64_t smallest = P.split_keys > 0 ? P.split_keys : kAttnMinSplitKeys;
+  // A request's splits: ceil(key_end / C) at most, C >= smallest; and at most kAttnMaxSplits unforced.
+  P.num_splits = std::max<int64_t>(1, (P.capacity + smallest - 1) / smallest);
+  if (P.split_keys == 0) P.num_splits = std::min(P.num_splits, kAttnMaxSplits);
+  TORCH_CHECK_VALUE(P.num_splits <= 65535, op, ": SPECDEC_ATTENTION_SPLIT_KEYS leaves too many splits for the cache");
   TORCH_CHECK_VALUE(P.kv_heads * P.row_tiles <= 65535, op, ": too many KV heads x query rows");
 
   const Stream stream = current_stream(q);

@@ -3,10 +3,12 @@
 // A block serves one (request, KV head, row tile, KV split). The rows of the MMA M dimension are the
 // Q x (Hq/Hkv) query rows that share the KV head (row r = query r / G, head kvh * G + r % G), up to 64 per
 // block, so every K/V tile is read from global memory once per KV head and row tile. Keys stream through
-// shared memory in tiles of 64 with cp.async, two stages deep. Each warp owns 16 rows; when the block has
-// fewer than 64 rows, warps with the same rows split every tile's four 16-key subtiles between them and are
-// merged through shared memory at the end. Scores are fp32 in the log2 domain (scale * log2(e) folded in),
-// with an online softmax per row; P is rounded to the input type for the P·V MMA.
+// shared memory in tiles of 64 with cp.async, two stages deep, loaded by every thread. Warp w owns rows
+// 16w .. 16w + 15 of the tile and runs every key of the split through them in order (warps without rows only load):
+// a row's scores, its online softmax and its P·V sums are the same operations in the same order whatever the
+// other rows of its block, so its bits depend neither on Q nor on the batch (the split plan too depends on the
+// request's cached length only: attention_split_size). Scores are fp32 in the log2 domain (scale * log2(e) folded
+// in), with an online softmax per row; P is rounded to the input type for the P·V MMA.
 //
 // Bytes per block: its keys' K and V rows, once. FLOPs: 4 x rows x keys x D (two MMAs), which the 16-row
 // padding of a row tile can at most quadruple: still far below the tensor cores' rate per byte loaded.
@@ -14,9 +16,14 @@
 // Head dim 256: the Q fragments (D/16 x 4 registers per lane) would not fit beside the output accumulators, so
 // the block's Q rows are staged in shared memory and read with ldmatrix for each key subtile (165 KiB of shared
 // memory: one block per SM).
-// ptxas, sm_90a, nvcc 13 (not yet run on a GPU): D = 64: 128 registers, 8 bytes spilled; D = 128: 168 registers,
-// 40 bytes spilled (__launch_bounds__(128, 1) removes the spills at 194 registers, i.e. two blocks per SM instead
-// of three; to be measured); D = 256: 218 registers, no spills.
+// ptxas, sm_90a, nvcc 13 (not yet timed on a GPU): D = 16: 120 registers; 32: 106; 64: 128; 128: 179; 256: 224; no
+// spills; 2.1 KB of static shared memory (the tiles' row sources, the bit-packed tree-mask rows).
+//
+// A key tile's row addresses (page-table lookups included) are found once per tile by one thread per key, not by
+// each of a row's D / 8 chunk copies.
+//
+// A request with several splits has its partial outputs merged by a second kernel, launched as a programmatic
+// dependent launch on sm_90 (it starts while the attention kernel's last blocks run and waits for their writes).
 //
 // Layouts (padded or flat q, NHD or HND caches with any page stride, block table or CSR table), the sliding
 // window and the soft cap are those of specdec/attention.h; every cache row goes through attention_cache_row.
@@ -25,8 +32,9 @@
 // outside the paged cache, gets NaN outputs and lse in every row (and an error bit), and no row outside the
 // cache is read or written.
 //
-// Batch invariance: a request's blocks are its own KV splits of split_keys keys (attention_request_splits),
-// merged in split order, so its output bits do not depend on the other requests of the batch.
+// Invariance: a request's blocks are its own KV splits at the multiples of its split size (attention_split_size,
+// from its cached length), merged in split order, so a row's output bits depend neither on the other requests of
+// the batch nor on its request's number of new tokens.
 #pragma once
 #include "specdec/attention.h"
 #include "specdec/device.cuh"
@@ -48,42 +56,56 @@ template <int D> constexpr size_t attention_smem_bytes() {
   return (size_t{kAttnStages} * 2 * kAttnKeys + (attn_q_in_smem<D>() ? kAttnRows : 0)) * attn_smem_stride<D>() * 2;
 }
 
-// Issues the loads of keys [p0, p0 + kAttnKeys) of K and V into one stage. Keys at or past k_end are
-// zero-filled (a masked key must not bring NaN into P·V); new tokens come from k_new/v_new when given.
-// Returns AttentionError bits.
+// Where a key tile's rows come from: row_src[r] is the element offset of key p0 + r's head-kvh row in the cache, or
+// in k_new / v_new where row_new[r], or -1 (past k_end, or a page outside the cache: zero-filled). Found once per tile
+// by one thread per key, so that the D / 8 chunk loads of a row read no page table.
+struct KvTileRows {
+  int64_t* row_src;  // [kAttnKeys], shared
+  bool* row_new;     // [kAttnKeys], shared
+};
+
+// Issues the loads of keys [p0, p0 + kAttnKeys) of K and V into one stage: the rows' sources into `rows` by the first
+// kAttnKeys threads, a block barrier, then every thread's 16-byte copies. Every thread of the block calls it; `rows`
+// must not be the buffer of the previous tile (its copies may still be being issued): callers alternate two.
+// Keys at or past k_end are zero-filled (a masked key must not bring NaN into P·V); new tokens come from k_new/v_new
+// when given. Returns AttentionError bits.
 template <typename T, int D>
 SPECDEC_DEVICE int32_t load_kv_tile(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t kvh,
-                                    int64_t k_end, int64_t p0, T* ks, T* vs) {
+                                    int64_t k_end, int64_t p0, T* ks, T* vs, KvTileRows rows) {
   const int64_t length = R.length;
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  const T* kc = static_cast<const T*>(P.k_cache);
-  const T* vc = static_cast<const T*>(P.v_cache);
   int32_t errors = 0;
-  for (int c = threadIdx.x; c < kAttnKeys * kChunks; c += kAttnThreads) {
-    const int row = c / kChunks, col = c % kChunks * 8;
-    const int64_t pos = p0 + row;
-    const T* ksrc = kc;
-    const T* vsrc = vc;
-    bool fill = false;
+  if (threadIdx.x < kAttnKeys) {
+    const int64_t pos = p0 + threadIdx.x;
+    int64_t src = -1;
+    bool from_new = false;
     if (pos < k_end) {
       if (pos >= length && P.k_new != nullptr) {
-        const int64_t offset = ((R.q_begin + pos - length) * P.kv_heads + kvh) * D + col;
-        ksrc = static_cast<const T*>(P.k_new) + offset;
-        vsrc = static_cast<const T*>(P.v_new) + offset;
-        fill = true;
+        src = ((R.q_begin + pos - length) * P.kv_heads + kvh) * D;
+        from_new = true;
       } else {
         const int64_t offset = attention_cache_row(P, R, b, pos);
         if (offset >= 0) {
-          ksrc = kc + offset + kvh * P.stride_head + col;
-          vsrc = vc + offset + kvh * P.stride_head + col;
-          fill = true;
+          src = offset + kvh * P.stride_head;
         } else {
           errors |= kAttentionBadPage;
         }
       }
     }
-    cp_async_16(ks + row * attn_smem_stride<D>() + col, ksrc, fill);
-    cp_async_16(vs + row * attn_smem_stride<D>() + col, vsrc, fill);
+    rows.row_src[threadIdx.x] = src;
+    rows.row_new[threadIdx.x] = from_new;
+  }
+  sync_threads();
+  const T* kc = static_cast<const T*>(P.k_cache);
+  const T* vc = static_cast<const T*>(P.v_cache);
+  for (int c = threadIdx.x; c < kAttnKeys * kChunks; c += kAttnThreads) {
+    const int row = c / kChunks, col = c % kChunks * 8;
+    const int64_t src = rows.row_src[row];
+    const bool fill = src >= 0, from_new = rows.row_new[row];
+    const T* kbase = from_new ? static_cast<const T*>(P.k_new) : kc;
+    const T* vbase = from_new ? static_cast<const T*>(P.v_new) : vc;
+    cp_async_16(ks + row * attn_smem_stride<D>() + col, fill ? kbase + src + col : kc, fill);
+    cp_async_16(vs + row * attn_smem_stride<D>() + col, fill ? vbase + src + col : vc, fill);
   }
   return errors;
 }
@@ -116,6 +138,17 @@ SPECDEC_DEVICE uint32_t load_pair(const T* p) {
   return r;
 }
 
+// Two adjacent outputs rounded to T as one 4-byte store (p 4-byte aligned).
+template <typename T>
+SPECDEC_DEVICE void store_pair(T* p, float lo, float hi) {
+  const uint32_t word = pack2<T>(lo, hi);
+#if defined(SPECDEC_SIM)
+  std::memcpy(p, &word, 4);
+#else
+  *reinterpret_cast<uint32_t*>(p) = word;
+#endif
+}
+
 // grid (num_splits, Hkv * row_tiles, B), kAttnThreads threads, attention_smem_bytes<D>() of shared memory.
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const AttentionParams params) {
@@ -139,12 +172,8 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
   const int64_t Q = req.queries, G = P.q_heads / P.kv_heads, R = Q * G;
   const int64_t row0 = row_tile * kAttnRows;
   if (row0 >= R) return;  // the grid is sized for the request with the most rows
-  const int64_t rows = R - row0 < kAttnRows ? R - row0 : kAttnRows;
-  // Warps with the same 16 rows (row group) split the subtiles of each key tile: key_slices of them.
-  const int row_groups = rows <= 16 ? 1 : rows <= 32 ? 2 : 4;
-  const int key_slices = kAttnWarps / row_groups;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
-  const int row_group = warp % row_groups, key_slice = warp / row_groups;
+  const bool has_rows = row0 + warp * 16 < R;  // uniform across the warp
 
   // The request's own splits only.
   const int64_t request_splits = attention_request_splits(P, req);
@@ -152,6 +181,13 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
 
   SPECDEC_DYNAMIC_SHARED(T, smem);
   SPECDEC_SHARED(int32_t, block_errors, 1);
+  SPECDEC_SHARED(int64_t, tile_row_src, 2 * kAttnKeys);  // KvTileRows of two tiles, alternating
+  SPECDEC_SHARED(bool, tile_row_new, 2 * kAttnKeys);
+  constexpr int kTreeWords = kMaxVerifyQueries / 32;
+  SPECDEC_SHARED(uint32_t, tree_bits, kAttnRows * kTreeWords);  // the block's queries' tree-mask rows, bit-packed
+  const auto tile_rows = [&](int64_t tile) {
+    return KvTileRows{tile_row_src + tile % 2 * kAttnKeys, tile_row_new + tile % 2 * kAttnKeys};
+  };
   const int64_t length = req.length;
   const bool valid = req.errors == 0;
   if (threadIdx.x == 0) *block_errors = req.errors;
@@ -197,7 +233,7 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
     }
   } else {
     for (int half = 0; half < 2; ++half) {
-      const int64_t r = row0 + row_group * 16 + g + 8 * half;
+      const int64_t r = row0 + warp * 16 + g + 8 * half;
       const T* q = r < R ? static_cast<const T*>(P.q) + ((req.q_begin + r / G) * P.q_heads + kvh * G + r % G) * D : nullptr;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -210,12 +246,30 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float scale_log2 = P.scale * kLog2e;
 
-  if (num_tiles > 0) errors |= load_kv_tile<T, D>(P, req, b, kvh, k_end, k_begin, smem, smem + kStageElems);
+  // The tree-mask rows of the block's queries (q0 .. q0 + 63 at most), bit-packed once for the masked subtiles, which
+  // test them per score; read only when the split holds new tokens.
+  const int64_t q0 = row0 / G;
+  if (P.tree_mask != nullptr && num_tiles > 0 && k_end > length) {
+    for (int w = threadIdx.x; w < kAttnRows * kTreeWords; w += kAttnThreads) {
+      const int64_t i = q0 + w / kTreeWords, j0 = w % kTreeWords * 32;
+      uint32_t bits = 0;
+      for (int64_t j = j0; i < Q && j < j0 + 32 && j < Q; ++j) {
+        bits |= uint32_t{P.tree_mask[req.mask_offset + i * req.mask_stride + j]} << (j - j0);
+      }
+      tree_bits[w] = bits;
+    }
+  }
+  const auto tree_sees = [&](int64_t i, int64_t j) {
+    return ((tree_bits[(i - q0) * kTreeWords + j / 32] >> (j % 32)) & 1u) != 0;
+  };
+
+  if (num_tiles > 0) errors |= load_kv_tile<T, D>(P, req, b, kvh, k_end, k_begin, smem, smem + kStageElems, tile_rows(0));
   cp_async_commit();
   for (int64_t tile = 0; tile < num_tiles; ++tile) {
     if (tile + 1 < num_tiles) {
       T* next = smem + (tile + 1) % kAttnStages * 2 * kStageElems;
-      errors |= load_kv_tile<T, D>(P, req, b, kvh, k_end, k_begin + (tile + 1) * kAttnKeys, next, next + kStageElems);
+      errors |= load_kv_tile<T, D>(P, req, b, kvh, k_end, k_begin + (tile + 1) * kAttnKeys, next, next + kStageElems,
+                                   tile_rows(tile + 1));
     }
     cp_async_commit();
     cp_async_wait<1>();  // this tile's group has landed (the next one may still be in flight)
@@ -223,7 +277,7 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
     const T* ks = smem + tile % kAttnStages * 2 * kStageElems;
     const T* vs = ks + kStageElems;
     const int64_t p0 = k_begin + tile * kAttnKeys;
-    for (int sub = key_slice; sub < kAttnKeys / 16; sub += key_slices) {
+    for (int sub = 0; has_rows && sub < kAttnKeys / 16; ++sub) {
       const int64_t pos0 = p0 + sub * 16;
       if (pos0 >= k_end) break;  // uniform across the warp
       // S = Q K^T for 16 rows x 16 keys: two n-tiles of 8 keys.
@@ -235,7 +289,7 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
         ldmatrix_x4(kf, ks + (sub * 16 + mat / 2 * 8 + lane % 8) * kStride + kk * 16 + mat % 2 * 8, false);
         if constexpr (kQInSmem) {
           uint32_t a[4];  // matrices: (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15)
-          ldmatrix_x4(a, qs + (row_group * 16 + mat % 2 * 8 + lane % 8) * kStride + kk * 16 + mat / 2 * 8, false);
+          ldmatrix_x4(a, qs + (warp * 16 + mat % 2 * 8 + lane % 8) * kStride + kk * 16 + mat / 2 * 8, false);
           mma_m16n8k16<T>(s[0], a, {kf[0], kf[1]});
           mma_m16n8k16<T>(s[1], a, {kf[2], kf[3]});
         } else {
@@ -247,9 +301,13 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
       for (int nt = 0; nt < 2; ++nt) {
         for (int e = 0; e < 4; ++e) {
           const int64_t pos = pos0 + nt * 8 + 2 * t + e % 2;
-          const int64_t r = row0 + row_group * 16 + g + 8 * (e / 2);
+          const int64_t r = row0 + warp * 16 + g + 8 * (e / 2);
           float x = P.soft_cap > 0.0f ? attention_soft_cap(s[nt][e] * P.scale, P.soft_cap) * kLog2e : s[nt][e] * scale_log2;
-          if (masked && (pos >= k_end || (r < R && !attention_visible(P, req, r / G, pos)))) x = -INFINITY;
+          if (masked && (pos >= k_end ||
+                         (r < R && !attention_visible_with(P, req, r / G, pos,
+                                                           [&](int64_t j) { return tree_sees(r / G, j); })))) {
+            x = -INFINITY;
+          }
           s[nt][e] = x;
         }
       }
@@ -290,63 +348,45 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
     sync_threads();  // every warp is done with this stage before it is refilled
   }
   cp_async_wait<0>();
+  allow_dependent_launch();  // the split merge may launch now; it waits for this grid's writes
   for (int half = 0; half < 2; ++half) {
     l[half] += shfl_xor(kFullMask, l[half], 1);
     l[half] += shfl_xor(kFullMask, l[half], 2);
   }
   if (errors != 0) atomic_or(block_errors, errors);
-
-  // Each warp's (m, l, O) goes to shared memory (the K/V stages are free), then the warps of each row
-  // group are merged and the block's rows written.
-  float* merge_o = reinterpret_cast<float*>(smem);                // [warp][16][D]
-  float* merge_ml = merge_o + kAttnWarps * 16 * D;                 // [warp][16][2]
-  static_assert(kAttnWarps * 16 * (D + 2) * 4 <= kAttnStages * 2 * kAttnKeys * kStride * 2, "the merge fits the stages");
-  sync_threads();
-  for (int n = 0; n < kDTiles; ++n) {
-    for (int e = 0; e < 4; ++e) merge_o[(warp * 16 + g + 8 * (e / 2)) * D + n * 8 + 2 * t + e % 2] = o[n][e];
-  }
-  if (t == 0) {
-    for (int half = 0; half < 2; ++half) {
-      merge_ml[(warp * 16 + g + 8 * half) * 2] = m[half];
-      merge_ml[(warp * 16 + g + 8 * half) * 2 + 1] = l[half];
-    }
-  }
   sync_threads();
   const int32_t block_error_bits = *block_errors;
   if (threadIdx.x == 0 && block_error_bits != 0 && P.error_flags != nullptr) atomic_or(P.error_flags, block_error_bits);
-  constexpr int kChunks = D / 8;
-  for (int c = threadIdx.x; c < row_groups * 16 * kChunks; c += kAttnThreads) {
-    const int br = c / kChunks, col = c % kChunks * 8;
-    const int64_t r = row0 + br;
+  if (!has_rows) return;
+  // Each warp writes its own rows: lane (g, t) holds columns n * 8 + 2t, + 1 of rows g and g + 8. (Unrolled, so that
+  // o is indexed by constants and stays in registers.)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t r = row0 + warp * 16 + g + 8 * half;
     if (r >= R) continue;
-    float mx = -INFINITY;
-    for (int k = 0; k < key_slices; ++k) mx = fmaxf(mx, merge_ml[((br / 16 + k * row_groups) * 16 + br % 16) * 2]);
-    float total = 0.0f, acc[8] = {};
-    if (mx != -INFINITY) {
-      for (int k = 0; k < key_slices; ++k) {
-        const int w = br / 16 + k * row_groups;
-        const float weight = exp2f(merge_ml[(w * 16 + br % 16) * 2] - mx);
-        total += weight * merge_ml[(w * 16 + br % 16) * 2 + 1];
-        for (int d = 0; d < 8; ++d) acc[d] += weight * merge_o[(w * 16 + br % 16) * D + col + d];
-      }
-    }
+    const float total = l[half];
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    float lse = total > 0.0f ? (mx + log2f(total)) * kLn2 : -INFINITY;
-    for (int d = 0; d < 8; ++d) acc[d] *= inv;
-    if (block_error_bits != 0) {
-      lse = NAN;
-      for (int d = 0; d < 8; ++d) acc[d] = NAN;
-    }
+    float lse = total > 0.0f ? (m[half] + log2f(total)) * kLn2 : -INFINITY;
+    const bool invalid = block_error_bits != 0;
+    if (invalid) lse = NAN;
     const int64_t out_row = (req.q_begin + r / G) * P.q_heads + kvh * G + r % G;
     if (request_splits == 1) {
-      Vec16<T> v;
-      for (int d = 0; d < 8; ++d) v.v[d] = from_float<T>(acc[d]);
-      store_vec16(static_cast<T*>(P.out) + out_row * D + col, v);
-      if (col == 0 && P.lse != nullptr) P.lse[out_row] = lse;
+      T* out = static_cast<T*>(P.out) + out_row * D;
+#pragma unroll
+      for (int n = 0; n < kDTiles; ++n) {
+        const float x0 = invalid ? NAN : o[n][2 * half] * inv, x1 = invalid ? NAN : o[n][2 * half + 1] * inv;
+        store_pair(out + n * 8 + 2 * t, x0, x1);
+      }
+      if (t == 0 && P.lse != nullptr) P.lse[out_row] = lse;
     } else {
       const int64_t partial_row = split * P.total_queries * P.q_heads + out_row;
-      for (int d = 0; d < 8; ++d) P.partial_out[partial_row * D + col + d] = acc[d];
-      if (col == 0) P.partial_lse[partial_row] = lse;
+      float* out = P.partial_out + partial_row * D;
+#pragma unroll
+      for (int n = 0; n < kDTiles; ++n) {
+        out[n * 8 + 2 * t] = invalid ? NAN : o[n][2 * half] * inv;
+        out[n * 8 + 2 * t + 1] = invalid ? NAN : o[n][2 * half + 1] * inv;
+      }
+      if (t == 0) P.partial_lse[partial_row] = lse;
     }
   }
 }
@@ -357,6 +397,7 @@ __global__ void __launch_bounds__(kAttnThreads) verify_attention_kernel(const At
 template <typename T>
 __global__ void __launch_bounds__(kAttnMergeWarps * kWarpSize) merge_attention_splits_kernel(const AttentionParams params) {
   const AttentionParams& P = params;
+  wait_for_prerequisite_grid();  // the attention kernel's partial outputs (a programmatic dependent launch)
   const int64_t b = blockIdx.y, D = P.head_dim;
   const AttentionRequest req = attention_request(P, b);
   const int64_t in_request = int64_t{blockIdx.x} * kAttnMergeWarps + threadIdx.x / kWarpSize;

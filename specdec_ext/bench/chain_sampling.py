@@ -26,6 +26,7 @@ from .common import (
     add_common_arguments,
     copy_bandwidth_gbs,
     cuda_graph,
+    import_flashinfer,
     int_list,
     median_us,
     print_row,
@@ -44,20 +45,6 @@ def add_arguments(parser) -> None:
                         help="also time FlashInfer's chain_speculative_sampling on the same inputs (float32 "
                              "probabilities), when flashinfer imports")
     add_common_arguments(parser)
-
-
-def flashinfer_sampling(wanted: bool):
-    """flashinfer.sampling when --against flashinfer asks for it and it imports, else None (the reason printed)."""
-    if not wanted:
-        return None
-    try:
-        import flashinfer.sampling
-    except Exception as error:  # an absent package, or one whose JIT or native parts fail here
-        print(f"--against flashinfer: flashinfer does not import here ({type(error).__name__}: "
-              f"{str(error)[:120]}); no FlashInfer column", flush=True)
-        return None
-    print(f"--against flashinfer: flashinfer {getattr(flashinfer, '__version__', '?')}", flush=True)
-    return flashinfer.sampling
 
 
 def make_case(batch, k, vocab, dtype, device, gen):
@@ -112,7 +99,8 @@ def bytes_read(out, k, vocab, elem, logits):
 def main(args) -> int:
     device = choose_device(args.device)
     peak = copy_bandwidth_gbs(device)
-    anchor = flashinfer_sampling(args.against == "flashinfer")
+    flashinfer = import_flashinfer(args.against == "flashinfer")
+    anchor = flashinfer.sampling if flashinfer is not None else None
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for vocab in args.vocab:

@@ -91,6 +91,21 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30, repeats: int
 H200_MULTIPROCESSORS = 132
 
 
+def import_flashinfer(wanted: bool):
+    """The flashinfer package when --against flashinfer asks for it and it imports, else None (the reason printed)."""
+    if not wanted:
+        return None
+    try:
+        import flashinfer
+        import flashinfer.sampling  # noqa: F401 (the kernels the sampling benches time)
+    except Exception as error:  # an absent package, or one whose JIT or native parts fail here
+        print(f"--against flashinfer: flashinfer does not import here ({type(error).__name__}: "
+              f"{str(error)[:120]}); no FlashInfer column", flush=True)
+        return None
+    print(f"--against flashinfer: flashinfer {getattr(flashinfer, '__version__', '?')}", flush=True)
+    return flashinfer
+
+
 def sampling_grid(batch: int, device: torch.device) -> str:
     """The CUDA sampling kernels' launch at `batch` requests, "blocks x threads" (a request's 1024 lanes over the
     blocks the launcher picks): on the device's multiprocessors, or an H200's when the benchmark runs on the CPU."""

@@ -34,7 +34,7 @@ SYNTHETIC_PRESETS = {
                      "head_dim": 64, "tie_word_embeddings": True, "rope_scaling": _llama3_rope(32.0)},
     "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "head_dim": 128, "tie_word_embeddings": False, "rope_scaling": _llama3_rope(8.0)},
-    # head_dim 64: one of the CUDA attention kernel's head dims (64, 128, 256), so the tests' model runs there too.
+    # head_dim 64: a head dim of the CUDA attention kernel (16, 32, 64, 128, 256), so the tests' model runs there too.
     "tiny": {
         "model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,

@@ -143,6 +143,8 @@ TEST_CASE("a row's normaliser: lse_of_stats, norm_of_lse and the tolerance lse_m
   CHECK(!lse_matches(1000.0f + 1.1e-3f, 1000.0f));
   CHECK(lse_matches(-1000.0f - 1.0e-3f, -1000.0f));
   CHECK(!lse_matches(__builtin_nanf(""), lse));
+  CHECK(!lse_matches(0.0f, kNegInf));        // a row without mass has no normaliser a caller could match
+  CHECK(!lse_matches(1e30f, -kNegInf));      // nor does one whose logits / temperature overflow
 }
 
 TEST_CASE("sampling_slices: the largest split with batch x slices <= SMs whose group of blocks the device holds") {

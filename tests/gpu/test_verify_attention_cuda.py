@@ -136,8 +136,8 @@ def test_opcheck():
 
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_output_bits_do_not_depend_on_the_batch(page_size):
-    # A request's KV splits depend on its own length (and the cache's capacity) only: alone, or in batches of
-    # other sizes and lengths that fill the GPU differently, its output and lse are the same bits.
+    # A request's KV splits depend on its own cached length only: alone, or in batches of other sizes and lengths
+    # that fill the GPU differently, its output and lse are the same bits.
     g = torch.Generator().manual_seed(17)
     lengths = [3000, 9000, 100, 1, 20000, 700]
     q, kc, vc, sl, _, _, table = make_case(g, 6, 5, 32, 8, 128, torch.bfloat16, lengths, page_size)
@@ -176,7 +176,7 @@ def poisoned(f, q, *args, **kwargs):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_layouts_agree_bit_for_bit(d):
     """HND == NHD, FlashInfer's interleaved K/V pages == separate tensors, CSR table == block table (with as many
-    columns as kv_indices has entries: the same capacity bound, so the same KV splits)."""
+    columns as kv_indices has entries; the KV splits come from each request's length either way)."""
     g = torch.Generator().manual_seed(21 + d)
     lengths, n_q, page = [0, 700, 5000, 33], 6, 16
     q, kc, vc, sl, kn, vn, table = make_case(g, 4, n_q, 16, 4, d, torch.bfloat16, lengths, page)
@@ -260,10 +260,29 @@ def test_out_capturable_with_flat_q_and_csr():
 
 def test_unsupported_head_dim_raises():
     # The H200 run of 2026-12-04 saw a model of head dim 16 crash inside this call (a segfault, where the emulator
-    # build of the same launcher raises): the op alone, to tell the launcher from the model's path.
-    q = torch.randn(1, 7, 4, 16, device="cuda", dtype=torch.bfloat16)
-    cache = torch.randn(1, 16, 2, 16, device="cuda", dtype=torch.bfloat16)
-    new = torch.randn(1, 7, 2, 16, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="head dim 64, 128 or 256, got 16"):
+    # build of the same launcher raises). Head dim 16 is now a kernel of its own; 48 is not, and this is the first GPU
+    # test of a ValueError raised by a CUDA launcher's own C++ check (every other GPU error test raises from Python).
+    q = torch.randn(1, 7, 4, 48, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(1, 16, 2, 48, device="cuda", dtype=torch.bfloat16)
+    new = torch.randn(1, 7, 2, 48, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim 16, 32, 64, 128 or 256, got 48"):
         specdec_ext.verify_attention(q, cache, cache.clone(), torch.zeros(1, dtype=torch.int32, device="cuda"), new,
                                      new.clone())
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        specdec_ext.verify_attention(q.float()[..., :16], cache.float()[..., :16].contiguous(),
+                                     cache.float()[..., :16].contiguous(), torch.zeros(1, dtype=torch.int32,
+                                                                                       device="cuda"))
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_small_head_dims_match_the_cpu(head_dim):
+    # The tests' tiny models have head dim 16: their attention now runs on the tensor-core kernel.
+    g = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(2, 5, 8, head_dim, generator=g).bfloat16()
+    cache = torch.randn(2, 300, 2, head_dim, generator=g).bfloat16()
+    lengths = torch.tensor([100, 290], dtype=torch.int32)
+    new = torch.randn(2, 5, 2, head_dim, generator=g).bfloat16()
+    want = specdec_ext.verify_attention(q.float(), cache.float(), cache.float(), lengths, new.float(), new.float())
+    got = specdec_ext.verify_attention(q.cuda(), cache.cuda(), cache.cuda().clone(), lengths.cuda(), new.cuda(),
+                                       new.cuda())
+    assert float((got.cpu().float() - want).abs().max()) < 2e-2

@@ -49,11 +49,11 @@ struct AttentionParams {
   int32_t window_left;        // -1: no sliding window
   float scale;
   float soft_cap;             // 0: off; else scores s -> soft_cap * tanh(s / soft_cap) (scaled scores)
-  // Keys [split * split_keys, (split + 1) * split_keys) of a request are one work item (CPU) or block (CUDA);
-  // a request with several splits gets normalised partial outputs and their lse, merged in split order.
-  // The split count of a request depends on its own length only (attention_request_splits), so its output
-  // bits do not depend on the other requests of the batch. num_splits: the grid's (CUDA), the most any
-  // request can have.
+  // A request's keys are cut at the multiples of its split size C (attention_split_size): keys [s * C, (s + 1) * C)
+  // are one work item (CPU) or block (CUDA); a request with several splits gets normalised partial outputs and
+  // their lse, merged in split order. C is split_keys when > 0 (the CPU's fixed size, or a test's), else a function
+  // of the request's cached length alone, so that its output bits depend neither on the other requests of the batch
+  // nor on its number of new tokens. num_splits: the grid's (CUDA), the most any request can have.
   int64_t num_splits, split_keys, row_tiles;
   float* partial_out;         // [num_splits, total_queries, Hq, D]
   float* partial_lse;         // [num_splits, total_queries, Hq]
@@ -178,34 +178,55 @@ SPECDEC_HD bool attention_page_aliases_written(const AttentionParams& P, const A
   return false;
 }
 
-// Request b's KV splits: one per split_keys keys, at least one (an invalid request's NaN output is written by
-// its first split).
-SPECDEC_HD int64_t attention_request_splits(const AttentionParams& P, const AttentionRequest& R) {
-  const int64_t keys = R.key_end - R.key_begin;
-  return keys > P.split_keys ? (keys + P.split_keys - 1) / P.split_keys : 1;
+// The split size of the CUDA kernel for a request with `length` cached tokens: kAttnMinSplitKeys keys, doubled until
+// the request's keys with the most new tokens a call can add (length + kMaxVerifyQueries) fill at most
+// kAttnMaxSplits splits. Short requests get many small splits (so that a small batch still fills the SMs), long ones
+// at most 32 (which bounds the merge's traffic and workspace). A function of the cached length only: a row's splits,
+// hence its bits, are the same whatever the batch and however many new tokens its request verifies; between calls at
+// different lengths they change only where the size doubles (past lengths 8064, 16256, 32640, ...).
+constexpr int64_t kAttnMinSplitKeys = 256;
+constexpr int64_t kAttnMaxSplits = 32;
+SPECDEC_HD int64_t attention_length_split_keys(int64_t length) {
+  int64_t keys = kAttnMinSplitKeys;
+  while ((length + kMaxVerifyQueries + keys - 1) / keys > kAttnMaxSplits) keys *= 2;
+  return keys;
+}
+// Request R's split size C: P.split_keys when set, else attention_length_split_keys of its cached length.
+SPECDEC_HD int64_t attention_split_size(const AttentionParams& P, const AttentionRequest& R) {
+  return P.split_keys > 0 ? P.split_keys : attention_length_split_keys(R.length);
 }
 
-// Keys [*begin, *end) of split `split` of request b: the request's keys cut into attention_request_splits
-// near-equal runs (whole tiles of kAttnSplitAlign keys, at most split_keys, a multiple of it, each), so that
-// no split is a sliver; every split below the count is non-empty. A function of the request's length only.
+// Request b's KV splits: the multiples of C its keys [key_begin, key_end) straddle, at least one (an invalid
+// request's NaN output is written by its first split).
+SPECDEC_HD int64_t attention_request_splits(const AttentionParams& P, const AttentionRequest& R) {
+  const int64_t c = attention_split_size(P, R);
+  return R.key_end > R.key_begin ? (R.key_end - 1) / c - R.key_begin / c + 1 : 1;
+}
+
+// Keys [*begin, *end) of split `split` of request b: its keys within [(first + split) * C, (first + split + 1) * C),
+// first = key_begin / C. Every split below the count is non-empty, and a split's keys sit at absolute positions, so
+// that a row sees the same splits whichever new tokens follow it.
 SPECDEC_HD void attention_split_keys(const AttentionParams& P, const AttentionRequest& R, int64_t split, int64_t* begin,
                                      int64_t* end) {
-  const int64_t keys = R.key_end - R.key_begin, splits = attention_request_splits(P, R);
-  const int64_t even = (keys + splits - 1) / splits;
-  const int64_t per = (even + kAttnSplitAlign - 1) / kAttnSplitAlign * kAttnSplitAlign;
-  const int64_t k0 = split * per;
-  *begin = R.key_begin + (k0 < keys ? k0 : keys);
-  *end = R.key_begin + (k0 + per < keys ? k0 + per : keys);
+  const int64_t c = attention_split_size(P, R), k0 = (R.key_begin / c + split) * c;
+  *begin = k0 > R.key_begin ? k0 : R.key_begin;
+  *end = k0 + c < R.key_end ? k0 + c : R.key_end;
 }
 
 // Whether query i of the request sees the key at position pos (pos < key_end): the mask for the new tokens,
-// the sliding window for every key.
-SPECDEC_HD bool attention_visible(const AttentionParams& P, const AttentionRequest& R, int64_t i, int64_t pos) {
+// the sliding window for every key. tree_sees(j): whether the tree mask lets query i see new token j (read from
+// tree_mask, or from a copy of its row a kernel keeps).
+template <typename TreeSees>
+SPECDEC_HD bool attention_visible_with(const AttentionParams& P, const AttentionRequest& R, int64_t i, int64_t pos,
+                                       TreeSees&& tree_sees) {
   if (P.window_left >= 0 && pos < R.length + i - P.window_left) return false;
   if (pos < R.length) return true;
   const int64_t j = pos - R.length;
   if (P.tree_mask == nullptr) return j <= i;
-  return P.tree_mask[R.mask_offset + i * R.mask_stride + j];
+  return tree_sees(j);
+}
+SPECDEC_HD bool attention_visible(const AttentionParams& P, const AttentionRequest& R, int64_t i, int64_t pos) {
+  return attention_visible_with(P, R, i, pos, [&](int64_t j) { return P.tree_mask[R.mask_offset + i * R.mask_stride + j]; });
 }
 
 // Whether any query of the request can be masked at keys [p0, p1): the block's new tokens or the window.

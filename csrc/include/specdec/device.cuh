@@ -107,6 +107,23 @@ template <typename T>
 SPECDEC_DEVICE T* map_cluster_shared(T* p, unsigned) { return p; }
 #endif
 
+// ----- programmatic dependent launch (sm_90) --------------------------------------------------------------
+// A kernel launched by launch_dependent_kernel may start while the kernel before it in the stream is still running:
+// it calls wait_for_prerequisite_grid() before reading anything that kernel writes (the wait returns once that grid
+// has completed and its writes are visible). The kernel before it calls allow_dependent_launch() once its blocks no
+// longer need to run ahead of the dependent's. Without sm_90 code (and in the emulator, which runs launches in
+// stream order) both are no-ops, and the launcher makes an ordinary launch.
+#if defined(SPECDEC_SIM)
+inline void wait_for_prerequisite_grid() {}
+inline void allow_dependent_launch() {}
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+SPECDEC_DEVICE void wait_for_prerequisite_grid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+SPECDEC_DEVICE void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#else
+SPECDEC_DEVICE void wait_for_prerequisite_grid() {}
+SPECDEC_DEVICE void allow_dependent_launch() {}
+#endif
+
 // Ends the launch when an invariant that the launcher guarantees is broken (never for bad input, which
 // kernels record and survive): a trap on the GPU, which leaves the process's CUDA context unusable, so it is
 // for states no input can reach; SimError with `message` in the emulator.

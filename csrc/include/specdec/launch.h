@@ -47,6 +47,13 @@ void launch_cooperative_kernel(const char* name, void (*kernel)(KernelArgs...), 
   sim::launch(name, grid, block, dim3(1), dynamic_smem, [&] { std::apply(kernel, params); }, /*cooperative=*/true);
 }
 
+// A dependent launch (programmatic on sm_90): the emulator runs launches in stream order, so an ordinary one.
+template <typename... KernelArgs, typename... Args>
+void launch_dependent_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                             Stream stream, Args&&... args) {
+  launch_kernel(name, kernel, grid, block, dynamic_smem, stream, std::forward<Args>(args)...);
+}
+
 // How many blocks of `kernel` the device holds at once (sim::resident_blocks).
 template <typename... KernelArgs>
 int max_resident_blocks(void (*)(KernelArgs...), dim3 block, size_t) {
@@ -76,8 +83,8 @@ void launch_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, d
   check_cuda(cudaGetLastError(), name);
 }
 
-// A launch configuration with one launch attribute: a cluster shape (cluster_attribute) or a cooperative launch
-// (cooperative_attribute).
+// A launch configuration with one launch attribute: a cluster shape (cluster_attribute), a cooperative launch
+// (cooperative_attribute) or a programmatic dependent launch (programmatic_attribute).
 struct LaunchConfig {
   cudaLaunchAttribute attribute;
   cudaLaunchConfig_t config{};
@@ -107,6 +114,26 @@ inline cudaLaunchAttribute cooperative_attribute() {
   a.val.cooperative = 1;
   return a;
 }
+inline cudaLaunchAttribute programmatic_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
+// Whether `kernel` runs sm_90 code on an sm_90+ device: the code where clusters and griddepcontrol exist (PTX compiled
+// by the driver for a newer device keeps its own __CUDA_ARCH__). A failed query clears its error and says no.
+template <typename... KernelArgs>
+bool runs_sm90_code(void (*kernel)(KernelArgs...)) {
+  cudaFuncAttributes attributes{};
+  int device = 0, major = 0;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attributes.ptxVersion >= 90 && major >= 9;
+}
 
 // Launches thread block clusters of `cluster_blocks` blocks along x (sm_90 and later; grid.x a multiple of it).
 template <typename... KernelArgs, typename... Args>
@@ -127,14 +154,8 @@ void launch_cluster_kernel(const char* name, void (*kernel)(KernelArgs...), dim3
 // where a query fails (its error is cleared, so that it is not blamed on a later launch).
 template <typename... KernelArgs>
 int max_active_clusters(void (*kernel)(KernelArgs...), dim3 block, unsigned cluster_blocks, size_t dynamic_smem) {
-  cudaFuncAttributes attributes{};
-  int device = 0, major = 0, clusters = 0;
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess || cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  if (attributes.ptxVersion < 90 || major < 9) return 0;
+  int clusters = 0;
+  if (!runs_sm90_code(kernel)) return 0;
   LaunchConfig c(dim3(cluster_blocks), block, dynamic_smem, nullptr, cluster_attribute(cluster_blocks));
   if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &c.config) != cudaSuccess) {
     cudaGetLastError();
@@ -151,6 +172,21 @@ void launch_cooperative_kernel(const char* name, void (*kernel)(KernelArgs...), 
                                Stream stream, Args&&... args) {
   opt_in_dynamic_smem(name, kernel, dynamic_smem);
   LaunchConfig c(grid, block, dynamic_smem, stream, cooperative_attribute());
+  check_cuda(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...), name);
+}
+
+// A launch that may begin while the stream's previous kernel finishes (programmatic dependent launch), where the
+// kernel runs sm_90 code; elsewhere an ordinary launch. The kernel waits for that grid (wait_for_prerequisite_grid,
+// device.cuh) before it reads what the grid wrote.
+template <typename... KernelArgs, typename... Args>
+void launch_dependent_kernel(const char* name, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t dynamic_smem,
+                             Stream stream, Args&&... args) {
+  if (!runs_sm90_code(kernel)) {
+    launch_kernel(name, kernel, grid, block, dynamic_smem, stream, std::forward<Args>(args)...);
+    return;
+  }
+  opt_in_dynamic_smem(name, kernel, dynamic_smem);
+  LaunchConfig c(grid, block, dynamic_smem, stream, programmatic_attribute());
   check_cuda(cudaLaunchKernelEx(&c.config, kernel, std::forward<Args>(args)...), name);
 }
 

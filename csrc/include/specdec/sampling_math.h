@@ -277,11 +277,12 @@ SPECDEC_HD SoftmaxNorm norm_of_lse(float lse) { return SoftmaxNorm{0.0f, fmul(ls
 SPECDEC_HD float lse_of_stats(MaxSum s, float scale) {
   return fmul(fadd(fmul(s.m, scale), det_log2(s.s)), kLn2);
 }
-// Whether a caller's normaliser `given` matches the row's own `exact` (lse_of_stats, finite) within
-// 2^-14 + 2^-20 |exact|: a normaliser that close scales every probability of its row by a factor within
-// exp(+-(2^-14 + 2^-20 |exact|)); it covers a float32 log-sum-exp computed any reasonable way (torch.logsumexp,
-// an LM head's epilogue). NaN never matches.
+// Whether a caller's normaliser `given` matches the row's own `exact` (lse_of_stats) within 2^-14 + 2^-20 |exact|:
+// a normaliser that close scales every probability of its row by a factor within exp(+-(2^-14 + 2^-20 |exact|)); it
+// covers a float32 log-sum-exp computed any reasonable way (torch.logsumexp, an LM head's epilogue). A row whose own
+// normaliser is not finite (no mass: -inf; |logit| / temperature past float32: +inf) matches no value, nor does NaN.
 SPECDEC_HD bool lse_matches(float given, float exact) {
+  if (!is_finite(exact)) return false;
   const float diff = fadd(given, -exact);
   const float tolerance = ffma(exact >= 0.0f ? exact : -exact, 9.53674316e-07f, 6.10351562e-05f);
   return diff <= tolerance && -diff <= tolerance;
