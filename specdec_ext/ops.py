@@ -621,9 +621,12 @@ def _logits_normalizer(ops, logits, *, temperature, top_k, top_p, min_p, records
         return value.reshape(-1)
 
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    # No draw is made: seed and offset are device zeros (a Python int would be refused under CUDA graph capture).
+    unused = torch.zeros(rows.shape[0], dtype=torch.int64, device=logits.device)
     _chain_sampling(ops, torch.zeros((rows.shape[0], 0), dtype=torch.int32, device=logits.device), rows, None,
                     logits=True, num_draft_tokens=None, greedy_or_temperature=per_row(temperature, "temperature"),
-                    seed=0, offset=0, generator=None, out=None, cu_num_draft_tokens=None, max_draft_tokens=None,
+                    seed=unused, offset=unused, generator=None, out=None, cu_num_draft_tokens=None,
+                    max_draft_tokens=None,
                     bonus_token_ids=None, uniforms=None, final_uniforms=None, draft_to_target=None,
                     accepted_independently=None, coupling="rejection", records_errors=records_errors,
                     top_k=per_row(top_k, "top_k"), top_p=per_row(top_p, "top_p"), min_p=per_row(min_p, "min_p"),

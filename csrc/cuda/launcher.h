@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+
 #include "specdec/launch.h"
 #include "specdec/library.h"
 
@@ -39,6 +41,19 @@ inline int multiprocessor_count(const at::Tensor& t) {
 #endif
 
 namespace specdec {
+// A test's override of a launch choice: the integer in environment variable `name` (read at every launch, so that a
+// test can change it within a process), or 0 when unset or empty. A value that is not an integer, or that `valid`
+// refuses, raises a ValueError: "<name> must be <requirement>, got '<value>'".
+template <typename Valid>
+long long launch_override(const char* name, Valid&& valid, const char* requirement) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(value, &end, 10);
+  TORCH_CHECK_VALUE(*end == '\0' && valid(n), name, " must be ", requirement, ", got '", value, "'");
+  return n;
+}
+
 // Grid size for grid-stride kernels: enough blocks to fill any current GPU, never more than the work.
 inline unsigned grid_stride_blocks(int64_t work_items, int threads_per_block) {
   const int64_t needed = (work_items + threads_per_block - 1) / threads_per_block;

@@ -30,14 +30,11 @@ int sampling_resident_blocks(const at::Tensor& t) {
 // SPECDEC_SAMPLING_SLICES=S (a power of two from 1 to 32) forces the blocks per request, for tests: every split must
 // give the same bits. 0 when unset.
 inline int forced_sampling_slices() {
-  const char* value = std::getenv("SPECDEC_SAMPLING_SLICES");
-  if (value == nullptr || *value == '\0') return 0;
-  char* end = nullptr;
-  const long s = std::strtol(value, &end, 10);
-  TORCH_CHECK_VALUE(*end == '\0' && s >= 1 && s <= kMaxSamplingSlices && (s & (s - 1)) == 0,
-                    "SPECDEC_SAMPLING_SLICES must be a power of two from 1 to ", kMaxSamplingSlices, ", got '", value, "'");
-  return static_cast<int>(s);
+  return static_cast<int>(launch_override(
+      "SPECDEC_SAMPLING_SLICES", [](long long s) { return s >= 1 && s <= kMaxSamplingSlices && (s & (s - 1)) == 0; },
+      "a power of two from 1 to 32"));
 }
+static_assert(kMaxSamplingSlices == 32, "the override's message names the largest split");
 
 // Request groups of S blocks (S by sampling_slices, or forced); a grid-stride loop covers batches beyond what the
 // device holds at once. S > 1: a cooperative launch, with a workspace of one SliceExchange and one zeroed barrier

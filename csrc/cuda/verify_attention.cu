@@ -1,5 +1,3 @@
-#include <cstdlib>
-
 #include "checks/verify_attention.h"
 #include "cuda/launcher.h"
 #include "kernels/verify_attention.cuh"
@@ -10,15 +8,12 @@ namespace {
 // SPECDEC_ATTENTION_SPLIT_KEYS=C (a multiple of 64) forces every request's split size to C, for tests of the split
 // plans; unset, the size follows each request's cached length (attention_length_split_keys).
 int64_t forced_split_keys() {
-  const char* env = std::getenv("SPECDEC_ATTENTION_SPLIT_KEYS");
-  if (env == nullptr || *env == '\0') return 0;
-  char* end = nullptr;
-  const long long keys = std::strtoll(env, &end, 10);
-  TORCH_CHECK_VALUE(*end == '\0' && keys >= kAttnSplitAlign && keys % kAttnSplitAlign == 0 && keys <= (1LL << 30),
-                    "SPECDEC_ATTENTION_SPLIT_KEYS must be a positive multiple of ", kAttnSplitAlign, ", got \"", env,
-                    "\"");
-  return keys;
+  return launch_override(
+      "SPECDEC_ATTENTION_SPLIT_KEYS",
+      [](long long keys) { return keys >= kAttnSplitAlign && keys % kAttnSplitAlign == 0 && keys <= (1LL << 30); },
+      "a positive multiple of 64");
 }
+static_assert(kAttnSplitAlign == 64, "the override's message names the split alignment");
 
 template <typename T, int D>
 void launch_verify_attention(AttentionParams& P, const at::Tensor& q, Stream stream) {

@@ -36,6 +36,19 @@ def run(c, device, logits, with_draft):
                                                   offset=d["offset"])
 
 
+def assert_eager_and_replayed(call, out, cpu):
+    """call() (already run once) wrote the CPU kernel's outputs into out; so does its CUDA graph's replay, whose capture
+    must keep the launch and its workspace."""
+    assert torch.equal(out[0].cpu(), cpu.output_token_ids) and torch.equal(out[1].cpu(), cpu.num_accepted)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out[0].fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0].cpu(), cpu.output_token_ids)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("logits", [False, True], ids=["probs", "logits"])
 @pytest.mark.parametrize("with_draft", [True, False], ids=["draft", "point"])
@@ -90,14 +103,7 @@ def test_every_forced_split_matches_cpu_and_replays_from_a_graph(slices, batch, 
                                                            offset=d["offset"], out=out)
 
     call()
-    assert torch.equal(out[0].cpu(), cpu.output_token_ids) and torch.equal(out[1].cpu(), cpu.num_accepted)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    out[0].fill_(-7)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out[0].cpu(), cpu.output_token_ids)
+    assert_eager_and_replayed(call, out, cpu)
 
 
 @pytest.mark.parametrize("batch,k,vocab", [(1, 4, 128256), (64, 8, 128256), (8, 4, 32000)])
@@ -129,14 +135,7 @@ def test_caller_normalizers_match_cpu_without_sync_and_replay_from_a_graph(batch
         call()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(out[0].cpu(), cpu.output_token_ids) and torch.equal(out[1].cpu(), cpu.num_accepted)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    out[0].fill_(-7)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out[0].cpu(), cpu.output_token_ids)
+    assert_eager_and_replayed(call, out, cpu)
     specdec_ext.set_strict(True)
     try:
         call()
