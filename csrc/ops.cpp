@@ -88,8 +88,9 @@ TORCH_LIBRARY(SPECDEC_LIB, m) {
 
   // The same product with the weight kept as GGUF blocks: qweight [N, row_bytes] uint8, format a GGML type id
   // (Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12, Q6_K 14); x [M, K] float32, bfloat16 or float16 (any M), accumulated in
-  // float32, the weights decoded in registers or cache, never in memory. dequantize: the blocks as float32 [N, K].
-  m.def("quantized_linear(Tensor x, Tensor qweight, int format, Tensor? bias) -> Tensor");
+  // float32, the weights decoded in registers or cache, never in memory; activations="int8": x quantised to 8 bits
+  // per 32 values first (the CPU multiplies on integer dot products). dequantize: the blocks as float32 [N, K].
+  m.def("quantized_linear(Tensor x, Tensor qweight, int format, Tensor? bias, str activations=\"float\") -> Tensor");
   m.def("dequantize(Tensor qweight, int format) -> Tensor");
 
   // A Llama decoder layer's elementwise steps in one call each (CPU; models/llama.py uses them there, torch's

@@ -12,15 +12,16 @@ def choose_device(name: str | None = None) -> torch.device:
     return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def load(path, device, dtype: torch.dtype = torch.float32, keep_quantized: bool = False):
+def load(path, device, dtype: torch.dtype = torch.float32, keep_quantized: bool = False, activations=None):
     """A model and its tokenizer from an HF directory or a .gguf file, with a progress bar; keep_quantized: the
-    GGUF block weights stay as stored (LlamaForCausalLM.from_pretrained)."""
+    GGUF block weights stay as stored, activations: how they multiply (LlamaForCausalLM.from_pretrained)."""
     from tqdm import tqdm
 
     from .models import LlamaForCausalLM, load_tokenizer
 
     with tqdm(total=2, desc=f"loading {path}", unit="part", file=sys.stderr, leave=False) as bar:
-        model = LlamaForCausalLM.from_pretrained(path, device=device, dtype=dtype, keep_quantized=keep_quantized)
+        model = LlamaForCausalLM.from_pretrained(path, device=device, dtype=dtype, keep_quantized=keep_quantized,
+                                                 activations=activations)
         bar.update()
         tokenizer = load_tokenizer(path)
         bar.update()

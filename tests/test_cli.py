@@ -162,6 +162,7 @@ BAD_ARGUMENTS = [
     (["generate", "--prompt", ""], "--prompt is empty"),
     (["generate", "--prompt", "Hi", "--draft-keep-quantized"],
      "--draft-keep-quantized: the drafter must be model:PATH"),
+    (["generate", "--prompt", "Hi", "--activations", "int8"], "--activations int8: needs --keep-quantized"),
     (["demo", "--device", "gpu"], "--device 'gpu' is not a device"),
     (["bench", "e2e", "--repeats", "0"], "--repeats must be >= 1"),
     (["bench", "e2e", "--draft", "head"], "--draft head: no such file or directory"),  # a path without --target

@@ -394,7 +394,7 @@ def test_shipped_model_kept_quantized_greedy_equals_dequantized(shipped):
     from specdec_ext.models.quantized import QuantizedWeight
 
     ours, _, tokenizer, prompts = shipped
-    kept = LlamaForCausalLM.from_pretrained(default_model_path(), keep_quantized=True)
+    kept = LlamaForCausalLM.from_pretrained(default_model_path(), keep_quantized=True, activations="float")
     assert isinstance(kept.layers[0].gate_up_proj, QuantizedWeight) and kept.layers[0].gate_up_proj.format == 3
     assert isinstance(kept.lm_head, QuantizedWeight) and kept.lm_head.format == 8 and kept.lm_head is kept.embed_tokens
     x = torch.tensor([prompts[0]])

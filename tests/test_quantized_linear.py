@@ -3,43 +3,17 @@ for bit, ops.quantized_linear equals float64 products with those weights, for ev
 (forced through SPECDEC_CPU_ISA; AVX-512 only on a CPU that has it), thread count and row count (1-16 in registers
 or through the scratch, and a prefill's rows in chunks); and a model loaded with keep_quantized=True computes
 what the same file dequantised at load computes."""
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf.quants import dequantize as gguf_dequantize
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from helpers.gguf_files import SMALL, random_model, write_gguf
+from helpers.quantized import FORMATS, columns, random_blocks, reference_weight
 from specdec_ext import ops
 from specdec_ext.models import LlamaForCausalLM
 from specdec_ext.models.quantized import QuantizedRowStack, QuantizedWeight
-
-FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-# Byte offsets of each block's fp16 scale fields (d, and m / dmin where the format has one).
-HALF_FIELDS = {2: [0], 3: [0, 2], 8: [0], 12: [0, 2], 14: [208]}
-
-
-def random_blocks(gen, format, n, k):
-    """[n, row_bytes] blocks: every quant bit pattern random; the fp16 scales finite, of both signs and a spread
-    of magnitudes, with zeros and subnormals among them (random bits would make some inf or NaN)."""
-    weights, nbytes = ops.QUANTIZED_FORMATS[format]
-    blocks = torch.randint(0, 256, (n, k // weights, nbytes), generator=gen, dtype=torch.uint8)
-    for offset in HALF_FIELDS[format]:
-        scales = torch.randn(n, k // weights, generator=gen) * 0.02
-        scales[torch.rand(scales.shape, generator=gen) < 0.05] = 0.0
-        scales[torch.rand(scales.shape, generator=gen) < 0.05] = 3e-6  # fp16 subnormal
-        blocks[:, :, offset:offset + 2] = scales.half().view(torch.uint8).reshape(n, k // weights, 2)
-    return blocks.reshape(n, -1)
-
-
-def reference_weight(blocks, format) -> torch.Tensor:
-    return torch.from_numpy(gguf_dequantize(blocks.numpy(), QType(format)).astype(np.float32))
-
-
-def columns(format):
-    return [256, 512] if ops.QUANTIZED_FORMATS[format][0] == 256 else [64, 576]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -198,7 +172,8 @@ def write_mixed_gguf(tmp_path, tied, **config):
 def test_kept_model_equals_dequantised_model(tmp_path, tied):
     path = write_mixed_gguf(tmp_path, tied)
     plain = LlamaForCausalLM.from_pretrained(path)
-    kept = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
+    kept = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="float")
+    assert kept.activations == "float" and plain.activations == "float"
     layer = kept.layers[0]
     assert isinstance(layer.qkv_proj, QuantizedRowStack) and [p.format for p in layer.qkv_proj.parts] == [2, 8]
     assert isinstance(layer.o_proj, QuantizedWeight) and layer.o_proj.format == 3
@@ -227,17 +202,24 @@ def test_keep_quantized_refuses_what_it_cannot_keep(tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="keep_quantized needs a .gguf file"):
         LlamaForCausalLM.from_pretrained(tmp_path / "hf", keep_quantized=True)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="int4")
+    with pytest.raises(ValueError, match="needs weights kept as GGUF blocks"):
+        LlamaForCausalLM.from_pretrained(path, activations="int8")
 
 
-def test_target_and_draft_quantised_independently(tmp_path):
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_target_and_draft_quantised_independently(tmp_path, activations):
     """A ModelDrafter over the file kept quantised drafts for the float target, and a float draft for the target
-    kept quantised: greedy speculative output equals each target's plain greedy decoding."""
+    kept quantised (float or 8-bit activations): greedy speculative output equals each target's plain greedy
+    decoding."""
     from specdec_ext import ModelDrafter, SpeculativeDecoder
     from specdec_ext.engine import generate_autoregressive
 
     path = write_mixed_gguf(tmp_path, tied=False)
     plain = LlamaForCausalLM.from_pretrained(path)
-    kept = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
+    kept = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations=activations)
+    assert kept.activations == activations
     prompts = [[1, 5, 9, 33, 2], [7, 7, 8, 40, 41, 42, 7, 7]]
     for target, draft in ((plain, kept), (kept, plain)):
         dec = SpeculativeDecoder(target, ModelDrafter(draft), 3, max_batch_size=2)

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <limits>
 #include <optional>
 
 #include "specdec/gguf_blocks.h"
@@ -24,8 +25,10 @@ inline int64_t check_quantized_weight(const char* op, const at::Tensor& qweight,
 
 // quantized_linear's arguments; returns K.
 inline int64_t check_quantized_linear(const at::Tensor& x, const at::Tensor& qweight, int64_t format,
-                                      const std::optional<at::Tensor>& bias) {
+                                      const std::optional<at::Tensor>& bias, c10::string_view activations) {
   const char* op = "quantized_linear";
+  TORCH_CHECK_VALUE(activations == "float" || activations == "int8", op,
+                    ": activations must be \"float\" or \"int8\", got \"", activations, "\"");
   const int64_t K = check_quantized_weight(op, qweight, format);
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K, op, ": x must be [M, K] with M >= 1 and K = ", K,
                     " (qweight's columns), got ", x.sizes());
@@ -41,6 +44,21 @@ inline int64_t check_quantized_linear(const at::Tensor& x, const at::Tensor& qwe
                       bias->scalar_type());
   }
   return K;
+}
+
+// x [M, K] float32 with each unit of 32 values replaced by its 8-bit quantisation q d (cpu/linear_int8.h has the
+// definition, which this equals value for value): what activations="int8" multiplies where the kernel multiplies
+// floats (the CUDA launcher).
+inline at::Tensor int8_round_trip(const at::Tensor& x) {
+  const at::Tensor units = x.to(at::kFloat).reshape({x.size(0), -1, 32});
+  const at::Tensor amax = units.abs().amax(-1, /*keepdim=*/true);
+  const at::Tensor finite = units.isfinite().all(-1, /*keepdim=*/true);
+  // Tensor-by-tensor divisions: a division by a scalar may multiply by its reciprocal (CUDA does), not the same bits
+  const at::Tensor full = at::full_like(amax, 127.0);
+  const at::Tensor scale = at::where(finite, amax.div(full), std::numeric_limits<float>::quiet_NaN());
+  const at::Tensor inverse = at::where(finite & (amax > 0), full.div(amax), 0.0);
+  const at::Tensor q = at::round(at::clamp(units * inverse, -127.0, 127.0));
+  return (q * scale).reshape(x.sizes());
 }
 
 }  // namespace specdec

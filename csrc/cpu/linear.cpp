@@ -2,9 +2,12 @@
 // - skinny_linear: y [M, N] = x [M, K] @ weight [N, K]^T (+ bias) for the 1-16 rows of a decode or verify step,
 //   float32 or bfloat16 weights, accumulated in float32;
 // - quantized_linear: the same with weights kept as GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), any M (in chunks);
+// - quantized_linear with activations="int8": x quantised to 8 bits per 32 values and multiplied with the blocks on
+//   integer dot products (cpu/linear_int8.h has the arithmetic);
 // - dequantize: GGUF blocks -> float32 rows (embedding lookups of a quantised table).
 // One kernel per ISA (AVX-512, AVX2 + FMA + F16C, SSE2), compiled from one source and chosen at run time: the best
-// the CPU has, or SPECDEC_CPU_ISA (avx512, avx2, sse2) when set.
+// the CPU has, or SPECDEC_CPU_ISA (avx512, avx2, sse2) when set. The integer path's AVX-512 kernel is its VNNI one
+// (vpdpbusd) where the CPU has AVX512-VNNI, the AVX2 one (vpmaddubsw) where it does not.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -21,6 +24,7 @@
 #include "checks/common.h"
 #include "checks/quantized_linear.h"
 #include "checks/skinny_linear.h"
+#include "cpu/linear_int8.h"
 #include "cpu/linear_kernels.h"
 
 // Dot products need accuracy, not the bitwise reproducibility that -ffp-contract=off buys the sampling kernels:
@@ -38,11 +42,23 @@ namespace specdec::linear::avx512 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace specdec::linear::avx512_vnni {
+#define SPECDEC_INT8_DOT 2
+#include "cpu/linear_int8.inc"
+#undef SPECDEC_INT8_DOT
+}  // namespace specdec::linear::avx512_vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace specdec::linear::avx2 {
 #define SPECDEC_LINEAR_VW 8
 #include "cpu/linear_isa.inc"
 #undef SPECDEC_LINEAR_VW
+#define SPECDEC_INT8_DOT 1
+#include "cpu/linear_int8.inc"
+#undef SPECDEC_INT8_DOT
 }  // namespace specdec::linear::avx2
 #pragma GCC pop_options
 #endif
@@ -52,26 +68,37 @@ namespace specdec::linear::sse2 {
 #define SPECDEC_LINEAR_VW 4
 #include "cpu/linear_isa.inc"
 #undef SPECDEC_LINEAR_VW
+#define SPECDEC_INT8_DOT 0
+#include "cpu/linear_int8.inc"
+#undef SPECDEC_INT8_DOT
 }  // namespace specdec::linear::sse2
 
 namespace specdec {
 
 namespace {
 
+using linear::Int8Problem;
 using linear::Problem;
+
+using Int8Rows = void (*)(const Int8Problem&, int64_t, int64_t, float*);
 
 struct IsaKernels {
   const char* name;
   void (*product_rows)(const Problem&, int64_t, int64_t, float*);
   void (*dequantize_rows)(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*);
+  void (*int8_activations)(const float*, int64_t, int64_t, int64_t, int8_t*, float*, float*, int32_t*);
+  Int8Rows int8_rows;
 };
 
 constexpr IsaKernels kIsas[] = {
 #if defined(__x86_64__)
-    {"avx512", linear::avx512::product_rows, linear::avx512::dequantize_rows},
-    {"avx2", linear::avx2::product_rows, linear::avx2::dequantize_rows},
+    {"avx512", linear::avx512::product_rows, linear::avx512::dequantize_rows, linear::avx2::int8_activations,
+     linear::avx2::int8_rows},
+    {"avx2", linear::avx2::product_rows, linear::avx2::dequantize_rows, linear::avx2::int8_activations,
+     linear::avx2::int8_rows},
 #endif
-    {"sse2", linear::sse2::product_rows, linear::sse2::dequantize_rows},
+    {"sse2", linear::sse2::product_rows, linear::sse2::dequantize_rows, linear::sse2::int8_activations,
+     linear::sse2::int8_rows},
 };
 constexpr int kIsaCount = sizeof(kIsas) / sizeof(kIsas[0]);
 
@@ -111,6 +138,14 @@ const IsaKernels& isa_kernels() {
   return kIsas[kIsaCount - 1];
 }
 
+// The integer path's kernel for the ISA: VNNI's on an AVX-512 CPU that has it (every kernel gives the same bits).
+Int8Rows int8_kernel(const IsaKernels& isa) {
+#if defined(__x86_64__)
+  if (std::string(isa.name) == "avx512" && __builtin_cpu_supports("avx512vnni")) return linear::avx512_vnni::int8_rows;
+#endif
+  return isa.int8_rows;
+}
+
 // Weight rows per parallel task: whole panels, about an even share per thread (each thread streams one contiguous
 // part of the weight).
 int64_t rows_per_task(int64_t N) {
@@ -146,13 +181,44 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
   return y.to(x.scalar_type());
 }
 
+// y [M, N] float32 = x quantised to 8 bits per 32 (xf [M, K] float32) @ W^T on integer dot products. Inputs in
+// chunks whose quantised rows stay in L2 while every group of 8 weight rows passes over them; each chunk unpacks
+// the weight once.
+void int8_product(const IsaKernels& isa, const at::Tensor& xf, const at::Tensor& qweight, int format, at::Tensor& y) {
+  const int64_t M = xf.size(0), K = xf.size(1), N = qweight.size(0), units = K / 32;
+  const Int8Rows kernel = int8_kernel(isa);
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * units), dsum(M * units);
+  std::vector<int32_t> sum16(M * 2 * units);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    isa.int8_activations(xf.data_ptr<float>(), K, begin, end, q.data(), d.data(), dsum.data(), sum16.data());
+  });
+  const int64_t chunk = std::max<int64_t>(16, (int64_t{1} << 17) / K);
+  const int64_t groups = (N + 7) / 8;
+  const int64_t groups_per_task = std::max<int64_t>(1, (groups + at::get_num_threads() - 1) / at::get_num_threads());
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    const Int8Problem p{{q.data() + m0 * K, d.data() + m0 * units, dsum.data() + m0 * units, sum16.data() + m0 * 2 * units},
+                        rows, K, qweight.data_ptr<uint8_t>(), qweight.size(1), format, y.data_ptr<float>() + m0 * N, N};
+    at::parallel_for(0, (groups + groups_per_task - 1) / groups_per_task, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(8 * rows);
+      kernel(p, begin * groups_per_task * 8, std::min(N, end * groups_per_task * 8), acc.data());
+    });
+  }
+}
+
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t format,
-                                const std::optional<at::Tensor>& bias) {
-  const int64_t K = check_quantized_linear(x, qweight, format, bias);
+                                const std::optional<at::Tensor>& bias, c10::string_view activations) {
+  const int64_t K = check_quantized_linear(x, qweight, format, bias, activations);
   const int64_t M = x.size(0), N = qweight.size(0);
   const IsaKernels& isa = isa_kernels();
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (activations == "int8") {
+    int8_product(isa, xf, qweight, static_cast<int>(format), y);
+    if (bias.has_value()) y.add_(*bias);
+    return y.to(x.scalar_type());
+  }
   // Inputs in chunks whose float32 rows stay in L2 (~256 KB) while every weight panel passes over them; each chunk
   // decodes the weight once.
   const int64_t chunk = std::max<int64_t>(16, (int64_t{1} << 16) / K);

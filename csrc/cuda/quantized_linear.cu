@@ -8,17 +8,19 @@ namespace specdec {
 namespace {
 
 at::Tensor quantized_linear_launch(const at::Tensor& x_in, const at::Tensor& qweight, int64_t format,
-                                   const std::optional<at::Tensor>& bias) {
-  const int64_t K = check_quantized_linear(x_in, qweight, format, bias);
+                                   const std::optional<at::Tensor>& bias, c10::string_view activations) {
+  const int64_t K = check_quantized_linear(x_in, qweight, format, bias, activations);
   TORCH_CHECK_VALUE(qweight.device().type() == kLauncherDevice, "quantized_linear: qweight must be on ", kLauncherDevice);
   const at::ScalarType dtype = x_in.scalar_type();
   const int64_t M = x_in.size(0), N = qweight.size(0);
   const LauncherGuard guard(x_in);
-  const at::Tensor x = x_in.contiguous();
+  // activations="int8": the same quantised activations as the CPU's integer path, multiplied as floats here
+  const at::Tensor x = activations == "int8" ? int8_round_trip(x_in) : x_in.contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const ActivationType x_type = dtype == at::kFloat      ? ActivationType::kFloat32
-                                : dtype == at::kBFloat16 ? ActivationType::kBFloat16
-                                                         : ActivationType::kFloat16;
+  const at::ScalarType x_dtype = x.scalar_type();
+  const ActivationType x_type = x_dtype == at::kFloat      ? ActivationType::kFloat32
+                                : x_dtype == at::kBFloat16 ? ActivationType::kBFloat16
+                                                           : ActivationType::kFloat16;
   const QuantizedLinearParams P{x.data_ptr(), x_type, qweight.data_ptr<uint8_t>(), M, N, K, qweight.size(1),
                                 static_cast<int>(format), y.data_ptr<float>()};
   constexpr int rows_per_block = kQuantThreads / kWarpSize;

@@ -2,20 +2,22 @@
 
 In one process, paired where two things compare.
 
-1. GEMM: skinny_linear (float32, bfloat16) and quantized_linear (the shipped file's Q4_1 and Q8_0) against F.linear
-   (MKL) on the shipped model's projection shapes, 1-16 rows: microseconds, GFLOP/s, weight GB/s, and GFLOP/s as a
-   share of the FMA peak (MKL's rate on a large square sgemm, measured here, stands for it).
+1. GEMM: skinny_linear (float32, bfloat16) and quantized_linear (the shipped file's Q4_1 and Q8_0, float and 8-bit
+   activations) against F.linear (MKL) on the shipped model's projection shapes, 1-16 rows: microseconds, GFLOP/s,
+   weight GB/s, and GFLOP/s as a share of the FMA peak (MKL's rate on a large square sgemm, measured here, stands
+   for it).
 2. One forward of Q = 1, 2, 4, 8, 16 new tokens at a 200-token context (B = 1): float32, bfloat16 and the shipped
-   file kept quantised, alternated per repeat; relative to Q = 1.
-3. Plain greedy decoding at B = 1 (128 tokens, the e2e prompts): ours float32, ours kept-Q4_1, transformers float32
-   and llama.cpp (llama-cpp-python, when installed, on the same .gguf file and thread count), one repeat of each in
-   turn; with the weight-read floor of each of ours.
+   file kept quantised (float and 8-bit activations), alternated per repeat; relative to Q = 1.
+3. Plain greedy decoding at B = 1 (128 tokens, the e2e prompts): ours float32, ours kept-Q4_1 (both activations),
+   transformers float32 and llama.cpp (`--against llama.cpp`: llama-cpp-python on the same .gguf file and thread
+   count), one repeat of each in turn; with the weight-read floor of each of ours.
 4. Peak RSS of a process that loads the model: float32, bfloat16, kept-Q4_1.
 5. Speculative decoding at B = 1, greedy, adaptive, against our plain decoding of the same model: the shipped EAGLE
-   head with trees (the default TreeSettings) on held-out chat prompts, float32; the demo's rewrite prompt on the
-   kept-Q4_1 model with the demo's drafter for it (n-gram prompt lookup, k <= 6) and with EAGLE trees, there also
-   against llama.cpp's plain decoding.
+   head with trees (the default TreeSettings) on held-out chat prompts, float32 and kept-Q4_1 int8; the demo's
+   rewrite prompt on the kept-Q4_1 int8 model with the demo's drafter for it (n-gram prompt lookup, k <= 6) and with
+   EAGLE trees, there also against llama.cpp's plain decoding.
 """
+import argparse
 import statistics
 import subprocess
 import sys
@@ -36,8 +38,23 @@ ROWS = (1, 2, 4, 8, 16)
 CPU = torch.device("cpu")
 
 
+TABLES = ("gemm", "rss", "forward", "plain", "speculative")
+
+
+def table_list(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or any(n not in TABLES for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(TABLES)}")
+    return names
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request (default 128)")
+    parser.add_argument("--against", choices=["llama.cpp"], default=None,
+                        help="also decode with llama.cpp (llama-cpp-python, built as docs/development.md says) on the "
+                             "same .gguf file, prompts and thread count")
+    parser.add_argument("--tables", type=table_list, default=list(TABLES),
+                        help=f"the tables to run (default all: {','.join(TABLES)})")
     # Its rows have no single speed-up to draw: no --plot.
     add_common_arguments(parser, repeats=20, cpu_only=True, plot=False)
 
@@ -61,15 +78,17 @@ def gemm_rows(repeats: int, peak: float) -> list[dict]:
     rows = []
     for name, (n, k) in SHAPES.items():
         w32 = torch.randn(n, k)
-        weights = {"float32": w32, "bfloat16": w32.bfloat16(), "Q4_1": random_blocks(3, n, k),
-                   "Q8_0": random_blocks(8, n, k)}
+        q4_1, q8_0 = random_blocks(3, n, k), random_blocks(8, n, k)
+        weights = {"float32": w32, "bfloat16": w32.bfloat16(), "Q4_1": q4_1, "Q4_1 int8": q4_1, "Q8_0": q8_0,
+                   "Q8_0 int8": q8_0}
         for m in ROWS:
             x = torch.randn(m, k)
             mkl = median_us(lambda: F.linear(x, w32), CPU, repeats)
             for kind, w in weights.items():
-                if kind in ("Q4_1", "Q8_0"):
-                    fmt = 3 if kind == "Q4_1" else 8
-                    us = median_us(lambda: ops.quantized_linear(x, w, fmt), CPU, repeats)
+                if kind.startswith("Q"):
+                    fmt = 3 if kind.startswith("Q4_1") else 8
+                    act = "int8" if kind.endswith("int8") else "float"
+                    us = median_us(lambda: ops.quantized_linear(x, w, fmt, activations=act), CPU, repeats)
                 else:
                     xs = x.to(w.dtype)
                     us = median_us(lambda: ops.skinny_linear(xs, w), CPU, repeats)
@@ -84,7 +103,8 @@ def load_kinds():
     path = default_model_path()
     return {"float32": LlamaForCausalLM.from_pretrained(path),
             "bfloat16": LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16),
-            "kept-Q4_1": LlamaForCausalLM.from_pretrained(path, keep_quantized=True)}
+            "kept-Q4_1": LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="float"),
+            "kept-Q4_1 int8": LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="int8")}
 
 
 def weight_bytes(model) -> int:
@@ -146,10 +166,15 @@ class LlamaCpp:
 
 def llama_cpp(path):
     try:
-        return LlamaCpp(path, torch.get_num_threads())
+        cpp = LlamaCpp(path, torch.get_num_threads())
     except ImportError:
-        print("llama-cpp-python is not installed: no llama.cpp rows (pip install llama-cpp-python)", flush=True)
+        print("--against llama.cpp: llama-cpp-python is not installed (docs/development.md says how to build it): no "
+              "llama.cpp rows", flush=True)
         return None
+    import llama_cpp as package
+
+    print(f"--against llama.cpp: llama-cpp-python {package.__version__}", flush=True)
+    return cpp
 
 
 def alternate(runs: dict, repeats: int) -> dict:
@@ -178,7 +203,7 @@ def plain_rows(models, tokenizer, cpp, new_tokens, repeats, bandwidth) -> list[d
     for name, text in PROMPTS.items():
         ids = prompt_ids(tokenizer, text)
         runs = {kind: (lambda m=models[kind]: generate_autoregressive(m, [ids], new_tokens).sequences)
-                for kind in ("float32", "kept-Q4_1")}
+                for kind in ("float32", "kept-Q4_1", "kept-Q4_1 int8")}
 
         def hf_run():
             with torch.no_grad():
@@ -231,9 +256,11 @@ def speculative_rows(models, tokenizer, cpp, new_tokens, repeats) -> list[dict]:
     rewrite = [prompt_ids(tokenizer, QUESTIONS["ngram"], chat=True)]
     # (weights, prompts, drafter, its settings): the EAGLE head's trees on held-out chat; the demo's rewrite task
     # with the demo's drafter for it (n-gram prompt lookup, k <= 6) and with EAGLE trees.
-    cases = [("float32", "held-out chat", heldout_prompts(tokenizer), "eagle", dict(tree=TreeSettings())),
-             ("kept-Q4_1", "demo rewrite", rewrite, "ngram", dict(num_speculative_tokens=6)),
-             ("kept-Q4_1", "demo rewrite", rewrite, "eagle", dict(tree=TreeSettings()))]
+    chat = heldout_prompts(tokenizer)
+    cases = [("float32", "held-out chat", chat, "eagle", dict(tree=TreeSettings())),
+             ("kept-Q4_1 int8", "held-out chat", chat, "eagle", dict(tree=TreeSettings())),
+             ("kept-Q4_1 int8", "demo rewrite", rewrite, "ngram", dict(num_speculative_tokens=6)),
+             ("kept-Q4_1 int8", "demo rewrite", rewrite, "eagle", dict(tree=TreeSettings()))]
     rows = []
     for kind, label, prompts, drafter, settings in cases:
         model = models[kind]
@@ -243,7 +270,7 @@ def speculative_rows(models, tokenizer, cpp, new_tokens, repeats) -> list[dict]:
         for ids in prompts:
             runs = {"speculative": lambda: dec.generate([ids], new_tokens).sequences,
                     "plain": lambda: dec.generate_autoregressive([ids], new_tokens).sequences}
-            if cpp is not None and kind == "kept-Q4_1":
+            if cpp is not None and kind.startswith("kept-Q4_1"):
                 runs["llama.cpp Q4_1 plain"] = lambda: [cpp.generate(ids, new_tokens)]
             result = alternate(runs, repeats)
             spec_tps, spec_tokens = result["speculative"]
@@ -257,33 +284,45 @@ def speculative_rows(models, tokenizer, cpp, new_tokens, repeats) -> list[dict]:
 
 
 def main(args) -> int:
-    repeats, new_tokens = args.repeats, args.new_tokens
+    repeats, new_tokens, tables = args.repeats, args.new_tokens, args.tables
     peak, bandwidth = fma_peak_gflops(), read_bandwidth_gbs()
     print(f"{ops.cpu_isa()} kernels, {torch.get_num_threads()} threads; FMA peak (MKL sgemm 2048^3) {peak:.0f} "
           f"GFLOP/s, read bandwidth {bandwidth:.1f} GB/s", flush=True)
     meta = {"title": "the target's forward on the CPU", "isa": ops.cpu_isa(), "threads": torch.get_num_threads(),
             "fma_peak_gflops": peak, "read_bw_gbs": bandwidth}
-    gemm = gemm_rows(max(5, repeats), peak)
-    report("GEMM: ours against F.linear (MKL, float32 weights)", gemm,
-           ["shape", "weights", "M", "ours_us", "mkl_f32_us", "vs_mkl", "gflops", "of_peak", "weight_gbs"])
-    rss = rss_rows()
-    report("memory of a process loading the shipped model (MB)", rss, ["weights", "model_rss_mb", "peak_rss_mb",
-                                                                         "rss_before_mb"])
+    rows = []
+    if "gemm" in tables:
+        gemm = gemm_rows(max(5, repeats), peak)
+        report("GEMM: ours against F.linear (MKL, float32 weights)", gemm,
+               ["shape", "weights", "M", "ours_us", "mkl_f32_us", "vs_mkl", "gflops", "of_peak", "weight_gbs"])
+        rows += [{"table": "gemm", **r} for r in gemm]
+    if "rss" in tables:
+        rss = rss_rows()
+        report("memory of a process loading the shipped model (MB)", rss, ["weights", "model_rss_mb", "peak_rss_mb",
+                                                                             "rss_before_mb"])
+        rows += [{"table": "rss", **r} for r in rss]
+    if not {"forward", "plain", "speculative"} & set(tables):
+        save(args, meta, rows, ["table", "weights"])
+        return 0
     models = load_kinds()
-    forward = forward_rows(models, max(5, repeats // 2))
-    report("one forward of Q new tokens at a 200-token context, B = 1", forward,
-           ["weights", "Q", "forward_ms", "vs_Q1"])
+    if "forward" in tables:
+        forward = forward_rows(models, max(5, repeats // 2))
+        report("one forward of Q new tokens at a 200-token context, B = 1", forward,
+               ["weights", "Q", "forward_ms", "vs_Q1"])
+        rows += [{"table": "forward", **r} for r in forward]
     tokenizer = load_tokenizer(default_model_path())
-    cpp = llama_cpp(default_model_path())
+    cpp = llama_cpp(default_model_path()) if args.against == "llama.cpp" else None
     runs = max(3, repeats // 6)
-    plain = plain_rows(models, tokenizer, cpp, new_tokens, runs, bandwidth)
-    report(f"plain greedy decoding, B = 1, {new_tokens} tokens", plain,
-           ["prompt", "decoder", "tok_s", "vs_transformers", "vs_llama_cpp", "of_floor", "same_tokens_as_ours_f32"])
-    spec = speculative_rows(models, tokenizer, cpp, new_tokens, runs)
-    report("speculative decoding, B = 1, greedy, adaptive", spec,
-           ["weights", "prompt", "drafter", "spec_tok_s", "plain_tok_s", "vs_plain", "vs_llama_cpp", "same_as_plain"])
-    rows = [{"table": "gemm", **r} for r in gemm] + [{"table": "rss", **r} for r in rss] + \
-        [{"table": "forward", **r} for r in forward] + [{"table": "plain", **r} for r in plain] + \
-        [{"table": "speculative", **r} for r in spec]
+    if "plain" in tables:
+        plain = plain_rows(models, tokenizer, cpp, new_tokens, runs, bandwidth)
+        report(f"plain greedy decoding, B = 1, {new_tokens} tokens", plain,
+               ["prompt", "decoder", "tok_s", "vs_transformers", "vs_llama_cpp", "of_floor", "same_tokens_as_ours_f32"])
+        rows += [{"table": "plain", **r} for r in plain]
+    if "speculative" in tables:
+        spec = speculative_rows(models, tokenizer, cpp, new_tokens, runs)
+        report("speculative decoding, B = 1, greedy, adaptive", spec,
+               ["weights", "prompt", "drafter", "spec_tok_s", "plain_tok_s", "vs_plain", "vs_llama_cpp",
+                "same_as_plain"])
+        rows += [{"table": "speculative", **r} for r in spec]
     save(args, meta, rows, ["table", "weights"])
     return 0

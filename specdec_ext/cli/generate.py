@@ -22,6 +22,8 @@ def validate(args) -> None:
     if args.keep_quantized and args.model and not str(args.model).endswith(".gguf") and \
             not any(Path(args.model).glob("*.gguf")):
         raise ValueError("--keep-quantized: --model must be a .gguf file (its block weights are what is kept)")
+    if args.activations == "int8" and not args.keep_quantized:
+        raise ValueError("--activations int8: needs --keep-quantized (the integer kernels multiply block weights)")
     if args.draft_keep_quantized and not entry.needs_draft_model:
         models = spelled([f"{e.syntax} ({e.help})" for e in drafters() if e.needs_draft_model])
         raise ValueError(f"--draft-keep-quantized: the drafter must be {models}")
@@ -44,7 +46,7 @@ def main(args) -> int:
 
     device = choose_device(args.device)
     path = args.model or default_model_path()
-    model, tokenizer = load(path, device, keep_quantized=args.keep_quantized)
+    model, tokenizer = load(path, device, keep_quantized=args.keep_quantized, activations=args.activations)
     drafter = args.drafter or ("ngram" if args.model else "eagle")
     ids = prompt_ids(tokenizer, args.prompt, args.chat)
     if not ids:
@@ -114,7 +116,10 @@ def register(sub) -> None:
                         f"nodes=N,depth=D,branching=K (any of them; the rest default); the node budget adapts below N")
     p.add_argument("--keep-quantized", action="store_true",
                    help="a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weights stay as stored (4-8 bits a weight read per "
-                        "step instead of 32); activations float32")
+                        "step instead of 32)")
+    p.add_argument("--activations", default=None, choices=["float", "int8"],
+                   help="how weights kept quantised multiply: int8 (activations quantised to 8 bits per 32 values, "
+                        "integer dot products; the default on the CPU) or float")
     p.add_argument("--draft-keep-quantized", action="store_true",
                    help="the same for a model:PATH draft model (set apart from the target's)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

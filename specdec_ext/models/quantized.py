@@ -6,6 +6,9 @@ A QuantizedWeight stands where a [N, K] weight tensor stands in LlamaForCausalLM
 `embed` dispatch on it; `weight[ids]` gives dequantised rows (an embedding lookup, a draft head's copy of LM-head
 rows). Projections that are fused in the model (q/k/v, gate/up) but stored in different formats in the file
 (Q4_K_M files keep v and down in Q6_K) become a QuantizedRowStack: one product per part, concatenated.
+
+`activations` ("float" or "int8") is quantized_linear's: with "int8" the activations are quantised to 8 bits per
+32 values and multiplied on integer dot products (docs/ops.md states the approximation).
 """
 from __future__ import annotations
 
@@ -14,21 +17,26 @@ import torch
 from .. import ops
 
 FORMAT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+ACTIVATIONS = ("float", "int8")  # quantized_linear's modes
 
 
 class QuantizedWeight:
     """A [N, K] weight as GGUF blocks: `blocks` uint8 [N, row_bytes] in `format` (a GGML type id); `dtype` is the
-    dtype of the activations it multiplies and of the rows it hands out (the model's)."""
+    dtype of the activations it multiplies and of the rows it hands out (the model's); `activations` how
+    quantized_linear multiplies them ("float" or "int8")."""
 
-    def __init__(self, blocks: torch.Tensor, format: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, blocks: torch.Tensor, format: int, dtype: torch.dtype = torch.float32,
+                 activations: str = "float"):
         k = ops._check_blocks("QuantizedWeight", blocks, format)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"QuantizedWeight: dtype must be float32 or bfloat16, got {dtype}")
-        self.blocks, self.format, self.dtype = blocks.contiguous(), format, dtype
+        check_activations("QuantizedWeight", activations)
+        self.blocks, self.format, self.dtype, self.activations = blocks.contiguous(), format, dtype, activations
         self.shape = torch.Size((blocks.shape[0], k))
 
     def __repr__(self) -> str:
-        return f"QuantizedWeight({FORMAT_NAMES[self.format]}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return (f"QuantizedWeight({FORMAT_NAMES[self.format]}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"activations={self.activations!r})")
 
     @property
     def device(self) -> torch.device:
@@ -43,7 +51,8 @@ class QuantizedWeight:
             raise ValueError(f"QuantizedWeight: the weight is on {self.blocks.device} but x is on {x.device}")
         # The op checks the rest (x's width and dtype, bias); calling it directly saves the wrapper's Python in a
         # decode step (121 products).
-        y = torch.ops.specdec.quantized_linear(x.reshape(-1, self.shape[1]), self.blocks, self.format, bias)
+        y = torch.ops.specdec.quantized_linear(x.reshape(-1, self.shape[1]), self.blocks, self.format, bias,
+                                               self.activations)
         return y.view(*x.shape[:-1], self.shape[0])
 
     def __getitem__(self, index) -> torch.Tensor:
@@ -58,10 +67,14 @@ class QuantizedWeight:
 
     def rows(self, start: int, stop: int) -> QuantizedWeight:
         """Rows [start, stop) as a QuantizedWeight (a view of the blocks)."""
-        return QuantizedWeight(self.blocks[start:stop], self.format, self.dtype)
+        return QuantizedWeight(self.blocks[start:stop], self.format, self.dtype, self.activations)
+
+    def gather(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows `index` (a 1-D tensor of row ids) as a QuantizedWeight of their own (a copy of their blocks)."""
+        return QuantizedWeight(self.blocks[index], self.format, self.dtype, self.activations)
 
     def to(self, device) -> QuantizedWeight:
-        return QuantizedWeight(self.blocks.to(device), self.format, self.dtype)
+        return QuantizedWeight(self.blocks.to(device), self.format, self.dtype, self.activations)
 
     def detach(self) -> QuantizedWeight:
         return self
@@ -73,6 +86,8 @@ class QuantizedRowStack:
     def __init__(self, parts: list[QuantizedWeight]):
         self.parts = parts
         self.dtype = parts[0].dtype
+        if len({p.activations for p in parts}) != 1:
+            raise ValueError("QuantizedRowStack: the parts must share one activations mode")
         self.shape = torch.Size((sum(p.shape[0] for p in parts), parts[0].shape[1]))
         self.offsets = [0]
         for p in parts:
@@ -94,6 +109,16 @@ class QuantizedRowStack:
               for p, a, b in zip(self.parts, self.offsets, self.offsets[1:])]
         return torch.cat(ys, dim=-1)
 
+    @property
+    def activations(self) -> str:
+        return self.parts[0].activations
+
+    @activations.setter
+    def activations(self, mode: str) -> None:
+        check_activations("QuantizedRowStack", mode)
+        for p in self.parts:
+            p.activations = mode
+
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.dequantize() for p in self.parts])
 
@@ -113,9 +138,15 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedRowSt
             runs[-1].append(p)
         else:
             runs.append([p])
-    merged = [r[0] if len(r) == 1 else QuantizedWeight(torch.cat([p.blocks for p in r]), r[0].format, r[0].dtype)
+    merged = [r[0] if len(r) == 1 else QuantizedWeight(torch.cat([p.blocks for p in r]), r[0].format, r[0].dtype,
+                                                        r[0].activations)
               for r in runs]
     return merged[0] if len(merged) == 1 else QuantizedRowStack(merged)
+
+
+def check_activations(what: str, mode) -> None:
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"{what}: activations must be one of {ACTIVATIONS}, got {mode!r}")
 
 
 def is_quantized(weight) -> bool:

@@ -3,8 +3,9 @@
 bfloat16 and float16 activations; it agrees with the CPU kernel; and a model kept quantised runs on the GPU."""
 import pytest
 import torch
-from test_quantized_linear import FORMATS, columns, random_blocks, reference_weight, write_mixed_gguf
+from test_quantized_linear import write_mixed_gguf
 
+from helpers.quantized import FORMATS, columns, random_blocks, reference_weight
 from specdec_ext import ops
 from specdec_ext.models import LlamaForCausalLM
 
@@ -35,7 +36,7 @@ def test_cuda_matches_gguf_and_float64(name):
                          ids=["head_dim16", "head_dim64"])
 def test_kept_model_on_cuda(tmp_path, config):
     path = write_mixed_gguf(tmp_path, tied=True, **config)
-    cpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True)
+    cpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="float")
     # bfloat16: the CUDA verify_attention and quantized_linear take 16-bit activations
     gpu = LlamaForCausalLM.from_pretrained(path, keep_quantized=True, device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[1, 5, 9, 33, 2, 63, 17]])
