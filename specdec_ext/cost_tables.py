@@ -63,8 +63,16 @@ def environment(device: torch.device) -> dict:
 
 
 def table_key(model) -> dict:
-    """What a forward's cost depends on: the model's shape and dtype, and the environment."""
-    return {"config": dataclasses.asdict(model.config), "dtype": str(model.dtype), **environment(model.device)}
+    """What a forward's cost depends on: the model's shape and dtype, the formats of the weights it keeps as GGUF
+    blocks and how they multiply (activations), the CPU kernels' instruction set, and the environment."""
+    from .models.quantized import FORMAT_NAMES  # models import this module's users; not at import time
+
+    kept = model.quantized_weights() if hasattr(model, "quantized_weights") else []
+    formats = sorted({FORMAT_NAMES[p.format] for w in kept for p in getattr(w, "parts", [w])})
+    weights = {"kept": formats, "activations": model.activations} if kept else None
+    isa = _extension.load("_C").cpu_isa() if model.device.type == "cpu" else None
+    return {"config": dataclasses.asdict(model.config), "dtype": str(model.dtype), "weights": weights, "isa": isa,
+            **environment(model.device)}
 
 
 def _table_file(key: dict) -> Path:

@@ -182,15 +182,16 @@ def test_shipped_model_int8_against_dequantised_float32():
 
 def test_shipped_model_int8_speculative_greedy_equals_plain():
     """Greedy speculative decoding of the model kept quantised with 8-bit activations is its plain greedy decoding,
-    token for token: n-gram chains and the shipped EAGLE head's trees (verify blocks of up to 16 rows, whose rows
-    have the bits of a one-row step: linear_int8.h)."""
+    token for token: n-gram chains and the shipped EAGLE head (on the integer kernels too) in chains; verify blocks
+    of up to 9 rows, whose rows have the bits of a one-row step (linear_int8.h). Trees are not in this test: a tree
+    row's attention groups its ancestors' keys by their place in the block, not by their position, so its bits can
+    differ from the plain step's (bench/RESULTS.md, the target's forward on the CPU)."""
     from helpers.models import shipped_model
     from specdec_ext import EagleDrafter, NgramDrafter, SpeculativeDecoder
     from specdec_ext.engine import generate_autoregressive
     from specdec_ext.factory import prompt_ids
     from specdec_ext.models import LlamaForCausalLM, default_head_path, default_model_path
     from specdec_ext.models.draft_heads import EagleHead
-    from specdec_ext.trees import TreeSettings
 
     _, tokenizer = shipped_model()
     kept = LlamaForCausalLM.from_pretrained(default_model_path(), keep_quantized=True, activations="int8")
@@ -199,10 +200,28 @@ def test_shipped_model_int8_speculative_greedy_equals_plain():
     eos = tokenizer.eos_token_id
     want = [generate_autoregressive(kept, [p], 40, eos_token_id=eos).sequences[0] for p in prompts]
     head = EagleHead.load(default_head_path("eagle"), kept)
-    for drafter, settings in ((NgramDrafter(), dict(num_speculative_tokens=6)),
-                              (EagleDrafter(kept, head), dict(num_speculative_tokens=8, tree=TreeSettings()))):
-        dec = SpeculativeDecoder(kept, drafter, max_batch_size=1, **settings)
+    assert head.on_integer_kernels and head.decoder.activations == "int8"
+    for drafter, k in ((NgramDrafter(), 6), (EagleDrafter(kept, head), 8)):
+        dec = SpeculativeDecoder(kept, drafter, k, max_batch_size=1)
         for p, w in zip(prompts, want):
             out = dec.generate([p], 40, eos_token_id=eos)
             assert out.sequences[0] == w, type(drafter).__name__
             assert out.stats.num_draft_tokens > 0
+
+
+def test_cost_tables_keep_kept_and_int8_models_apart(tmp_path):
+    """The adaptive policy's cost tables are cached per model kind: a model kept quantised, with float or 8-bit
+    activations, and the same file dequantised each get their own table (one shared before this key)."""
+    from test_quantized_linear import write_mixed_gguf
+
+    from specdec_ext import cost_tables
+    from specdec_ext.models import LlamaForCausalLM
+
+    path = write_mixed_gguf(tmp_path, tied=True)
+    models = [LlamaForCausalLM.from_pretrained(path), LlamaForCausalLM.from_pretrained(path, keep_quantized=True),
+              LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="float")]
+    keys = [cost_tables.table_key(m) for m in models]
+    assert keys[0]["weights"] is None
+    assert keys[1]["weights"] == {"kept": ["Q4_0", "Q4_1", "Q8_0"], "activations": "int8"}
+    assert keys[2]["weights"]["activations"] == "float"
+    assert len({cost_tables._table_file(k) for k in keys}) == 3

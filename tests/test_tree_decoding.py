@@ -261,6 +261,24 @@ def test_adaptive_tree_size_follows_the_verify_cost(target):
     assert len(small) >= 0.75 * len(budgets["steep"]) and max(budgets["steep"]) == min(16, TREE["num_nodes"])
 
 
+def test_adaptive_tree_rounds_fall_back_to_plain_rounds_when_no_tree_pays(target):
+    """When every tree's verify block costs more than its expected tokens pay for (here 2+ rows cost 50x one row), the
+    policy runs plain rounds (no drafting, one row verified) but for every 8th round's probe of a 2-node tree: trees
+    never lose to plain decoding by more than those probes. Greedy tokens are plain decoding's."""
+    prompts = random_prompts(6, [9, 14], vocab=VOCAB)
+    plain = generate_autoregressive(target, prompts, 40).sequences
+    drafter = tree_drafter("eagle", target)
+    budgets, propose_tree = [], drafter.propose_tree
+    drafter.propose_tree = lambda r, budget, branching: budgets.append(budget) or propose_tree(r, budget, branching)
+    costs = CostModel({1: 1.0, 2: 50.0, 64: 50.0})
+    out = SpeculativeDecoder(target, drafter, max_batch_size=1, tree=TREE, costs=costs).generate(prompts, 40)
+    assert out.sequences == plain
+    rounds = [k for s in out.request_stats for k in s.k_per_round]
+    drafted = [k for k in rounds if k > 0]
+    assert set(budgets) == {2} and len(drafted) == len(budgets)  # only the probes drafted, one node each
+    assert len(drafted) <= len(rounds) / 8 + len(prompts) and len(rounds) >= 35 * len(prompts)  # ~1 token a round
+
+
 # --------------------------------------------------------------------------------------------------- bad input
 
 # An EAGLE head's limit on (depth - 1) x branching is the EAGLE drafter's: tests/test_rounds.py.

@@ -135,7 +135,8 @@ class Policy:
         a request's expected tokens are 1 + the sum of its first n - 1 nodes' acceptance rates (decayed counts;
         prior 0.5 with the weight of a tenth of a round). The round costs a verify over batch x n rows plus the
         drafter's work for a tree of depth min(depth, n - 1) (a tree of n nodes is at most n - 1 deep: the round's
-        depth is cut to that too). Every 8th round probes a tree twice that size. A drafter that sizes its own trees
+        depth is cut to that too). n = 1, no tree, is a plain round: chosen when no tree pays for its drafting and
+        its wider verify block. Every 8th round probes a tree twice that size (at least 2 nodes). A drafter that sizes its own trees
         (sizes_own_tree) gets the whole budget and plans its tree from the costs (None: adaptive is off)."""
         n_max, depth = self.tree.num_nodes, self.tree.depth
         if self.drafter.sizes_own_tree:  # it fills the budget as it sees fit (Lookahead)
@@ -148,12 +149,17 @@ class Policy:
             batch = len(running)
 
             def cost(n):
+                if n == 1:  # no tree: a plain round (the drafter is fed its features all the same)
+                    return self.costs.verify_cost(batch)
                 steps, rows = self.drafter.draft_work(min(depth, n - 1), self.tree)
                 return steps * self.costs.draft_cost(batch * rows) + self.costs.verify_cost(batch * n)
 
-            n = max(range(2, n_max + 1), key=lambda n: (batch + gain[n - 2]) / cost(n))
+            def tokens(n):
+                return batch + (gain[n - 2] if n > 1 else 0.0)
+
+            n = max(range(1, n_max + 1), key=lambda n: tokens(n) / cost(n))
             if round_index % 8 == 7:
-                n = min(n_max, 2 * n)
+                n = min(n_max, max(2, 2 * n))
         for r in running:
             r.k = min(depth, n - 1)
         return n

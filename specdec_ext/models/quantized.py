@@ -144,6 +144,22 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight | QuantizedRowSt
     return merged[0] if len(merged) == 1 else QuantizedRowStack(merged)
 
 
+def quantize_q8_0(weight: torch.Tensor, activations: str = "float") -> QuantizedWeight:
+    """A float [N, K] weight (K a multiple of 32) as Q8_0 blocks, as llama.cpp quantises it: per 32 weights an fp16
+    scale d = max |w| / 127 and q = round(w / d) (here by the stored fp16 d, so |w - q d| <= d / 2 + d's rounding
+    error x 127). The weight's dtype stays the activations' dtype. Used for draft heads' own trained weights when the
+    target runs on the integer kernels."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] % 32 or weight.numel() == 0:
+        raise ValueError(f"quantize_q8_0: weight must be a non-empty [N, K] tensor with K a multiple of 32, got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    units = weight.detach().float().reshape(weight.shape[0], -1, 32)  # [N, K / 32, 32]
+    scale = (units.abs().amax(-1) / 127).half()  # [N, K / 32] fp16
+    inverse = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
+    q = torch.round(units * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([scale.view(torch.uint8).reshape(*scale.shape, 2), q.view(torch.uint8)], dim=-1)
+    return QuantizedWeight(blocks.reshape(weight.shape[0], -1).contiguous(), 8, weight.dtype, activations)
+
+
 def check_activations(what: str, mode) -> None:
     if mode not in ACTIVATIONS:
         raise ValueError(f"{what}: activations must be one of {ACTIVATIONS}, got {mode!r}")
