@@ -94,6 +94,32 @@ def test_verified_rows_equal_rows_decoded_one_at_a_time(backend, length, gen):
         assert torch.equal(one[0, 0], block[0, i]), i
 
 
+@pytest.mark.parametrize("backend", ["cpu"])
+@pytest.mark.parametrize("length", [57, 500, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_rows_equal_their_paths_decoded_one_at_a_time(backend, length, dtype, gen):
+    # A tree node's row is bit for bit the last row of its path (its ancestors, then itself) decoded one token at a
+    # time: it sees its ancestors' keys at positions L, L + 1, ... as plain decoding puts them, not at their places
+    # in the block, even where those places fall in another key tile (57: the tile boundary 64) or split (500: 512).
+    from helpers.verify_attention import random_tree_mask
+
+    n_q = 24
+    q, kn, vn, kc, vc = case(gen, backend, [length], [n_q])
+    q, kn, vn, kc, vc = (t.to(dtype) for t in (q, kn, vn, kc, vc))
+    mask = random_tree_mask(gen, n_q)
+    while int(mask.sum(-1).max()) < 9:  # deep enough to cross the boundaries
+        mask = random_tree_mask(gen, n_q)
+    tree, tree_lse = call(backend, q[None], kc, vc, [length], kn[None], vn[None], tree_mask=mask)
+    for node in range(n_q):
+        path = [int(j) for j in mask[node].nonzero().flatten()]
+        k_cache, v_cache = kc.clone(), vc.clone()
+        for depth, j in enumerate(path):  # each step appends its token
+            one, one_lse = BACKENDS[backend].verify_attention(
+                q[None, j:j + 1], k_cache, v_cache, torch.tensor([length + depth], dtype=torch.int32),
+                kn[None, j:j + 1], vn[None, j:j + 1], return_lse=True)
+        assert torch.equal(one[0, 0], tree[0, node]) and torch.equal(one_lse[0, 0], tree_lse[0, node]), (node, path)
+
+
 @pytest.mark.parametrize("split_keys", [64, 320, 4096])
 @pytest.mark.parametrize("window", [-1, 700])
 def test_forced_split_sizes_against_the_reference(split_keys, window, monkeypatch, gen):

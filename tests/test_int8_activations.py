@@ -182,16 +182,16 @@ def test_shipped_model_int8_against_dequantised_float32():
 
 def test_shipped_model_int8_speculative_greedy_equals_plain():
     """Greedy speculative decoding of the model kept quantised with 8-bit activations is its plain greedy decoding,
-    token for token: n-gram chains and the shipped EAGLE head (on the integer kernels too) in chains; verify blocks
-    of up to 9 rows, whose rows have the bits of a one-row step (linear_int8.h). Trees are not in this test: a tree
-    row's attention groups its ancestors' keys by their place in the block, not by their position, so its bits can
-    differ from the plain step's (bench/RESULTS.md, the target's forward on the CPU)."""
+    token for token: n-gram chains, and the shipped EAGLE head (on the integer kernels too) in chains and in trees of
+    16 nodes. A verify block's rows have the bits of one-row steps: the GEMM's rows do not depend on the call's other
+    rows (linear_int8.h), and a tree row attends to its ancestors at their positions (cpu/verify_attention.cpp)."""
     from helpers.models import shipped_model
     from specdec_ext import EagleDrafter, NgramDrafter, SpeculativeDecoder
     from specdec_ext.engine import generate_autoregressive
     from specdec_ext.factory import prompt_ids
     from specdec_ext.models import LlamaForCausalLM, default_head_path, default_model_path
     from specdec_ext.models.draft_heads import EagleHead
+    from specdec_ext.trees import TreeSettings
 
     _, tokenizer = shipped_model()
     kept = LlamaForCausalLM.from_pretrained(default_model_path(), keep_quantized=True, activations="int8")
@@ -201,8 +201,10 @@ def test_shipped_model_int8_speculative_greedy_equals_plain():
     want = [generate_autoregressive(kept, [p], 40, eos_token_id=eos).sequences[0] for p in prompts]
     head = EagleHead.load(default_head_path("eagle"), kept)
     assert head.on_integer_kernels and head.decoder.activations == "int8"
-    for drafter, k in ((NgramDrafter(), 6), (EagleDrafter(kept, head), 8)):
-        dec = SpeculativeDecoder(kept, drafter, k, max_batch_size=1)
+    for drafter, settings in ((NgramDrafter(), dict(num_speculative_tokens=6)),
+                              (EagleDrafter(kept, head), dict(num_speculative_tokens=8)),
+                              (EagleDrafter(kept, head), dict(tree=TreeSettings(num_nodes=16), adaptive=False))):
+        dec = SpeculativeDecoder(kept, drafter, max_batch_size=1, **settings)
         for p, w in zip(prompts, want):
             out = dec.generate([p], 40, eos_token_id=eos)
             assert out.sequences[0] == w, type(drafter).__name__

@@ -238,10 +238,57 @@ struct Workspace {
   std::vector<float> tile;    // [2][kKeyTile][D] the tile's K and V rows as float (16-bit caches)
   std::vector<float> scores;  // [kKeyTile][rows_padded] scores, then probabilities
   std::vector<float> alpha;   // [rows_padded]
+  // Tree requests: the new keys' scores for every row [Q][rows_padded], their value rows as float [Q][D] (16-bit
+  // caches), and each query's visible new keys in block order [Q][Q] with their counts [Q].
+  std::vector<float> new_scores, new_values;
+  std::vector<int64_t> visible, visible_count;
 };
 
+// A tree request's rows see their visible new keys (ancestors and themselves, in block order) at positions
+// length, length + 1, ...: where plain decoding of the row's path puts them. Tiles are of those positions, so a
+// row's keys fall in the tiles, in the order, of the one-row steps that decode its path, and its bits are theirs
+// (a key's score is the same chain of multiply-adds wherever it is computed; masked keys add exact zeros). The new
+// keys' scores are computed once for all rows; a tile holding new keys gives each row its own, and accumulates
+// the values row by row.
+template <typename T>
+int64_t prepare_tree(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t kvh, int64_t rows_padded,
+                     Workspace& ws) {
+  const int64_t D = P.head_dim, Q = R.queries;
+  const T* kc = static_cast<const T*>(P.k_cache);
+  const T* vc = static_cast<const T*>(P.v_cache);
+  ws.visible.resize(Q * Q);
+  ws.visible_count.resize(Q);
+  int64_t most = 0;
+  for (int64_t i = 0; i < Q; ++i) {
+    int64_t count = 0;
+    for (int64_t j = 0; j < Q; ++j) {
+      if (attention_visible(P, R, i, R.length + j)) ws.visible[i * Q + count++] = j;
+    }
+    ws.visible_count[i] = count;
+    most = std::max(most, count);
+  }
+  ws.new_scores.resize(((Q + kKeyTile - 1) / kKeyTile) * kKeyTile * rows_padded);
+  ws.new_values.resize(Q * D);
+  int64_t offsets[kKeyTile];
+  const float* keys[kKeyTile];
+  const float* values[kKeyTile];
+  for (int64_t j0 = 0; j0 < Q; j0 += kKeyTile) {
+    const int64_t n = std::min<int64_t>(kKeyTile, Q - j0);
+    for (int64_t t = 0; t < n; ++t) offsets[t] = attention_cache_row(P, R, b, R.length + j0 + t) + kvh * P.stride_head;
+    tile_rows(kc, vc, offsets, n, D, ws.tile.data(), keys, values);
+    float* scores = &ws.new_scores[j0 * rows_padded];
+    tile_scores(ws.qt.data(), rows_padded, keys, D, scores);
+    if (P.soft_cap > 0.0f) {
+      for (int64_t i = 0; i < n * rows_padded; ++i) scores[i] = attention_soft_cap(scores[i], P.soft_cap);
+    }
+    for (int64_t t = 0; t < n; ++t) std::copy_n(values[t], D, &ws.new_values[(j0 + t) * D]);
+  }
+  return most;
+}
+
 // Attends the item's query rows (R.queries x G, scaled, in ws.qt) to keys [begin, end) of request b, KV head
-// kvh; m, l (rows_padded) and acc (rows x D) are the item's softmax state and unnormalised output.
+// kvh; m, l (rows_padded) and acc (rows x D) are the item's softmax state and unnormalised output. A tree
+// request's keys past its length are positions (prepare_tree), not places in the block.
 template <typename T>
 void attend_range(const AttentionParams& P, const AttentionRequest& R, int64_t b, int64_t kvh, int64_t begin,
                   int64_t end, Workspace& ws, float* acc, float* m, float* l) {
@@ -249,30 +296,60 @@ void attend_range(const AttentionParams& P, const AttentionRequest& R, int64_t b
   const int64_t rows_padded = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   const T* kc = static_cast<const T*>(P.k_cache);
   const T* vc = static_cast<const T*>(P.v_cache);
+  const bool tree = P.tree_mask != nullptr && end > R.length;
+  if (tree) end = std::min(end, R.length + prepare_tree<T>(P, R, b, kvh, rows_padded, ws));
   int64_t offsets[kKeyTile];
   const float* keys[kKeyTile];
   const float* values[kKeyTile];
+  const float* row_values[kKeyTile];
   for (int64_t t0 = begin; t0 < end; t0 += kKeyTile) {
     const int64_t n = std::min<int64_t>(kKeyTile, end - t0);
+    // keys [t0, t0 + cached) are the cache's; a tree's positions from its length on are each row's own
+    const int64_t cached = tree ? std::max<int64_t>(0, std::min(n, R.length - t0)) : n;
     prefetch_keys(P, R, b, kvh, kc, vc, t0 + kPrefetchTiles * kKeyTile,
-                  std::min(end, t0 + (kPrefetchTiles + 1) * kKeyTile));
-    for (int64_t t = 0; t < n; ++t) offsets[t] = attention_cache_row(P, R, b, t0 + t) + kvh * P.stride_head;
-    tile_rows(kc, vc, offsets, n, D, ws.tile.data(), keys, values);
-    tile_scores(ws.qt.data(), rows_padded, keys, D, ws.scores.data());
+                  std::min(tree ? R.length : end, t0 + (kPrefetchTiles + 1) * kKeyTile));
     float* scores = ws.scores.data();
-    if (P.soft_cap > 0.0f) {
-      for (int64_t i = 0; i < n * rows_padded; ++i) scores[i] = attention_soft_cap(scores[i], P.soft_cap);
+    if (cached > 0) {
+      for (int64_t t = 0; t < cached; ++t) offsets[t] = attention_cache_row(P, R, b, t0 + t) + kvh * P.stride_head;
+      tile_rows(kc, vc, offsets, cached, D, ws.tile.data(), keys, values);
+      tile_scores(ws.qt.data(), rows_padded, keys, D, scores);
+      if (P.soft_cap > 0.0f) {
+        for (int64_t i = 0; i < cached * rows_padded; ++i) scores[i] = attention_soft_cap(scores[i], P.soft_cap);
+      }
     }
     for (int64_t t = n; t < kKeyTile; ++t) std::fill_n(&scores[t * rows_padded], rows_padded, -INFINITY);
-    if (attention_tile_masked(P, R, t0, t0 + n)) {  // the tile reaches the new tokens or a row's window start
-      for (int64_t t = 0; t < n; ++t) {
+    if (attention_tile_masked(P, R, t0, t0 + cached)) {  // the tile reaches the new tokens or a row's window start
+      for (int64_t t = 0; t < cached; ++t) {
         for (int64_t r = 0; r < rows; ++r) {
           if (!attention_visible(P, R, r / G, t0 + t)) scores[t * rows_padded + r] = -INFINITY;
         }
       }
     }
+    if (cached == n) {
+      tile_softmax(scores, rows_padded, m, l, ws.alpha.data());
+      tile_accumulate(scores, rows_padded, values, n, ws.alpha.data(), rows, D, acc);
+      continue;
+    }
+    const int64_t Q = R.queries;
+    for (int64_t t = cached; t < n; ++t) {  // position t0 + t: each row's visible new key number t0 + t - length
+      const int64_t depth = t0 + t - R.length;
+      for (int64_t r = 0; r < rows_padded; ++r) {
+        const int64_t i = r / G;
+        scores[t * rows_padded + r] = r < rows && depth < ws.visible_count[i]
+                                          ? ws.new_scores[ws.visible[i * Q + depth] * rows_padded + r]
+                                          : -INFINITY;
+      }
+    }
     tile_softmax(scores, rows_padded, m, l, ws.alpha.data());
-    tile_accumulate(scores, rows_padded, values, n, ws.alpha.data(), rows, D, acc);
+    for (int64_t r = 0; r < rows; ++r) {  // each row with its own new keys' values (probability 0 past its own)
+      const int64_t i = r / G;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t depth = t0 + t - R.length;
+        row_values[t] = t < cached ? values[t]
+                                   : &ws.new_values[(depth < ws.visible_count[i] ? ws.visible[i * Q + depth] : 0) * D];
+      }
+      tile_accumulate(scores + r, rows_padded, row_values, n, ws.alpha.data() + r, 1, D, acc + r * D);
+    }
   }
 }
 

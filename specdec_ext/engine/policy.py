@@ -136,8 +136,9 @@ class Policy:
         prior 0.5 with the weight of a tenth of a round). The round costs a verify over batch x n rows plus the
         drafter's work for a tree of depth min(depth, n - 1) (a tree of n nodes is at most n - 1 deep: the round's
         depth is cut to that too). n = 1, no tree, is a plain round: chosen when no tree pays for its drafting and
-        its wider verify block. Every 8th round probes a tree twice that size (at least 2 nodes). A drafter that sizes its own trees
-        (sizes_own_tree) gets the whole budget and plans its tree from the costs (None: adaptive is off)."""
+        its wider verify block. Every 8th round probes a tree twice that size (at least 2 nodes). A drafter that sizes
+        its own trees (sizes_own_tree) gets the whole budget and plans its tree from the costs (None: adaptive is
+        off)."""
         n_max, depth = self.tree.num_nodes, self.tree.depth
         if self.drafter.sizes_own_tree:  # it fills the budget as it sees fit (Lookahead)
             self.drafter.plan(self.costs if self.adaptive is True else None, len(running), round_index)
