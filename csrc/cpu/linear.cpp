@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/cpu_ops.h"
 #include "checks/common.h"
 #include "checks/quantized_linear.h"
 #include "checks/skinny_linear.h"
@@ -164,6 +165,8 @@ void product(const IsaKernels& isa, Problem p) {
   });
 }
 
+}  // namespace
+
 at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "skinny_linear";
   check_skinny_linear(x, weight, bias);
@@ -184,7 +187,7 @@ at::Tensor skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, cons
 // y [M, N] float32 = x quantised to 8 bits per 32 (xf [M, K] float32) @ W^T on integer dot products. Inputs in
 // chunks whose quantised rows stay in L2 while every group of 8 weight rows passes over them; each chunk unpacks
 // the weight once.
-void int8_product(const IsaKernels& isa, const at::Tensor& xf, const at::Tensor& qweight, int format, at::Tensor& y) {
+static void int8_product(const IsaKernels& isa, const at::Tensor& xf, const at::Tensor& qweight, int format, at::Tensor& y) {
   const int64_t M = xf.size(0), K = xf.size(1), N = qweight.size(0), units = K / 32;
   const Int8Rows kernel = int8_kernel(isa);
   std::vector<int8_t> q(M * K);
@@ -244,8 +247,6 @@ at::Tensor dequantize_cpu(const at::Tensor& qweight, int64_t format) {
   });
   return out;
 }
-
-}  // namespace
 
 // The ISA the CPU kernels use now (for build_info and the benchmarks).
 const char* cpu_isa_name() { return isa_kernels().name; }

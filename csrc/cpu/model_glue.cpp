@@ -14,6 +14,7 @@
 
 #include <cmath>
 
+#include "cpu/cpu_ops.h"
 #include "checks/common.h"
 
 namespace specdec {
@@ -46,6 +47,8 @@ void for_rows(int64_t rows, F&& f) {
     for (int64_t r = begin; r < end; ++r) f(r);
   });
 }
+
+}  // namespace
 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm("rms_norm", x, weight);
@@ -135,8 +138,6 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   const int64_t I = gate_up.size(-1) / 2;
   return at::silu(gate_up.narrow(-1, 0, I)).mul_(gate_up.narrow(-1, I, I));
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);

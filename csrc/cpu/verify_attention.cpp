@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/cpu_ops.h"
 #include "checks/verify_attention.h"
 #include "cpu/simd.h"
 #include "specdec/sampling_math.h"
@@ -440,6 +441,8 @@ void verify_attention_cpu_impl(const AttentionParams& P, const std::vector<Atten
   });
 }
 
+}  // namespace
+
 void verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& k_new,
                           const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& block_table,
@@ -499,8 +502,6 @@ void verify_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const 
     verify_attention_cpu_impl<typename decltype(tag)::type>(P, requests);
   });
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("verify_attention", &verify_attention_cpu); }
 

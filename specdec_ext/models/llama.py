@@ -352,7 +352,16 @@ class LlamaForCausalLM(nn.Module):
             x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, added into in place
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps, layers = c.rms_norm_eps, self.layers
-        h = rms_norm(x, layers[0].input_layernorm, eps)
+        step = self.cpu_step_args(x, kv_cache, cache_rows, n, qo_indptr) if fused else None
+        if step is not None:  # the same ops in one C++ call (cpu/llama_layers.cpp)
+            weights, formats, parts, biases, activations, k, v, table, start, stop = step
+            x = torch.ops.specdec_internal.llama_layers(
+                x, cos, sin, weights, formats, parts, biases, [layer.input_layernorm for layer in layers],
+                [layer.post_attention_layernorm for layer in layers], eps, hq, hkv, activations, k, v, seqlens, table,
+                start, stop, tree_mask if tree_mask is None else tree_mask.contiguous(), qo_indptr)
+            layers = []
+        else:
+            h = rms_norm(x, layers[0].input_layernorm, eps)
         for i, layer in enumerate(layers):
             q, k, v = rotary_split(linear(h, layer.qkv_proj, layer.qkv_bias), cos, sin, hq, hkv, fused)
             attn = self.attention(q, k, v, kv_cache, i, cache_rows, tree_mask, qo_indptr)
@@ -370,6 +379,38 @@ class LlamaForCausalLM(nn.Module):
             x = x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
         return (logits, hidden) if output_hidden_states else logits
+
+    def cpu_step_args(self, x, kv_cache, rows: slice, n: int, qo_indptr):
+        """The arguments of the C++ layer loop (torch.ops.specdec_internal.llama_layers) for this forward, or None
+        where the Python loop runs: no KV cache of ours (training, an engine's), attention through another backend
+        (sim, reference), a block longer than verify_attention takes (chunked), norms of another dtype, or weights
+        kept with different activations."""
+        from ..kv_cache import PagedKVCache, StaticKVCache
+
+        if not isinstance(kv_cache, (StaticKVCache, PagedKVCache)) or self.ops is not native_ops or \
+                (qo_indptr is None and n > MAX_ATTENTION_QUERIES) or self.layers[0].input_layernorm.dtype != x.dtype:
+            return None
+        weights, formats, parts, biases, modes = [], [], [], [], set()
+        for layer in self.layers:
+            biases.append(layer.qkv_bias)
+            for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                if isinstance(w, torch.Tensor):
+                    weights.append(w)
+                    formats.append(0)
+                    parts.append(1)
+                    continue
+                pieces = getattr(w, "parts", [w])
+                weights += [piece.blocks for piece in pieces]
+                formats += [piece.format for piece in pieces]
+                parts.append(len(pieces))
+                modes.add(w.activations)
+        if len(modes) > 1:
+            return None
+        k, v, table = kv_cache.k, kv_cache.v, kv_cache.block_table
+        start, stop, _ = rows.indices(kv_cache.batch_size)
+        if table is not None:
+            table = table[rows]
+        return weights, formats, parts, biases, modes.pop() if modes else "float", k, v, table, start, stop
 
     def prefill(self, kv_cache, rows: list, token_lists: list, *, output_hidden_states: bool = False):
         """Writes token_lists[i] into cache row rows[i] after its current length and advances it: every list in
