@@ -43,7 +43,7 @@ namespace specdec::linear::avx512 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 namespace specdec::linear::avx512_vnni {
 #define SPECDEC_INT8_DOT 2
 #include "cpu/linear_int8.inc"
@@ -204,7 +204,7 @@ static void int8_product(const IsaKernels& isa, const at::Tensor& xf, const at::
     const Int8Problem p{{q.data() + m0 * K, d.data() + m0 * units, dsum.data() + m0 * units, sum16.data() + m0 * 2 * units},
                         rows, K, qweight.data_ptr<uint8_t>(), qweight.size(1), format, y.data_ptr<float>() + m0 * N, N};
     at::parallel_for(0, (groups + groups_per_task - 1) / groups_per_task, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(8 * rows);
+      std::vector<float> acc(16 * rows);  // the kernels' scratch: 8 or 16 floats per input row
       kernel(p, begin * groups_per_task * 8, std::min(N, end * groups_per_task * 8), acc.data());
     });
   }

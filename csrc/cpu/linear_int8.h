@@ -7,9 +7,11 @@
 // integer times a per-unit float scale, plus a float offset for Q4_1 and Q4_K).
 //
 // Bytes and operations (per call): W is read once as its blocks, as on the float path; each weight unit is
-// unpacked and transposed once for 8 rows and every input row, so a call of M rows costs, per 256 weights, about
-// 8 (VNNI) or 24 (AVX2) integer multiply-add instructions and 4 float ones per input row, against 16 float FMAs
-// (AVX-512) or 32 (AVX2) plus the weights' decoding on the float path.
+// unpacked and transposed once for a group of 8 rows (16 on VNNI with several input rows: 512-bit vectors) and
+// serves every input row, so a call of M rows costs, per 256 weights, about 8 (VNNI; 4 with 512 bits) or 24 (AVX2)
+// integer multiply-add instructions and 4 float ones (2) per input row, against 16 float FMAs (AVX-512) or 32
+// (AVX2) plus the weights' decoding on the float path. One input row skips the transpose: each row's products are
+// summed across its vector by a tree of unpacks.
 //
 // Every output is, for each unit u in order (32 u .. 32 u + 31),
 //   acc = fma(float(isum_u), scale_u * d_u, acc)     isum_u: the unit's exact integer dot product (int8_unit_dot)
