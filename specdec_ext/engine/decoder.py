@@ -168,7 +168,8 @@ class SpeculativeDecoder:
         self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
         self.paged, self.num_pages, self.monitor, self.sampling = paged, num_pages, monitor, sampling
         self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
-        self.policy = Policy(adaptive, num_speculative_tokens, self.tree, drafter, costs)
+        self.policy = Policy(adaptive, num_speculative_tokens, self.tree, drafter, costs,
+                             invariant_sampling=sampling == "invariant")
         self.verifier = Verifier(target, self.graphs, verification)
         self.plain = ChainRound(None, self.verifier)
         self.speculative = None if drafter is None else ChainRound(drafter, self.verifier) if self.tree is None \
@@ -225,9 +226,11 @@ class SpeculativeDecoder:
         while waiting or any(slots):
             t0 = time.perf_counter()
             self._admit(waiting, slots, drafter, stats, limit)
+            round_start = time.perf_counter()
             batch = self.graphs.bucket(max(b for b, r in enumerate(slots) if r is not None) + 1, len(slots))
-            budget = self.policy.plan([r for r in slots[:batch] if r is not None], stats.target_forwards) \
-                if drafter is not None else 0
+            running = [r for r in slots[:batch] if r is not None]
+            before = sum(len(r.generated) for r in running)
+            budget = self.policy.plan(running, stats.target_forwards) if drafter is not None else 0
             ks = [Policy.room(r, limit) if r is not None and drafter is not None else 0 for r in slots[:batch]]
             inputs = self.params.round_inputs(slots, batch, ks)
             stats.other_s += time.perf_counter() - t0
@@ -241,6 +244,10 @@ class SpeculativeDecoder:
             self.cache.free_unused_pages([len(r.tokens) - 1 if r is not None else 0 for r in slots] +
                                          [0] * (self.cache.batch_size - len(slots)))
             stats.other_s += time.perf_counter() - t0
+            if drafter is not None:
+                self.policy.observe_round(max(result.num_draft, default=0) > 0,
+                                          sum(len(r.generated) for r in running) - before,
+                                          time.perf_counter() - round_start)
         stats.generated_tokens = sum(len(r.generated) for r in requests)
         stats.elapsed_s = time.perf_counter() - start
         return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests],

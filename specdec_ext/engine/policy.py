@@ -89,12 +89,38 @@ class Policy:
     trials), and one k for the round's requests (their verify block is as wide as the widest, so a wider k for one
     costs every row) that maximises their expected tokens over the round's cost, the drafter's own steps included.
     Tree rounds: the node budget (see tree_size). Every 8th round probes past the choice, so that low estimates
-    can recover."""
+    can recover. With adaptive=True and costs measured here (none given), a measured guard backs the model: when
+    the rounds that drafted emit fewer tokens a second of wall time than the rounds that did not (the model leaves
+    out the host's share of a round), rounds are plain until that changes (plain_round). Given costs, the choices
+    are the model's alone (and do not depend on wall time)."""
 
-    def __init__(self, adaptive, k_max: int, tree, drafter, costs: CostModel | None):
+    def __init__(self, adaptive, k_max: int, tree, drafter, costs: CostModel | None, invariant_sampling=False):
         self.adaptive, self.k_max, self.tree, self.drafter = adaptive, k_max, tree, drafter
         self.costs = costs
         self.measured_costs = costs is None  # ours to extend when a later run needs more rows
+        # Decayed [tokens emitted, seconds] of the rounds that drafted (True) and of those that did not (False).
+        self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}
+        self.invariant_sampling = invariant_sampling  # tokens that do not depend on the drafts (sampling="invariant")
+
+    def observe_round(self, drafted: bool, tokens: int, seconds: float) -> None:
+        """A round's wall time and the tokens it emitted, for the guard of plain_round."""
+        emitted, spent = self.measured[drafted]
+        self.measured[drafted] = [0.9 * emitted + tokens, 0.9 * spent + seconds]
+
+    def plain_round(self, running: list, round_index: int) -> bool:
+        """Whether this round should not draft, by measurement: the rounds that drafted have emitted fewer tokens a
+        second than plain rounds (decayed over the recent rounds of each kind). Every 16th round is plain, to keep
+        that rate current, and every 8th drafts as the model chooses, to keep the other current. Only where the
+        tokens do not depend on the rounds' drafts (greedy requests, or sampling="invariant"): the choice follows
+        wall time, and so would the tokens of rejection sampling."""
+        if self.adaptive is not True or not self.measured_costs or not running or round_index % 8 == 7:
+            return False
+        if not self.invariant_sampling and any(r.temperature > 0 for r in running):
+            return False
+        (spec_tokens, spec_s), (plain_tokens, plain_s) = self.measured[True], self.measured[False]
+        if round_index % 16 == 3:
+            return spec_s > 0.0
+        return spec_s > 0.0 and plain_s > 0.0 and spec_tokens * plain_s < plain_tokens * spec_s
 
     def calibrate(self, target, slots: int) -> float:
         """Measures (or reads) the cost tables a run of `slots` requests can use, when adaptive=True needs them and
@@ -117,6 +143,10 @@ class Policy:
 
     def plan(self, running: list, round_index: int) -> int:
         """Sets the round's k of each running request; returns the node budget of a tree round (0 for chains)."""
+        if self.plain_round(running, round_index):
+            for r in running:
+                r.k = 0
+            return 1 if self.tree is not None else 0
         if self.tree is not None:
             return self.tree_size(running, round_index)
         if self.adaptive is True and running:
