@@ -50,6 +50,31 @@ def law_draft() -> LlamaForCausalLM:
     return tiny_model(**LAW_DRAFT)
 
 
+def law_target_int8(directory) -> LlamaForCausalLM:
+    """The law target written as a GGUF of Q8_0 weights and loaded kept quantised with 8-bit activations: the
+    integer path (its law is exact_law_of it, not the float target's)."""
+    from gguf import GGMLQuantizationType as QType
+
+    from helpers.gguf_files import write_gguf
+
+    path = write_gguf(directory / "law_target_q8_0.gguf", tiny_hf(**LAW_TARGET), "llama", QType.Q8_0)
+    return LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="int8")
+
+
+def exact_law_of(model: LlamaForCausalLM, temperature, top_k, top_p) -> Mapping:
+    """exact_law from our model's own logits (float64 after them): each prefix's last row of a cached forward, the
+    bits a decode step of that prefix computes."""
+    law = {(): 1.0}
+    for _ in range(LAW_TOKENS):
+        prefixes = list(law)
+        ids = torch.tensor([LAW_PROMPT + list(p) for p in prefixes])
+        with torch.no_grad():
+            logits = model(ids, model.new_kv_cache(len(prefixes), ids.shape[1]))[:, -1]
+        law = {p + (t,): law[p] * float(q[t]) for p, row in zip(prefixes, logits)
+               for q in [exact_distribution(row, temperature, top_k, top_p)] for t in range(LAW_VOCAB)}
+    return types.MappingProxyType(law)
+
+
 @functools.cache
 def exact_law(temperature, top_k, top_p) -> Mapping:
     """P(first LAW_TOKENS tokens after LAW_PROMPT = s) for every s in V^L, in lexicographic order, from the law
