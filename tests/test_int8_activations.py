@@ -182,15 +182,17 @@ def test_shipped_model_int8_against_dequantised_float32():
 
 def test_shipped_model_int8_speculative_greedy_equals_plain():
     """Greedy speculative decoding of the model kept quantised with 8-bit activations is its plain greedy decoding,
-    token for token: n-gram chains, and the shipped EAGLE head (on the integer kernels too) in chains and in trees of
-    16 nodes. A verify block's rows have the bits of one-row steps: the GEMM's rows do not depend on the call's other
-    rows (linear_int8.h), and a tree row attends to its ancestors at their positions (cpu/verify_attention.cpp)."""
+    token for token: n-gram chains, the shipped EAGLE head (on the integer kernels too) in chains and in trees of 16
+    nodes, the shipped Medusa heads' trees and Lookahead. A verify block's rows have the bits of one-row steps: the
+    GEMM's rows do not depend on the call's other rows (linear_int8.h), and a tree row attends to its ancestors at
+    their positions (cpu/verify_attention.cpp)."""
     from helpers.models import shipped_model
-    from specdec_ext import EagleDrafter, NgramDrafter, SpeculativeDecoder
+    from specdec_ext import EagleDrafter, LookaheadDrafter, MedusaDrafter, NgramDrafter, SpeculativeDecoder
     from specdec_ext.engine import generate_autoregressive
     from specdec_ext.factory import prompt_ids
     from specdec_ext.models import LlamaForCausalLM, default_head_path, default_model_path
-    from specdec_ext.models.draft_heads import EagleHead
+    from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
+    from specdec_ext.models.quantized import QuantizedWeight
     from specdec_ext.trees import TreeSettings
 
     _, tokenizer = shipped_model()
@@ -201,9 +203,13 @@ def test_shipped_model_int8_speculative_greedy_equals_plain():
     want = [generate_autoregressive(kept, [p], 40, eos_token_id=eos).sequences[0] for p in prompts]
     head = EagleHead.load(default_head_path("eagle"), kept)
     assert head.on_integer_kernels and head.decoder.activations == "int8"
+    medusa = MedusaHeads.load(default_head_path("medusa"), kept)
+    assert isinstance(medusa.lm_head, QuantizedWeight)  # the target's blocks of the draft vocabulary's rows
     for drafter, settings in ((NgramDrafter(), dict(num_speculative_tokens=6)),
                               (EagleDrafter(kept, head), dict(num_speculative_tokens=8)),
-                              (EagleDrafter(kept, head), dict(tree=TreeSettings(num_nodes=16), adaptive=False))):
+                              (EagleDrafter(kept, head), dict(tree=TreeSettings(num_nodes=16), adaptive=False)),
+                              (MedusaDrafter(kept, medusa), dict(tree=TreeSettings(num_nodes=12), adaptive=False)),
+                              (LookaheadDrafter(window=4, ngram=4, guesses=3), dict(adaptive=False))):
         dec = SpeculativeDecoder(kept, drafter, max_batch_size=1, **settings)
         for p, w in zip(prompts, want):
             out = dec.generate([p], 40, eos_token_id=eos)
