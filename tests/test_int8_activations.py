@@ -36,14 +36,20 @@ def identity_q8_0(k: int) -> torch.Tensor:
 
 def test_activations_quantised_as_documented(gen):
     """Through a Q8_0 identity the int8 path returns its quantised activations: equal to the reference bit for
-    bit, on units of mixed magnitudes, a unit of zeros, values at the rounding boundary, and exact small integers."""
+    bit, on units of mixed magnitudes, a unit of zeros, values at the rounding boundary, and exact small integers; a
+    unit too small for 127 / max |x| (divided by its scale instead) within half a step."""
     k = 128
     x = torch.randn(6, k, generator=gen) * torch.logspace(-6, 3, 6).unsqueeze(1)
     x[0, 32:64] = 0.0
     x[1, :32] = torch.arange(-16, 16) + 0.5  # halves: q = x 127 / 15.5 lands near .5 for some
     x[2, :32] = torch.arange(-127, 129, 8).float()  # integers with max 121: q = round(x 127 / 121)
+    x[3, 64:96] = torch.randn(32, generator=gen) * 1e-38  # max |x| < 127 / FLT_MAX: 127 / max |x| overflows
     want = quantise_reference(x)
     got = ops.quantized_linear(x, identity_q8_0(k), 8, activations="int8")
+    tiny = slice(64, 96)
+    d = float(x[3, tiny].abs().max()) / 127
+    assert torch.isfinite(got[3, tiny]).all() and float((got[3, tiny] - x[3, tiny]).abs().max()) <= 0.5001 * d
+    got[3, tiny], want[3, tiny] = 0.0, 0.0  # (the reference's own 127 / max |x| overflows there)
     assert torch.equal(got, want), float((got - want).abs().max())
     assert torch.equal(got[0, 32:64], torch.zeros(32))
     assert not torch.equal(got, x)  # the quantisation did happen (a planted "float" would fail here)
@@ -204,7 +210,7 @@ def test_shipped_model_int8_speculative_greedy_equals_plain():
     head = EagleHead.load(default_head_path("eagle"), kept)
     assert head.on_integer_kernels and head.decoder.activations == "int8"
     medusa = MedusaHeads.load(default_head_path("medusa"), kept)
-    assert isinstance(medusa.lm_head, QuantizedWeight)  # the target's blocks of the draft vocabulary's rows
+    assert isinstance(medusa.lm_head_blocks, QuantizedWeight)  # the target's blocks of the draft vocabulary's rows
     for drafter, settings in ((NgramDrafter(), dict(num_speculative_tokens=6)),
                               (EagleDrafter(kept, head), dict(num_speculative_tokens=8)),
                               (EagleDrafter(kept, head), dict(tree=TreeSettings(num_nodes=16), adaptive=False)),
@@ -251,3 +257,52 @@ def test_law_of_the_first_tokens_on_the_int8_path(tmp_path):
     assert 0.1 < acceptance < 0.95, acceptance
     assert max(abs(law[s] - float_law[s]) for s in law) > 1e-6  # the int8 model's law is its own
     assert_law(counts, law)
+
+
+def test_default_activations_and_medusa_training_on_a_kept_target(tmp_path):
+    """from_pretrained's default: int8 where weights are kept as blocks on the CPU, float where none are (an F32 file
+    loaded with keep_quantized=True). Medusa heads on an int8 target decode with the target's blocks and train, with
+    gradients, through their float copy of the rows."""
+    from gguf import GGMLQuantizationType as QType
+    from test_quantized_linear import write_mixed_gguf
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from helpers.gguf_files import SMALL, random_model, write_gguf
+    from specdec_ext.models import LlamaForCausalLM
+    from specdec_ext.models.draft_heads import MedusaHeads
+
+    f32 = write_gguf(tmp_path / "f32.gguf", random_model(HFLlama, LlamaConfig(**SMALL)), "llama", QType.F32)
+    assert LlamaForCausalLM.from_pretrained(f32, keep_quantized=True).activations == "float"
+    kept = LlamaForCausalLM.from_pretrained(write_mixed_gguf(tmp_path, tied=False), keep_quantized=True)
+    assert kept.activations == "int8"
+    heads = MedusaHeads(kept, torch.arange(0, 64, 3), 2)
+    with torch.no_grad():
+        heads.weight.normal_(std=0.05)
+    features = torch.randn(3, kept.config.hidden_size)
+    with torch.no_grad():
+        decoded = heads(features)
+    trained = heads(features)
+    trained.square().sum().backward()
+    assert heads.weight.grad is not None and float(heads.weight.grad.abs().sum()) > 0
+    assert not torch.equal(decoded, trained.detach())  # the integer path, and the float copy
+    assert float((decoded - trained.detach()).abs().max()) <= 0.05 * float(trained.detach().abs().max())
+
+
+def test_the_policy_guard_is_for_targets_whose_rows_do_not_depend_on_the_block(tmp_path):
+    """SpeculativeDecoder enables the policy's wall-time guard only for a CPU target whose every projection and LM
+    head are kept with 8-bit activations (rows with the same bits in any verify block)."""
+    from test_quantized_linear import write_mixed_gguf
+
+    from helpers.laws import law_target_int8
+    from specdec_ext import NgramDrafter, SpeculativeDecoder
+    from specdec_ext.models import LlamaForCausalLM
+
+    mixed = write_mixed_gguf(tmp_path, tied=False)  # its gate/up is one float tensor
+    cases = {"all int8": (law_target_int8(tmp_path), True),
+             "one float projection": (LlamaForCausalLM.from_pretrained(mixed, keep_quantized=True), False),
+             "float activations": (LlamaForCausalLM.from_pretrained(mixed, keep_quantized=True,
+                                                                    activations="float"), False),
+             "float32": (LlamaForCausalLM.from_pretrained(mixed), False)}
+    for name, (model, want) in cases.items():
+        assert SpeculativeDecoder(model, NgramDrafter(), 2).policy.rows_invariant is want, name

@@ -84,6 +84,7 @@ def test_where_the_python_loop_runs(tmp_path):
     assert model.cpu_step_args(x, cache, slice(None), MAX_ATTENTION_QUERIES + 1, None) is None  # chunked blocks
     assert model.cpu_step_args(x, None, slice(None), 1, None) is None  # no cache: training
     assert model.cpu_step_args(x, object(), slice(None), 1, None) is None  # an engine's cache
+    assert model.cpu_step_args(x, model.new_kv_cache(3, 8), slice(0, 3, 2), 1, None) is None  # rows with a step
     model.ops = sim
     assert model.cpu_step_args(x, cache, slice(None), 1, None) is None  # the emulated CUDA kernels
     kept = LlamaForCausalLM.from_pretrained(write_mixed_gguf(tmp_path, tied=True), keep_quantized=True)

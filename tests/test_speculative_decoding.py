@@ -329,24 +329,30 @@ def test_op_wrappers_refuse_python_scalars_while_capturing(monkeypatch):
 def test_measured_guard_turns_to_plain_rounds_when_drafting_loses():
     """The policy's guard (costs measured, not given): rounds are plain while the rounds that drafted emit fewer
     tokens a second than plain rounds, but for every 8th round (drafts, to keep that rate current); every 16th round
-    is plain while drafting wins. Only for requests whose tokens do not depend on the drafts."""
+    is plain while drafting wins. Only for requests whose tokens do not depend on the drafts, on a target whose rows
+    have the same bits in any block (a CPU model kept with 8-bit activations: SpeculativeDecoder sets it)."""
     from types import SimpleNamespace
 
     from specdec_ext.engine.policy import Policy
 
     greedy, sampled = SimpleNamespace(temperature=0.0), SimpleNamespace(temperature=0.7)
-    policy = Policy(True, 4, None, drafter=None, costs=None)
+    policy = Policy(True, 4, None, drafter=None, costs=None, rows_invariant=True)
     assert not policy.plain_round([greedy], 0)  # nothing measured yet
     policy.observe_round(True, 10, 1.0)
     assert policy.plain_round([greedy], 3)  # drafting measured, plain not yet: a plain round measures it
     policy.observe_round(False, 10, 0.5)  # plain: 20 tokens/s against 10
     assert [policy.plain_round([greedy], i) for i in (0, 1, 6, 7, 15)] == [True, True, True, False, False]
     assert not policy.plain_round([greedy, sampled], 0)  # rejection-sampled tokens would follow wall time
-    assert Policy(True, 4, None, None, None, invariant_sampling=True).plain_round([sampled], 3) is False  # no data
+    assert Policy(True, 4, None, None, None, invariant_sampling=True, rows_invariant=True).plain_round(
+        [sampled], 3) is False  # nothing measured
     for _ in range(30):
         policy.observe_round(True, 30, 1.0)  # drafting now 30 tokens/s
     assert [policy.plain_round([greedy], i) for i in (0, 3, 19)] == [False, True, True]
-    given = Policy(True, 4, None, None, CostModel({1: 1.0}))  # costs given: the model's choices only
+    loose = Policy(True, 4, None, None, None)  # a target whose rows' bits follow the block (greedy tokens would too)
+    loose.observe_round(True, 1, 1.0)
+    loose.observe_round(False, 10, 0.1)
+    assert not loose.plain_round([greedy], 0)
+    given = Policy(True, 4, None, None, CostModel({1: 1.0}), rows_invariant=True)  # costs given: the model's only
     given.observe_round(True, 1, 1.0)
     given.observe_round(False, 10, 0.1)
     assert not given.plain_round([greedy], 0)

@@ -56,8 +56,12 @@ inline at::Tensor int8_round_trip(const at::Tensor& x) {
   // Tensor-by-tensor divisions: a division by a scalar may multiply by its reciprocal (CUDA does), not the same bits
   const at::Tensor full = at::full_like(amax, 127.0);
   const at::Tensor scale = at::where(finite, amax.div(full), std::numeric_limits<float>::quiet_NaN());
-  const at::Tensor inverse = at::where(finite & (amax > 0), full.div(amax), 0.0);
-  const at::Tensor q = at::round(at::clamp(units * inverse, -127.0, 127.0));
+  at::Tensor inverse = at::where(finite & (amax > 0), full.div(amax), 0.0);
+  // amax under 127 / FLT_MAX: the inverse overflows, and x / scale is the quotient (0 where the scale underflows)
+  const at::Tensor overflow = inverse.isinf();
+  inverse = at::where(overflow, 0.0, inverse);
+  const at::Tensor scaled = at::where(overflow & (scale > 0), units.div(scale), units * inverse);
+  const at::Tensor q = at::round(at::clamp(scaled, -127.0, 127.0));
   return (q * scale).reshape(x.sizes());
 }
 

@@ -50,7 +50,7 @@ struct Int8Problem {
 };
 
 // Row m of x [M, K] float32 (K a multiple of 32) quantised into row m of the four arrays. A unit holding a value
-// that is not finite gets d = NaN (its products are NaN, as the float path's would be) and q = 0. Inlined into each
+// that is not finite gets d = NaN: its products are NaN, as the float path's would be (its q mean nothing). Inlined into each
 // ISA's kernels (int8_activations in cpu/linear_int8.inc): nearbyint is one instruction from SSE4.1 on, a libm
 // call below; the values are the same.
 [[gnu::always_inline]] inline void int8_activations_row(const float* x, int64_t K, int8_t* q, float* d, float* dsum, int32_t* sum16) {
@@ -64,11 +64,14 @@ struct Int8Problem {
       amax = std::max(amax, a);
     }
     const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    float inverse = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    // amax under 127 / FLT_MAX: 127 / amax overflows, and x / scale is the quotient (0 where scale underflows too)
+    const bool divide = !(inverse <= std::numeric_limits<float>::max()) && scale > 0.0f;
+    if (!(inverse <= std::numeric_limits<float>::max())) inverse = 0.0f;
     int32_t sums[2] = {0, 0};
     for (int i = 0; i < 32; ++i) {
       // |x| <= amax: x * inverse is within [-127, 127] up to one rounding, which the clamp absorbs
-      const float v = std::min(127.0f, std::max(-127.0f, xu[i] * inverse));
+      const float v = std::min(127.0f, std::max(-127.0f, divide ? xu[i] / scale : xu[i] * inverse));
       const int32_t qi = static_cast<int32_t>(std::nearbyint(v));
       q[32 * u + i] = static_cast<int8_t>(qi);
       sums[i / 16] += qi;

@@ -94,13 +94,17 @@ class Policy:
     out the host's share of a round), rounds are plain until that changes (plain_round). Given costs, the choices
     are the model's alone (and do not depend on wall time)."""
 
-    def __init__(self, adaptive, k_max: int, tree, drafter, costs: CostModel | None, invariant_sampling=False):
+    def __init__(self, adaptive, k_max: int, tree, drafter, costs: CostModel | None, invariant_sampling=False,
+                 rows_invariant=False):
         self.adaptive, self.k_max, self.tree, self.drafter = adaptive, k_max, tree, drafter
         self.costs = costs
         self.measured_costs = costs is None  # ours to extend when a later run needs more rows
         # Decayed [tokens emitted, seconds] of the rounds that drafted (True) and of those that did not (False).
         self.measured = {True: [0.0, 0.0], False: [0.0, 0.0]}
         self.invariant_sampling = invariant_sampling  # tokens that do not depend on the drafts (sampling="invariant")
+        # the target's logits of a row do not depend on the rows verified with it (greedy tokens then do not depend on
+        # the rounds' sizes): the guard's condition, as it follows wall time
+        self.rows_invariant = rows_invariant
 
     def observe_round(self, drafted: bool, tokens: int, seconds: float) -> None:
         """A round's wall time and the tokens it emitted, for the guard of plain_round."""
@@ -111,9 +115,11 @@ class Policy:
         """Whether this round should not draft, by measurement: the rounds that drafted have emitted fewer tokens a
         second than plain rounds (decayed over the recent rounds of each kind). Every 16th round is plain, to keep
         that rate current, and every 8th drafts as the model chooses, to keep the other current. Only where the
-        tokens do not depend on the rounds' drafts (greedy requests, or sampling="invariant"): the choice follows
-        wall time, and so would the tokens of rejection sampling."""
-        if self.adaptive is not True or not self.measured_costs or not running or round_index % 8 == 7:
+        tokens do not depend on the rounds' drafts or sizes (the choice follows wall time): greedy requests or
+        sampling="invariant", on a target whose rows have the same bits in any verify block (the CPU's integer
+        path: rows_invariant)."""
+        if self.adaptive is not True or not self.measured_costs or not self.rows_invariant or not running or \
+                round_index % 8 == 7:
             return False
         if not self.invariant_sampling and any(r.temperature > 0 for r in running):
             return False

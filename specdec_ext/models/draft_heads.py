@@ -163,21 +163,22 @@ class MedusaHeads(nn.Module):
         return self.weight.shape[0]
 
     def share_target_weights(self, target: LlamaForCausalLM) -> None:
-        """The target's final norm and its LM head's draft-vocabulary rows: a float copy, frozen, or, for a target
-        that keeps its LM head as GGUF blocks with 8-bit activations, those rows' blocks (the integer kernels)."""
+        """The target's final norm and its LM head's draft-vocabulary rows: a float copy, frozen, and for a target
+        that keeps its LM head as GGUF blocks with 8-bit activations also those rows' blocks, which decoding
+        multiplies with (the integer kernels; training, with gradients, the copy)."""
         check_target(self.target_config, target, "MedusaHeads")
         self.norm, self.eps = target.norm.detach(), target.config.rms_norm_eps
-        if isinstance(target.lm_head, QuantizedWeight) and target.activations == "int8":
-            self.lm_head = target.lm_head.gather(self.draft_vocab)
-        else:
-            self.lm_head = target.lm_head[self.draft_vocab].detach()  # [Vd, H]
+        self.lm_head = target.lm_head[self.draft_vocab].detach()  # [Vd, H]: a copy of the rows, frozen (training)
+        self.lm_head_blocks = target.lm_head.gather(self.draft_vocab) \
+            if isinstance(target.lm_head, QuantizedWeight) and target.activations == "int8" else None
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """features [B, H] (the target's, of the last scored token) -> logits [B, num_heads, Vd] float32: head i
         for the token i + 1 places after the one those features predict."""
         z = rms_norm(features, self.norm, self.eps).unsqueeze(1)  # [B, 1, H]
         h = z + F.silu(torch.einsum("bxh,koh->bko", z, self.weight) + self.bias)
-        return linear(h, self.lm_head).float()
+        decoding = self.lm_head_blocks is not None and not torch.is_grad_enabled()
+        return linear(h, self.lm_head_blocks if decoding else self.lm_head).float()
 
     def trained_state(self) -> dict:
         return {"weight": self.weight, "bias": self.bias}

@@ -383,8 +383,8 @@ class LlamaForCausalLM(nn.Module):
     def cpu_step_args(self, x, kv_cache, rows: slice, n: int, qo_indptr):
         """The arguments of the C++ layer loop (torch.ops.specdec_internal.llama_layers) for this forward, or None
         where the Python loop runs: no KV cache of ours (training, an engine's), attention through another backend
-        (sim, reference), a block longer than verify_attention takes (chunked), norms of another dtype, or weights
-        kept with different activations."""
+        (sim, reference), a block longer than verify_attention takes (chunked), norms of another dtype, weights kept
+        with different activations, or cache_rows with a step."""
         from ..kv_cache import PagedKVCache, StaticKVCache
 
         if not isinstance(kv_cache, (StaticKVCache, PagedKVCache)) or self.ops is not native_ops or \
@@ -407,7 +407,9 @@ class LlamaForCausalLM(nn.Module):
         if len(modes) > 1:
             return None
         k, v, table = kv_cache.k, kv_cache.v, kv_cache.block_table
-        start, stop, _ = rows.indices(kv_cache.batch_size)
+        start, stop, step = rows.indices(kv_cache.batch_size)
+        if step != 1:
+            return None
         if table is not None:
             table = table[rows]
         return weights, formats, parts, biases, modes.pop() if modes else "float", k, v, table, start, stop
@@ -458,10 +460,11 @@ class LlamaForCausalLM(nn.Module):
         docs/decoding.md), "float" otherwise."""
         from .loaders import load_pretrained
 
-        if activations is None:
-            activations = "int8" if keep_quantized and torch.device(device).type == "cpu" else "float"
-        check_activations("from_pretrained", activations)
+        if activations is not None:
+            check_activations("from_pretrained", activations)
         model = load_pretrained(cls, path, dtype=dtype, device=device, keep_quantized=keep_quantized)
+        if activations is None:  # int8 where there is something to multiply on the integer kernels
+            activations = "int8" if model.quantized_weights() and model.device.type == "cpu" else "float"
         if activations != "float":
             model.activations = activations
         return model
