@@ -238,9 +238,12 @@ def test_the_callers_normalizer_sets_the_acceptance_probability(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_helpers_values_give_the_tokens_of_the_call_without_them(backend, gen):
-    # Not a bit-for-bit guarantee (a decision within the normaliser's float32 rounding of its boundary may move), but
-    # at these temperatures that is a ~1e-6 chance per decision: 256 requests, ~1000 decisions, all agree.
+def test_the_helpers_values_give_the_tokens_of_the_call_without_them(backend):
+    # Not a bit-for-bit guarantee: a decision (an acceptance, or where a residual draw crosses a cumulative sum) that
+    # lies within the normaliser's float32 rounding of its boundary may move. Rare, but across fresh inputs not
+    # negligible (one run of 2026-12-06 met one; 30 other seeds did not): fixed inputs here, 256 requests and ~1000
+    # decisions that all agree.
+    gen = torch.Generator().manual_seed(20261206)
     be = BACKENDS[backend]
     batch, k = 256, 4
     inp = make_chain_inputs(gen, batch, k, 600, sharpness=2.0)
