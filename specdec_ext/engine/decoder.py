@@ -168,14 +168,8 @@ class SpeculativeDecoder:
         self.adaptive, self.max_batch_size, self.max_seq_len = adaptive, max_batch_size, max_seq_len
         self.paged, self.num_pages, self.monitor, self.sampling = paged, num_pages, monitor, sampling
         self.graphs = StepGraphs(enabled=on_cuda and cuda_graphs in ("auto", True))
-        # A target on the CPU's integer path computes a row's logits with the same bits in any block (the int8
-        # GEMM and the CPU attention); float GEMMs of many rows (MKL, cuBLAS) may not.
-        rows_invariant = target.device.type == "cpu" and all(
-            getattr(w, "activations", None) == "int8" for layer in target.layers
-            for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)) and \
-            getattr(target.lm_head, "activations", None) == "int8"
         self.policy = Policy(adaptive, num_speculative_tokens, self.tree, drafter, costs,
-                             invariant_sampling=sampling == "invariant", rows_invariant=rows_invariant)
+                             invariant_sampling=sampling == "invariant", rows_invariant=target.rows_invariant)
         self.verifier = Verifier(target, self.graphs, verification)
         self.plain = ChainRound(None, self.verifier)
         self.speculative = None if drafter is None else ChainRound(drafter, self.verifier) if self.tree is None \

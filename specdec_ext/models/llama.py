@@ -163,6 +163,15 @@ class LlamaForCausalLM(nn.Module):
         return [w for w in found if is_quantized(w)]
 
     @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's logits have the same bits in any block of rows, whatever the others: every projection
+        and the LM head kept as GGUF blocks with 8-bit activations, on the CPU (the integer GEMM and the CPU
+        attention; float GEMMs of many rows, MKL's or cuBLAS's, need not be)."""
+        projections = [w for layer in self.layers
+                       for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)] + [self.lm_head]
+        return self.device.type == "cpu" and all(is_quantized(w) and w.activations == "int8" for w in projections)
+
+    @property
     def activations(self) -> str:
         """How the weights kept as GGUF blocks multiply: "float", or "int8" (activations quantised to 8 bits per 32
         values, integer dot products on the CPU: quantized_linear's activations). "float" for a model without
