@@ -1,31 +1,40 @@
-"""Training draft heads by self-distillation: the target answers the shipped prompt set (specdec_ext/data/
-prompts.jsonl, its "train" split; "heldout" is never trained on), greedily and (sampled_answers) at temperature
-0.8, and its own hidden states and next-token distributions on those answers are the labels.
+"""Training draft heads by self-distillation on the target's own text (specdec_ext/draft_data.py makes it):
 
-  data = distillation_data(target, prompt_ids, sampled_answers=2)   the target's answers and features
-  vocab = draft_vocabulary(data, size, vocab_size)                  the most frequent tokens
-  head = train("eagle", target, data, vocab, out_dir=...)           or "medusa"
+  data = DraftData.load(path)                                      token ids: the target's answers, text
+  features = TargetFeatures.build(target, data, folder, layers)    its features and next-token top-k, once
+  vocab = draft_vocabulary(data, size, vocab_size)                 the most frequent tokens
+  head = train("eagle", target, features, vocab, out_dir=...)      or "medusa"
 
-EAGLE loss (Li et al.): smooth L1 between the head's predicted feature of token j+1 and the target's, both through
-the target's final norm, plus 0.1 x the cross-entropy of the head's distribution (over the draft vocabulary)
-against the target's at that token, with uniform noise on the (normed) input features so that the head tolerates
-its own inexact features at later draft steps; unroll > 1 also trains on them (EAGLE-3's training-time test).
-Medusa loss: cross-entropy of head i against the token i + 2 places ahead, weighted 0.8^i. Checkpoints (head,
-optimiser, schedule, step) let a run resume; a loss curve is written as PNG.
+EAGLE-3 (feature_layers given, Li et al. 2025): the head reads the target's low, middle and high layers and is
+trained with "training-time test": step s of `unroll` feeds the head its own step s-1 outputs, and attends as a
+draft does at its s-th step (the target-fed pairs up to s places back, then its own draft-step pairs: ttt_forward
+reproduces drafting exactly). Loss: the cross-entropy of each step's draft distribution against the target's
+(its top-k, renormalised over the draft vocabulary), step s weighted 0.8^s.
+EAGLE-1 (the last layer's features): smooth L1 between the head's predicted feature of token j+1 and the
+target's, both through the target's final norm, plus 0.1 x the cross-entropy against the target's distribution,
+with uniform noise on the normed input features.
+Medusa: cross-entropy of head i against the token i + 2 places ahead, weighted 0.8^i.
+
+Checkpoints (head, optimiser, schedule, step) let a run resume to the same weights as an uninterrupted one (the
+batch order and the noise are functions of the seed, the epoch and the step); a loss curve is written as PNG and
+the validation split's teacher-forced chain acceptance per epoch into the log.
 """
 import json
 import math
 import time
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .draft_data import DraftData
 from .engine import SpeculativeDecoder
 from .models.draft_heads import EagleHead, MedusaHeads
-from .models.llama import linear, rms_norm
+from .models.llama import linear, rms_norm, rotary_split, silu_mul
+
+TOP_K = 8  # the target's next-token distribution kept per position: its top 8 (renormalised in the loss)
 
 
 def load_prompts(split: str = "train") -> list[dict]:
@@ -35,51 +44,102 @@ def load_prompts(split: str = "train") -> list[dict]:
     return [r for r in rows if split == "all" or r["split"] == split]
 
 
-@dataclass
-class DistillationData:
-    tokens: list      # per sequence: [L] int64, prompt then the target's answer
-    features: list    # per sequence: [L, H], the target's last-layer hidden states (before the final norm)
-    answer_start: list  # per sequence: where the answer begins
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens)
+def feature_columns(target, feature_layers) -> tuple:
+    """The layers a feature folder stores: the head's feature layers and the last (EAGLE-1 and Medusa read it)."""
+    return tuple(sorted(set(feature_layers or ()) | {target.config.num_hidden_layers - 1}))
 
 
-@torch.no_grad()
-def distillation_data(target, prompt_ids: list, max_new_tokens: int = 192, *, eos_token_id=None,
-                      sampled_answers: int = 0, temperature: float = 0.8, batch_size: int = 8,
-                      progress: bool = True) -> DistillationData:
-    """The target's answers to prompt_ids (our plain decoding, continuous batching): its greedy answer to each and
-    `sampled_answers` more drawn at `temperature` (seeds 1, 2, ...: more and varied text from the same prompts),
-    then one forward per sequence for its features."""
-    from tqdm import tqdm
+class TargetFeatures:
+    """DraftData's sequences with the target's features at `layers` (the residual stream after each, side by side,
+    float16: [T, len(layers) x H]) and its next-token top-k at every position (ids [T, K] int32, probabilities
+    [T, K] float16), in a folder of .npy files read as memory maps. Built once per target and data, resumably."""
 
-    n = 1 + sampled_answers
-    requests = [p for p in prompt_ids for _ in range(n)]
-    temperatures = [0.0 if i % n == 0 else temperature for i in range(len(requests))]
-    seeds = [i % n for i in range(len(requests))]
-    with tqdm(total=len(requests) * max_new_tokens, desc="target answers", unit="tok", disable=not progress) as bar:
-        answers = SpeculativeDecoder(target, None, max_batch_size=batch_size).generate_autoregressive(
-            requests, max_new_tokens, temperature=temperatures, seed=seeds, eos_token_id=eos_token_id,
-            stream=lambda r, new: bar.update(len(new))).sequences
-    data = DistillationData([], [], [])
-    for p, a in tqdm(list(zip(requests, answers)), desc="target features", disable=not progress):
-        seq = torch.tensor(p + a, device=target.device)
-        _, hidden = target(seq.unsqueeze(0), None, logits_indices=torch.tensor([len(seq) - 1], device=target.device),
-                           output_hidden_states=True)
-        data.tokens.append(seq.cpu())
-        data.features.append(hidden[0].cpu())
-        data.answer_start.append(len(p))
-    return data
+    def __init__(self, data: DraftData, folder, layers: tuple, hidden_size: int):
+        folder = Path(folder)
+        self.data, self.layers, self.hidden_size = data, layers, hidden_size
+        self.features = np.load(folder / "features.npy", mmap_mode="r")
+        self.top_ids = np.load(folder / "top_ids.npy", mmap_mode="r")
+        self.top_probs = np.load(folder / "top_probs.npy", mmap_mode="r")
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, target, data: DraftData, folder, layers: tuple, *, tokens_per_batch: int = 2048,
+              progress: bool = True) -> "TargetFeatures":
+        """Runs every sequence through the target (whole sequences, no cache; batches of similar lengths) into
+        `folder`; sequences already done (done.npy) are skipped, so an interrupted build resumes."""
+        from tqdm import tqdm
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        total, width = len(data.tokens), len(layers) * target.config.hidden_size
+        meta = {"layers": list(layers), "tokens": total, "sequences": len(data), "top_k": TOP_K}
+        if (folder / "meta.json").exists() and json.loads((folder / "meta.json").read_text()) != meta:
+            raise ValueError(f"{folder}: features of other data or layers; remove it or choose another folder")
+        if not (folder / "meta.json").exists():
+            for name, shape, dtype in (("features", (total, width), np.float16), ("top_ids", (total, TOP_K), np.int32),
+                                       ("top_probs", (total, TOP_K), np.float16), ("done", (len(data),), np.bool_)):
+                np.lib.format.open_memmap(folder / f"{name}.npy", mode="w+", dtype=dtype, shape=shape).flush()
+            (folder / "meta.json").write_text(json.dumps(meta))
+        done = np.load(folder / "done.npy", mmap_mode="r+")
+        out = {name: np.load(folder / f"{name}.npy", mmap_mode="r+") for name in ("features", "top_ids", "top_probs")}
+        lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+        order = sorted((i for i in range(len(data)) if not done[i]), key=lambda i: lengths[i])
+        bar = tqdm(total=sum(lengths[i] for i in order), desc="target features", unit="tok", disable=not progress)
+        while order:
+            batch = [order.pop()]  # longest first; then as many as fit
+            while order and lengths[batch[0]] * (len(batch) + 1) <= tokens_per_batch:
+                batch.append(order.pop())
+            tokens, valid = padded_tokens(data, batch)
+            logits, hidden = target(tokens.to(target.device), None, output_hidden_states=layers)
+            top = logits.softmax(-1).topk(TOP_K)
+            for r, i in enumerate(batch):
+                a, b, n = int(data.offsets[i]), int(data.offsets[i + 1]), lengths[i]
+                out["features"][a:b] = hidden[r, :n].float().cpu().numpy().astype(np.float16)
+                out["top_ids"][a:b] = top.indices[r, :n].int().cpu().numpy()
+                out["top_probs"][a:b] = top.values[r, :n].cpu().numpy().astype(np.float16)
+            for array in out.values():
+                array.flush()
+            done[batch] = True  # after the values are on disk
+            done.flush()
+            bar.update(int(valid.sum()))
+        bar.close()
+        return cls(data, folder, layers, target.config.hidden_size)
+
+    def batch(self, idx: list, layers: tuple, device, dtype):
+        """Sequences idx padded to the longest: tokens [B, L] int64, features [B, L, len(layers) x H] (of `layers`,
+        a subset of the stored ones), valid [B, L] bool, top_ids [B, L, K] int64, top_probs [B, L, K] float32."""
+        h = self.hidden_size
+        columns = np.concatenate([np.arange(self.layers.index(layer) * h, (self.layers.index(layer) + 1) * h)
+                                  for layer in layers])
+        tokens, valid = padded_tokens(self.data, idx)
+        b, length = tokens.shape
+        features = np.zeros((b, length, len(columns)), np.float32)
+        top_ids = np.zeros((b, length, TOP_K), np.int64)
+        top_probs = np.zeros((b, length, TOP_K), np.float32)
+        for r, i in enumerate(idx):
+            a, e = int(self.data.offsets[i]), int(self.data.offsets[i + 1])
+            features[r, :e - a] = self.features[a:e][:, columns]
+            top_ids[r, :e - a], top_probs[r, :e - a] = self.top_ids[a:e], self.top_probs[a:e]
+        return (tokens.to(device), torch.from_numpy(features).to(device=device, dtype=dtype), valid.to(device),
+                torch.from_numpy(top_ids).to(device), torch.from_numpy(top_probs).to(device))
 
 
-def draft_vocabulary(data: DistillationData, size: int, vocab_size: int | None = None) -> torch.Tensor:
-    """The `size` most frequent tokens of the sequences (sorted ids): what the heads score. When the data hold fewer
-    distinct tokens, the lowest ids not in them fill the rest (a BPE vocabulary numbers its tokens in merge order,
-    roughly by frequency in the tokenizer's corpus): a head predicts features, so it can propose tokens that the
-    data never showed it."""
-    counts = torch.bincount(torch.cat(data.tokens), minlength=vocab_size or 1)
+def padded_tokens(data: DraftData, idx: list):
+    """Sequences idx padded (0) to the longest: tokens [B, L] int64 and valid [B, L] bool."""
+    width = max(int(data.offsets[i + 1] - data.offsets[i]) for i in idx)
+    tokens = torch.zeros(len(idx), width, dtype=torch.long)
+    valid = torch.zeros(len(idx), width, dtype=torch.bool)
+    for r, i in enumerate(idx):
+        seq = data.sequence(i)
+        tokens[r, :len(seq)], valid[r, :len(seq)] = seq.long(), True
+    return tokens, valid
+
+
+def draft_vocabulary(data: DraftData, size: int, vocab_size: int | None = None, split: str = "train") -> torch.Tensor:
+    """The `size` most frequent tokens of the split's sequences (sorted ids): what the heads score. When the data
+    hold fewer distinct tokens, the lowest ids not in them fill the rest (a BPE vocabulary numbers its tokens in
+    merge order, roughly by frequency in the tokenizer's corpus): a head can propose tokens its data never showed."""
+    counts = token_counts(data, split, vocab_size)
     seen = int((counts > 0).sum())
     if vocab_size is None or size <= seen:
         return counts.topk(min(size, seen)).indices.sort().values
@@ -87,12 +147,26 @@ def draft_vocabulary(data: DistillationData, size: int, vocab_size: int | None =
     return torch.cat(((counts > 0).nonzero().flatten(), unseen)).sort().values
 
 
-def batches(data: DistillationData, tokens_per_batch: int, generator: torch.Generator):
-    """Shuffled batches of whole sequences, about tokens_per_batch tokens each, padded to the longest."""
-    order = torch.randperm(len(data.tokens), generator=generator).tolist()
+def token_counts(data: DraftData, split: str, vocab_size: int | None, answers_only: bool = False) -> torch.Tensor:
+    pieces = []
+    for i in data.indices(split):
+        seq = data.sequence(i)
+        pieces.append(seq[int(data.answer_start[i]):] if answers_only else seq)
+    return torch.bincount(torch.cat(pieces).long(), minlength=vocab_size or 1)
+
+
+def vocabulary_coverage(data: DraftData, sizes, vocab_size: int) -> dict:
+    """{size: the share of the validation answers' tokens inside draft_vocabulary(data, size)}."""
+    counts = token_counts(data, "validation", vocab_size, answers_only=True).double()
+    return {size: float(counts[draft_vocabulary(data, size, vocab_size)].sum() / counts.sum()) for size in sizes}
+
+
+def batches(indices: list, lengths: list, tokens_per_batch: int, generator: torch.Generator):
+    """Shuffled batches of whole sequences, about tokens_per_batch tokens each (padded to the longest)."""
+    order = [indices[i] for i in torch.randperm(len(indices), generator=generator).tolist()]
     batch, width = [], 0
     for i in order:
-        width = max(width, len(data.tokens[i]))
+        width = max(width, lengths[i])
         batch.append(i)
         if width * len(batch) >= tokens_per_batch:
             yield batch
@@ -101,46 +175,89 @@ def batches(data: DistillationData, tokens_per_batch: int, generator: torch.Gene
         yield batch
 
 
-def padded(data: DistillationData, idx: list):
-    width = max(len(data.tokens[i]) for i in idx)
-    tokens = torch.zeros(len(idx), width, dtype=torch.long)
-    features = torch.zeros(len(idx), width, data.features[0].shape[-1], dtype=data.features[0].dtype)
-    valid = torch.zeros(len(idx), width, dtype=torch.bool)
-    for r, i in enumerate(idx):
-        n = len(data.tokens[i])
-        tokens[r, :n], features[r, :n], valid[r, :n] = data.tokens[i], data.features[i], True
-    return tokens, features, valid
+# ---------------------------------------------------------------------------------------------------- EAGLE
 
 
-def eagle_loss(head: EagleHead, tokens, features, valid, noise: float, unroll: int = 1):
-    """Pairs j = (feature j, token j+1) for j < L - 1: the head predicts feature j+1 and the target's distribution
-    after token j+1 (from that feature through the final norm and the restricted LM head). The regression is on
-    the features through the target's final norm, what the LM head sees: the raw ones' scale means nothing to it.
-    unroll > 1 (EAGLE-3's training-time test): step s feeds the head its own step s-1 estimates as the features,
-    as a draft's later steps do, and its losses count as much as the first step's."""
+def ttt_forward(head: EagleHead, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list:
+    """EAGLE-3's training-time test, differentiable: logits [B, L - 1, Vd] per step s < steps. Row p of step s is
+    what drafting computes at its (s+1)-th step from a round whose target-fed pairs end at p - s: its pair (the
+    head's step s-1 output at row p-1, or the target's feature p at s = 0; token p+1) sits at position p and
+    attends to the target-fed pairs at positions <= p - s and to its own draft-step pairs at p - s + 1 .. p. Its
+    label is the target's distribution after token p + 1. Rows p < s have no round and are not scored."""
+    layer, config = head.decoder.layers[0], head.decoder.config
+    b, length = tokens.shape
+    n, hq, hkv, eps = length - 1, config.num_attention_heads, config.num_key_value_heads, config.rms_norm_eps
+    angles = torch.arange(n, device=tokens.device).float().unsqueeze(-1) * head.decoder.inv_freq
+    angles = torch.cat((angles, angles), -1)[None, :, None]  # [1, n, 1, D]
+    cos, sin = angles.cos().to(features.dtype), angles.sin().to(features.dtype)
+    p = torch.arange(n, device=tokens.device)
+    feature, keys, values, out = features[:, :-1], [], [], []
+    for s in range(steps):
+        x = head.inputs(tokens[:, 1:], feature)  # [B, n, H]
+        q, k, v = rotary_split(linear(rms_norm(x, layer.input_layernorm, eps), layer.qkv_proj, layer.qkv_bias),
+                               cos, sin, hq, hkv, False)
+        keys.append(k)
+        values.append(v)
+        # Keys: step 0's at every position, then step r's; query p sees step 0 at j <= p - s, step r at p - s + r.
+        allowed = [p[None, :] <= (p - s)[:, None]] + [p[None, :] == (p - s + r)[:, None] for r in range(1, s + 1)]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
+                                              torch.cat(values, 1).transpose(1, 2), attn_mask=torch.cat(allowed, 1),
+                                              enable_gqa=True).transpose(1, 2)
+        x = x + linear(attn.reshape(b, n, -1), layer.o_proj)
+        x = x + linear(silu_mul(linear(rms_norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj), False),
+                       layer.down_proj)
+        logits = linear(rms_norm(x, head.decoder.norm, eps), head.decoder.embed_tokens)
+        out.append(logits.to(torch.promote_types(logits.dtype, torch.float32)))  # float32, or float64 (tests)
+        feature = torch.cat((torch.zeros_like(x[:, :1]), x[:, :-1]), 1)  # row p's next input: this step's row p-1
+    return out
+
+
+def target_distribution(top_ids, top_probs, remap: torch.Tensor):
+    """The target's top-k over the draft vocabulary, renormalised: (draft indices [.., K] (0 outside), probabilities
+    [.., K] (0 outside), a row holds mass [..] bool)."""
+    index = remap[top_ids]
+    probs = torch.where(index >= 0, top_probs, 0.0)
+    mass = probs.sum(-1, keepdim=True)
+    return index.clamp(min=0), probs / mass.clamp(min=1e-6), mass[..., 0] > 0
+
+
+def eagle3_loss(head, tokens, features, valid, top_ids, top_probs, remap, unroll: int):
+    """Sum over steps of 0.8^s x the cross-entropy at step s (ttt_forward), over its scored rows. Returns (loss,
+    per-step losses)."""
+    steps = min(unroll, tokens.shape[1] - 1)
+    # Row p's label: the target's distribution after token p + 1, stored at p + 1.
+    index, probs, has_mass = target_distribution(top_ids[:, 1:], top_probs[:, 1:], remap)
+    p = torch.arange(tokens.shape[1] - 1, device=tokens.device)
+    losses = []
+    for s, logits in enumerate(ttt_forward(head, tokens, features, steps)):
+        rows = valid[:, 1:] & has_mass & (p >= s)
+        ce = -(probs * logits.log_softmax(-1).gather(-1, index)).sum(-1)
+        losses.append((ce * rows).sum() / rows.sum().clamp(min=1))
+    return sum(0.8 ** s * loss for s, loss in enumerate(losses)), losses
+
+
+def eagle_loss(head: EagleHead, tokens, features, valid, noise: float, generator: torch.Generator):
+    """EAGLE-1: pairs j = (feature j, token j+1) for j < L - 1: the head predicts feature j+1 and the target's
+    distribution after token j+1 (from that feature through the final norm and the restricted LM head). The
+    regression is on the features through the target's final norm, what the LM head sees: the raw ones' scale
+    means nothing to it."""
     norm, eps = head.decoder.norm, head.target_config.rms_norm_eps
     with torch.no_grad():
         normed = rms_norm(features, norm, eps)
         p = linear(normed, head.decoder.embed_tokens).float().softmax(-1)
-    regression = ce = 0.0
-    inputs = features[:, :-1]
-    steps = min(unroll, tokens.shape[1] - 1)
-    for s in range(steps):
-        # Step s: pairs j = s .. L-2, each with the head's estimate of feature j after s steps.
-        logits, predicted = head.decoder(None, None, inputs_embeds=head.inputs(tokens[:, 1 + s:], inputs, noise),
-                                         output_hidden_states=True)
-        mask = valid[:, 1 + s:]
-        n = mask.sum().clamp(min=1)
-        step_regression = F.smooth_l1_loss(rms_norm(predicted, norm, eps), normed[:, 1 + s:], reduction="none")
-        regression = regression + (step_regression.mean(-1) * mask).sum() / n
-        ce = ce - ((p[:, 1 + s:] * logits.log_softmax(-1)).sum(-1) * mask).sum() / n
-        inputs = predicted[:, :-1]
-    return regression / steps, ce / steps
+    logits, predicted = head.decoder(None, None, inputs_embeds=head.inputs(tokens[:, 1:], features[:, :-1], noise,
+                                                                           generator), output_hidden_states=True)
+    mask = valid[:, 1:]
+    n = mask.sum().clamp(min=1)
+    regression = (F.smooth_l1_loss(rms_norm(predicted, norm, eps), normed[:, 1:], reduction="none").mean(-1)
+                  * mask).sum() / n
+    ce = -((p[:, 1:] * logits.log_softmax(-1)).sum(-1) * mask).sum() / n
+    return regression, ce
 
 
 def medusa_loss(heads: MedusaHeads, tokens, features, valid, remap: torch.Tensor):
-    """Head i at token j: cross-entropy against token j + 1 + i (hard labels: the target's greedy answers), when
-    that token is inside the sequence and the draft vocabulary; weights 0.8^i."""
+    """Head i at token j: cross-entropy against token j + 2 + i (hard labels: the target's text), when that token
+    is inside the sequence and the draft vocabulary; weights 0.8^i."""
     b, length = tokens.shape
     logits = heads(features.flatten(0, 1)).unflatten(0, (b, length))  # [B, L, heads, Vd]
     total, weight_sum = 0.0, 0.0
@@ -156,59 +273,141 @@ def medusa_loss(heads: MedusaHeads, tokens, features, valid, remap: torch.Tensor
     return total / weight_sum
 
 
-def train(kind: str, target, data: DistillationData, draft_vocab: torch.Tensor, *, out_dir, epochs: int = 8,
-          lr: float = 1e-3, tokens_per_batch: int = 512, noise: float = 0.1, ce_weight: float = 0.1,
-          unroll: int = 1, num_heads: int = 4, seed: int = 0,
-          checkpoint_every: int = 50, save_dtype: torch.dtype | None = None, progress: bool = True):
-    """Trains an EAGLE head or Medusa heads on `data`; writes out_dir/{kind}.safetensors (weights in save_dtype,
-    default the target's), a checkpoint to resume from, {kind}_loss.png and {kind}_log.json. Returns the head."""
+@torch.no_grad()
+def chain_acceptance(head: EagleHead, features: TargetFeatures, indices: list, k: int, device,
+                     tokens_per_batch: int = 4096) -> float:
+    """The mean acceptance length greedy chain drafting of k tokens has on the greedy answers `indices` (their
+    prompts decoded to their length), computed teacher-forced: ttt_forward is drafting exactly, so a round after
+    token p + 1 accepts the leading steps s whose draft (the argmax of step s at row p + s) is the target's greedy
+    token there. The rounds are the decoder's: the first after the prompt's last token, each next after the last
+    token the one before emitted, k capped by the tokens left (GenerationStats.mean_acceptance_length)."""
+    data = features.data
+    lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    accepted = rounds = 0
+    for idx in batches(indices, lengths, tokens_per_batch, torch.Generator().manual_seed(0)):
+        tokens, feats, valid, top_ids, _ = features.batch(idx, head.feature_layers or features.layers[-1:], device,
+                                                          head.fc.weight.dtype)
+        n = tokens.shape[1] - 1
+        greedy = top_ids[:, 1:, 0]  # [B, n]: the target's token after row p's token p + 1
+        hits = [head.draft_vocab[logits.argmax(-1)] == greedy for logits in ttt_forward(head, tokens, feats, k)]
+        run = torch.zeros(len(idx), n, dtype=torch.long)  # [B, n]: accepted drafts of a round at row p
+        alive = torch.ones(len(idx), n, dtype=torch.bool)
+        for s, hit in enumerate(hits):  # step s drafts at row p + s
+            alive[:, :n - s] &= hit[:, s:].cpu()
+            alive[:, n - s:] = False
+            run += alive
+        for r, i in enumerate(idx):
+            length, p = lengths[i], int(data.answer_start[i]) - 2
+            while length - (p + 2) > 0:  # tokens p + 2 .. length - 1 left to emit
+                asked = min(k, length - (p + 2) - 1)
+                taken = min(int(run[r, p]), asked) if asked else 0
+                accepted, rounds = accepted + taken, rounds + (asked > 0)
+                p += taken + 1
+    return 1.0 + accepted / rounds if rounds else 1.0
+
+
+def draft_remap(draft_vocab: torch.Tensor, vocab_size: int, device) -> torch.Tensor:
+    """[V] int64: a target token's index in the draft vocabulary, -1 outside it."""
+    remap = torch.full((vocab_size,), -1, dtype=torch.long)
+    remap[draft_vocab.cpu()] = torch.arange(len(draft_vocab))
+    return remap.to(device)
+
+
+def step_loss(kind: str, head, feature_layers, tokens, features, valid, top_ids, top_probs, remap, unroll: int,
+              noise: float, ce_weight: float, generator: torch.Generator):
+    """One batch's loss for `kind` (EAGLE-3 with feature_layers, EAGLE-1, Medusa) and its log entry."""
+    if kind == "eagle" and feature_layers:
+        loss, per_step = eagle3_loss(head, tokens, features, valid, top_ids, top_probs, remap, unroll)
+        return loss, {"loss": loss.item(), **{f"step{s}": v.item() for s, v in enumerate(per_step)}}
+    if kind == "eagle":
+        regression, ce = eagle_loss(head, tokens, features, valid, noise, generator)
+        loss = regression + ce_weight * ce
+        return loss, {"loss": loss.item(), "regression": regression.item(), "ce": ce.item()}
+    loss = medusa_loss(head, tokens, features, valid, remap)
+    return loss, {"loss": loss.item()}
+
+
+def eagle_parameters(head: EagleHead) -> list:
+    """What training changes: fc, the input norm and the decoder layer; with feature_layers also fuse, its norms
+    and the final norm. Never the target's embedding or LM-head rows."""
+    params = [head.fc.weight, head.fc.bias, head.feature_norm] + list(head.decoder.layers[0].parameters())
+    return params + ([head.fuse.weight, head.fuse_norms, head.decoder.norm] if head.feature_layers else [])
+
+
+def train(kind: str, target, features: TargetFeatures, draft_vocab: torch.Tensor, *, out_dir, epochs: int = 4,
+          lr: float = 1e-3, tokens_per_batch: int = 2048, noise: float = 0.1, ce_weight: float = 0.1,
+          unroll: int = 3, feature_layers: tuple | None = None, num_heads: int = 4, seed: int = 0,
+          checkpoint_every: int = 50, save_dtype: torch.dtype | None = None, autocast: torch.dtype | None = None,
+          resume: bool = False, stop_after: int | None = None, on_epoch=None, progress: bool = True):
+    """Trains an EAGLE head (EAGLE-3 with feature_layers, else EAGLE-1) or Medusa heads on the features' "train"
+    split; writes out_dir/{kind}.safetensors (weights in save_dtype, default the target's), a checkpoint,
+    {kind}_loss.png and {kind}_log.json (with each epoch's validation chain acceptance for EAGLE-3). autocast: the
+    matrix products' dtype in the forward and backward passes (torch.autocast; bfloat16 runs 1.9x faster on a CPU
+    with AVX512-BF16), the weights and optimiser state staying in the target's dtype. resume: continue
+    from the checkpoint (without it, an existing checkpoint is an error). stop_after: stop after that many steps
+    (an interruption, for tests). on_epoch(epoch, head, entry): called after each epoch. Returns the head."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = out_dir / f"{kind}_checkpoint.pt"
+    if checkpoint.exists() and not resume:
+        raise ValueError(f"{checkpoint} exists: resume it (--resume) or train into another folder")
+    device, dtype = target.device, target.dtype
     g = torch.Generator().manual_seed(seed)
     if kind == "eagle":
-        head = EagleHead(target, draft_vocab).init_weights(g)
-        params = [head.fc.weight, head.fc.bias, head.feature_norm] + list(head.decoder.layers[0].parameters())
+        head = EagleHead(target, draft_vocab, feature_layers).init_weights(g)
+        params = eagle_parameters(head)
+        layers = feature_layers or (target.config.num_hidden_layers - 1,)
     elif kind == "medusa":
         head = MedusaHeads(target, draft_vocab, num_heads)
         params = [head.weight, head.bias]  # zeros: every head starts as the target's own LM head
+        layers = (target.config.num_hidden_layers - 1,)
     else:
         raise ValueError(f"train: kind must be 'eagle' or 'medusa', got {kind!r}")
     for p in params:
         p.requires_grad_(True)
     optimiser = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps_per_epoch = sum(1 for _ in batches(data, tokens_per_batch, torch.Generator().manual_seed(0)))
+    data = features.data
+    lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    train_idx, validation_idx = data.indices("train"), data.indices("validation", greedy_only=True)
+    steps_per_epoch = sum(1 for _ in batches(train_idx, lengths, tokens_per_batch, torch.Generator().manual_seed(0)))
     total_steps = epochs * steps_per_epoch
+    warmup = min(50, max(1, total_steps // 20))  # linear warm-up, then a cosine to 0
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
-    checkpoint = out_dir / f"{kind}_checkpoint.pt"
-    step, log = 0, []
-    if checkpoint.exists():
+        optimiser,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    step, log, epochs_log = 0, [], []
+    if resume and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
         with torch.no_grad():
             for p, saved in zip(params, state["params"]):
                 p.copy_(saved)
         optimiser.load_state_dict(state["optimiser"])
         schedule.load_state_dict(state["schedule"])
-        step, log, g = state["step"], state["log"], state["generator"]
-    remap = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
-    remap[draft_vocab.cpu()] = torch.arange(len(draft_vocab))
-    remap = remap.to(target.device)
+        step, log, epochs_log = state["step"], state["log"], state["epochs"]
+    remap = draft_remap(draft_vocab, target.config.vocab_size, device)
+
+    def save_checkpoint():
+        torch.save({"params": [p.detach().clone() for p in params], "optimiser": optimiser.state_dict(),
+                    "schedule": schedule.state_dict(), "step": step, "log": log, "epochs": epochs_log}, checkpoint)
+
     start = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc=f"training {kind}", disable=not progress)
     for epoch in range(step // steps_per_epoch, epochs):
         # The epoch's batch order is a function of (seed, epoch): a resumed run sees the same batches.
-        order = list(batches(data, tokens_per_batch, torch.Generator().manual_seed(seed * 1000 + epoch)))
+        order = list(batches(train_idx, lengths, tokens_per_batch, torch.Generator().manual_seed(seed * 1000 + epoch)))
         for idx in order[step - epoch * steps_per_epoch:]:
-            tokens, features, valid = (t.to(target.device) for t in padded(data, idx))
-            if kind == "eagle":
-                regression, ce = eagle_loss(head, tokens, features, valid, noise, unroll)
-                loss = regression + ce_weight * ce
-                entry = {"step": step, "loss": loss.item(), "regression": regression.item(), "ce": ce.item()}
-            else:
-                loss = medusa_loss(head, tokens, features, valid, remap)
-                entry = {"step": step, "loss": loss.item()}
+            if stop_after is not None and step >= stop_after:
+                save_checkpoint()
+                bar.close()
+                return head
+            tokens, feats, valid, top_ids, top_probs = features.batch(idx, layers, device, dtype)
+            noise_generator = torch.Generator().manual_seed(seed * 1_000_003 + step)  # resumable
+            with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss, entry = step_loss(kind, head, feature_layers, tokens, feats, valid, top_ids, top_probs, remap,
+                                        unroll, noise, ce_weight, noise_generator)
+            entry = {"step": step, **entry}
             optimiser.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -218,15 +417,22 @@ def train(kind: str, target, data: DistillationData, draft_vocab: torch.Tensor, 
             step += 1
             bar.update()
             bar.set_postfix(loss=f"{entry['loss']:.3f}")
-            if step % checkpoint_every == 0 or step == total_steps:
-                torch.save({"params": [p.detach().clone() for p in params], "optimiser": optimiser.state_dict(),
-                            "schedule": schedule.state_dict(), "step": step, "log": log, "generator": g}, checkpoint)
+            if step % checkpoint_every == 0:
+                save_checkpoint()
+        summary = {"epoch": epoch + 1, "step": step, "seconds": round(time.perf_counter() - start)}
+        if kind == "eagle" and feature_layers and validation_idx:
+            summary["validation_chain_acceptance"] = chain_acceptance(head, features, validation_idx, unroll, device)
+        epochs_log.append(summary)
+        save_checkpoint()
+        if on_epoch is not None:
+            on_epoch(epoch + 1, head, summary)
     bar.close()
     for p in params:
         p.requires_grad_(False)
     head.save(out_dir / f"{kind}.safetensors", save_dtype)
-    (out_dir / f"{kind}_log.json").write_text(json.dumps({"kind": kind, "steps": step, "tokens": data.num_tokens,
-                                                  "seconds": time.perf_counter() - start, "log": log}))
+    (out_dir / f"{kind}_log.json").write_text(json.dumps({
+        "kind": kind, "feature_layers": list(feature_layers or ()), "steps": step, "tokens": len(data.tokens),
+        "seconds": time.perf_counter() - start, "epochs": epochs_log, "log": log}))
     plot_losses(log, out_dir / f"{kind}_loss.png", kind)
     return head
 
@@ -238,7 +444,8 @@ def plot_losses(log: list, path, kind: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key in [k for k in ("loss", "regression", "ce") if log and k in log[0]]:
+    keys = [k for k in log[0] if k != "step"] if log else []
+    for key in keys:
         ax.plot([e["step"] for e in log], [e[key] for e in log], label=key, lw=0.8)
     ax.set_xlabel("step")
     ax.set_yscale("log")

@@ -172,8 +172,17 @@ BAD_ARGUMENTS = [
     (["bench", "e2e", "--target", "synthetic:tiny", "--oracle-acceptance", "1.2"], "--oracle-acceptance must be in"),
     (["bench", "e2e", "--target", "synthetic:tiny", "--oracle-acceptance", "high"], "--oracle-acceptance takes"),
     (["bench", "e2e", "--target", "synthetic:tiny", "--sampling", "greedy,sampled"], "--sampling with a synthetic"),
-    (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--epochs", "0"], "--epochs must be >= 1"),
-    (["train-draft", "--kind", "eagle", "--out", "/tmp/unused", "--lr", "inf"], "--lr must be a finite number > 0"),
+    (["train-draft", "--kind", "eagle", "--data", __file__, "--out", "/tmp/unused", "--epochs", "0"],
+     "--epochs must be >= 1"),
+    (["train-draft", "--kind", "eagle", "--data", __file__, "--out", "/tmp/unused", "--lr", "inf"],
+     "--lr must be a finite number > 0"),
+    (["train-draft", "--kind", "eagle", "--data", "/nonexistent", "--out", "/tmp/unused"],
+     "--data /nonexistent: no such file or directory"),
+    (["train-draft", "--kind", "medusa", "--data", __file__, "--out", "/tmp/unused", "--features", "eagle3"],
+     "--features eagle3: EAGLE heads only"),
+    (["train-draft", "--kind", "eagle", "--data", __file__, "--out", "/tmp/unused", "--coverage", "1.5"],
+     "--coverage must be in (0, 1]"),
+    (["draft-data", "--out", "/tmp/unused", "--template-prompts", "-1"], "--template-prompts must be >= 0"),
 ]
 if not torch.cuda.is_available():
     BAD_ARGUMENTS.append((["generate", "--prompt", "Hi", "--device", "cuda"], "--device cuda: no CUDA device"))
@@ -183,6 +192,7 @@ if not torch.cuda.is_available():
 def no_loading(monkeypatch):
     """Every command's loading (and running) raises: a test of checks made before it."""
     import specdec_ext.bench
+    import specdec_ext.cli.draft_data
     import specdec_ext.cli.train_draft
     import specdec_ext.demo
     import specdec_ext.factory
@@ -192,6 +202,7 @@ def no_loading(monkeypatch):
 
     monkeypatch.setattr(specdec_ext.factory, "load", no_loading)
     monkeypatch.setattr(specdec_ext.cli.train_draft, "main", no_loading)
+    monkeypatch.setattr(specdec_ext.cli.draft_data, "main", no_loading)
     monkeypatch.setattr(specdec_ext.bench, "run", no_loading)
     monkeypatch.setattr(specdec_ext.demo, "main", no_loading)
 
@@ -211,7 +222,8 @@ ISA_ERROR = "SPECDEC_CPU_ISA must be avx512, avx2 or sse2"
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "Hi", "--device", "cpu"], ["demo", "--device", "cpu"],
-                                  ["bench", "e2e"], ["train-draft", "--kind", "eagle", "--out", "/tmp/unused"]],
+                                  ["bench", "e2e"],
+                                  ["train-draft", "--kind", "eagle", "--data", __file__, "--out", "/tmp/unused"]],
                          ids=lambda v: v[0])
 def test_bad_cpu_isa_is_a_usage_error_before_loading(argv, no_loading, monkeypatch, capsys):
     monkeypatch.setenv("SPECDEC_CPU_ISA", "bogus")

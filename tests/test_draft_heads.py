@@ -23,7 +23,7 @@ def target():
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("name", ["eagle", "medusa"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa"])
 def test_greedy_equals_plain_decoding(target, name, paged):
     """7 ragged prompts (one of a single token: no feature before its first round) through 3 slots."""
     prompts = random_prompts(5, [5, 21, 12, 1, 9, 3, 30])
@@ -37,7 +37,7 @@ def test_greedy_equals_plain_decoding(target, name, paged):
     assert out.stats.num_draft_tokens > 50
 
 
-@pytest.mark.parametrize("name", ["eagle", "medusa"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa"])
 def test_long_prompt_admitted_beside_a_request_near_its_end(target, name):
     """A 38-token prompt joins the batch when the other slot's request is ~70 tokens into a cache of 85: a round's
     ragged draft forward must not pad that row past its cache (it once did, for EAGLE)."""
@@ -53,7 +53,7 @@ def test_long_prompt_admitted_beside_a_request_near_its_end(target, name):
 def test_q_is_zero_outside_the_draft_vocabulary(target):
     """Sampled drafts come from the draft vocabulary's columns only, and the verifier reads q over those columns."""
     vocab = random_vocab(target.config.vocab_size, 40, 2)
-    for name in ("eagle", "medusa"):
+    for name in ("eagle", "eagle3", "medusa"):
         drafter = make_drafter(name, target, vocab)
         seen = []
         propose = drafter.propose
@@ -73,7 +73,7 @@ def test_q_is_zero_outside_the_draft_vocabulary(target):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAW_CASES))
-@pytest.mark.parametrize("name", ["eagle", "medusa"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa"])
 def test_law_of_the_first_tokens_is_the_targets(name, case):
     """As test_speculative_decoding's law test (70,000 or 50,000 seeds by case, chi-square over the 512 sequences
     of 3 tokens, power >= 0.9 against a 1% bias), with a draft vocabulary of 5 of the 8 tokens: the 3 others are

@@ -102,7 +102,7 @@ def no_loading(monkeypatch):
      "--draft-keep-quantized: the drafter must be model:PATH (a draft model)"),
     (["demo", "--drafter", "bogus"],
      "argument --drafter: invalid choice: 'bogus' (choose from 'eagle', 'lookahead', 'medusa', 'ngram', 'repeat')"),
-    (["train-draft", "--kind", "repeat", "--out", "/tmp/unused"],
+    (["train-draft", "--kind", "repeat", "--data", __file__, "--out", "/tmp/unused"],
      "argument --kind: invalid choice: 'repeat' (choose from 'eagle', 'medusa')"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_messages_list_every_registered_drafter(argv, message, repeat_drafter, no_loading, capsys):

@@ -49,7 +49,8 @@ at::Tensor project(const at::Tensor& x, at::TensorList weights, at::IntArrayRef 
 // in place, and returned. weights / formats: the layers' projections in order (qkv, o, gate_up, down per layer),
 // parts[4 l + j] tensors each (more than one: a row stack). The KV cache: k_cache / v_cache stacked over layers
 // ([L, B, S, Hkv, D], requests row_start .. row_stop of it; or paged [L, pages, page, Hkv, D] with block_table),
-// cache_seqlens and block_table already those requests'.
+// cache_seqlens and block_table already those requests'. layer_outputs [B, Q, len(capture_layers) x H]: the
+// residual stream after each layer of capture_layers copied into its H columns (EAGLE-3's features).
 at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                             at::IntArrayRef formats, at::IntArrayRef parts,
                             const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList input_norms,
@@ -57,7 +58,8 @@ at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tens
                             c10::string_view activations, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
                             int64_t row_start, int64_t row_stop, const std::optional<at::Tensor>& tree_mask,
-                            const std::optional<at::Tensor>& qo_indptr) {
+                            const std::optional<at::Tensor>& qo_indptr,
+                            const std::optional<at::Tensor>& layer_outputs, at::IntArrayRef capture_layers) {
   const int64_t layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK_VALUE(x.dim() == 3 && x.is_contiguous() && layers > 0 &&
                         static_cast<int64_t>(post_norms.size()) == layers &&
@@ -65,7 +67,13 @@ at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tens
                         static_cast<int64_t>(qkv_biases.size()) == layers && formats.size() == weights.size() &&
                         k_cache.dim() == 5 && k_cache.size(0) == layers && v_cache.sizes() == k_cache.sizes(),
                     "llama_layers: inconsistent arguments (", layers, " layers)");
-  const int64_t B = x.size(0), Q = x.size(1);
+  const int64_t B = x.size(0), Q = x.size(1), H = x.size(2);
+  TORCH_CHECK_VALUE(capture_layers.empty() ||
+                        (layer_outputs.has_value() && layer_outputs->dim() == 3 && layer_outputs->size(0) == B &&
+                         layer_outputs->size(1) == Q &&
+                         layer_outputs->size(2) == static_cast<int64_t>(capture_layers.size()) * H &&
+                         layer_outputs->scalar_type() == x.scalar_type()),
+                    "llama_layers: layer_outputs must be [B, Q, len(capture_layers) x H] of x's dtype");
   at::Tensor h = rms_norm_cpu(x, input_norms[0], eps);
   int64_t w = 0;
   for (int64_t l = 0; l < layers; ++l) {
@@ -97,6 +105,9 @@ at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tens
     } else {
       x.add_(mlp);
     }
+    for (size_t j = 0; j < capture_layers.size(); ++j) {
+      if (capture_layers[j] == l) layer_outputs->narrow(2, static_cast<int64_t>(j) * H, H).copy_(x);
+    }
   }
   return x;
 }
@@ -108,7 +119,8 @@ TORCH_LIBRARY(specdec_internal, m) {
       "llama_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] weights, int[] formats, int[] parts, "
       "Tensor?[] qkv_biases, Tensor[] input_norms, Tensor[] post_norms, float eps, int num_q_heads, int num_kv_heads, "
       "str activations, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor cache_seqlens, Tensor? block_table, "
-      "int row_start, int row_stop, Tensor? tree_mask, Tensor? qo_indptr) -> Tensor(a!)");
+      "int row_start, int row_stop, Tensor? tree_mask, Tensor? qo_indptr, Tensor(d!)? layer_outputs, "
+      "int[] capture_layers) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(specdec_internal, CPU, m) { m.impl("llama_layers", &llama_layers_cpu); }

@@ -33,11 +33,11 @@ def main(argv=None) -> int:
 
 def parser() -> tuple:
     """(the `specdec` parser, its subcommands' parsers by name)."""
-    from . import bench, demo, generate, info, train_draft
+    from . import bench, demo, draft_data, generate, info, train_draft
 
     specdec = argparse.ArgumentParser(prog="specdec", description=__doc__.split("\n\n")[0])
     sub = specdec.add_subparsers(dest="command", required=True)
-    for module in (info, demo, generate, bench, train_draft):
+    for module in (info, demo, generate, bench, draft_data, train_draft):
         module.register(sub)
     return specdec, sub.choices
 

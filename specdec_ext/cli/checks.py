@@ -29,12 +29,15 @@ _RANGES = {
     "lr": (lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0"),
     "tokens_per_batch": (lambda v: v >= 1, "must be >= 1"),
     "unroll": (lambda v: v >= 1, "must be >= 1"),
-    "vocab_size": (lambda v: v >= 1, "must be >= 1"),
+    "vocab_size": (lambda v: v >= 0, "must be >= 0 (0: by coverage)"),
     "sampled_answers": (lambda v: v >= 0, "must be >= 0"),
     "limit": (lambda v: v >= 0, "must be >= 0 (0: all)"),
     "eval_prompts": (lambda v: v >= 0, "must be >= 0"),
+    "template_prompts": (lambda v: v >= 0, "must be >= 0"),
+    "target_questions": (lambda v: v >= 0, "must be >= 0"),
+    "text_tokens": (lambda v: v >= 0, "must be >= 0"),
 }
-_EXISTING_PATHS = ("model",)  # dests naming a file or folder to read (`bench e2e --draft`: its own check)
+_EXISTING_PATHS = ("model", "data")  # dests naming a file or folder to read (`bench e2e --draft`: its own check)
 _PATHS = _EXISTING_PATHS + ("draft", "out", "json", "plot")  # may hold any bytes; other strings must be UTF-8
 
 

@@ -88,9 +88,15 @@ class Drafter(ABC):
     propose()."""
 
     needs_hidden_states = False
+    hidden_state_layers = None  # with needs_hidden_states: None for the last layer's, or the layers to read (EAGLE-3)
     needs_block_argmax = False
     supports_trees = False
     sizes_own_tree = False
+
+    @property
+    def target_features(self):
+        """The target forward's output_hidden_states for this drafter: False, True (the last layer's) or layers."""
+        return self.needs_hidden_states and (self.hidden_state_layers or True)
 
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
              cuda_graphs: bool = False) -> None:

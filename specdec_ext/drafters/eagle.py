@@ -24,6 +24,7 @@ class EagleDrafter(Drafter):
 
         check_target(head.target_config, target, "EagleDrafter")
         self.target, self.head = target, head
+        self.hidden_state_layers = head.feature_layers  # EAGLE-3: the target's low, middle and high layers
         self.draft_to_target = head.draft_vocab.int()  # the verify step's column map of the draft rows
         self.state = DraftCache()
 
@@ -53,10 +54,9 @@ class EagleDrafter(Drafter):
         from ..cost_tables import table_key
 
         def prepare(rows: int):
-            h = self.target.config.hidden_size
             cache = self.head.decoder.new_kv_cache(1, rows + 1)
             tokens = torch.ones(1, rows, dtype=torch.int64, device=self.target.device)
-            features = torch.ones(1, rows, h, dtype=self.target.dtype, device=self.target.device)
+            features = torch.ones(1, rows, self.head.feature_width, dtype=self.target.dtype, device=self.target.device)
             indices = torch.arange(rows, device=self.target.device)
             return lambda: self.head(tokens, features, cache, logits_indices=indices)
 
@@ -106,7 +106,7 @@ class EagleDrafter(Drafter):
         segments = [r.histories[b][lengths[b] + 1:lengths[b] + 1 + n] if n else [] for b, n in enumerate(counts)]
         tokens = upload([s + [0] * (width - len(s)) for s in segments], torch.int64, device)
         # Assembled with a constant number of tensor ops, whatever the batch (a round runs at every batch size).
-        features = torch.zeros(r.batch, width, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
+        features = torch.zeros(r.batch, width, self.head.feature_width, dtype=self.target.dtype, device=device)
         if any(counts):
             queued = torch.cat([f for b in range(r.batch) if live[b] for f in self.pending[b]])  # rows in slot order
             row = upload([b for b, n in enumerate(counts) for _ in range(n)], torch.int64, device)

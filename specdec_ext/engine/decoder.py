@@ -374,7 +374,8 @@ class SpeculativeDecoder:
         hidden = None
         t0 = time.perf_counter()
         if drafter is not None and drafter.needs_hidden_states:
-            forwards, hidden = self.target.prefill(self.cache, admitted, prefixes, output_hidden_states=True)
+            forwards, hidden = self.target.prefill(self.cache, admitted, prefixes,
+                                                   output_hidden_states=drafter.target_features)
         else:
             forwards = self.target.prefill(self.cache, admitted, prefixes)
         stats.prefill_s += time.perf_counter() - t0

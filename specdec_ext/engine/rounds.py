@@ -110,7 +110,7 @@ class StepShape:
     width: int            # the block: the last token and its drafts (a tree: its nodes)
     coupling: str
     draft_rows: bool      # draft logits are read (not under gumbel coupling, not for point drafts)
-    hidden_states: bool   # the target's hidden states go back to the drafter
+    hidden_states: bool | tuple  # the target's hidden states go back to the drafter (a tuple: of those layers)
     block_argmax: bool    # the target's greedy token at every node goes back to the drafter (trees)
 
 
@@ -127,7 +127,7 @@ class Verifier:
         self.cache, self.params = cache, params
 
     def __call__(self, r: RoundInputs, ids, live, draft_logits, *, num_draft=None, tree=None,
-                 hidden_states: bool = False, draft_to_target=None, block_argmax: bool = False):
+                 hidden_states: bool | tuple = False, draft_to_target=None, block_argmax: bool = False):
         """ids [batch, W] int64; live [batch] int32 (0: an idle row, which keeps nothing); a chain: num_draft [batch]
         int32 (W - 1 the widest), draft_logits [batch, W - 1, V or Vd] unprocessed (draft_to_target [Vd] int32 with a
         draft vocabulary); a tree: the DraftTree (ids its token_ids, draft_logits its own). Returns (the packed
@@ -148,7 +148,7 @@ class Verifier:
         """The verify step on device tensors alone (no host synchronisation: a CUDA graph captures it)."""
         cache, rows = self.cache, slice(0, r.batch)
         logits = self.target(ids, cache, tree_mask=tree_mask, cache_rows=rows, output_hidden_states=shape.hidden_states)
-        logits, hidden = logits if shape.hidden_states else (logits, None)  # [batch, W, V] float32, [batch, W, H]
+        logits, hidden = logits if shape.hidden_states is not False else (logits, None)  # [batch, W, V], [batch, W, H*]
         self.forward_end = time.perf_counter()
         sampling = dict(temperature=r.temperature, seed=r.seed, offset=r.steps, coupling=r.coupling, top_k=r.top_k,
                         top_p=r.top_p)
@@ -205,7 +205,7 @@ class ChainRound:
         packed, hidden = self.verifier(r, ids, upload(live, torch.int32, device),
                                        proposal.draft_logits if proposal is not None else None,
                                        num_draft=upload(ks, torch.int32, device),
-                                       hidden_states=drafter is not None and drafter.needs_hidden_states,
+                                       hidden_states=drafter is not None and drafter.target_features,
                                        draft_to_target=proposal.draft_to_target if proposal is not None else None)
         return finish_round(clock, self.verifier, drafter, VerifyResult.unpack(read(packed)), live, hidden, ks)
 
@@ -226,7 +226,7 @@ class TreeRound:
         # Compaction touches the whole block of every row of the cache, idle ones too: each needs its pages.
         self.verifier.cache.reserve(width)
         packed, hidden = self.verifier(r, tree.token_ids, upload(live, torch.int32, self.verifier.target.device),
-                                       tree.draft_logits, tree=tree, hidden_states=self.drafter.needs_hidden_states,
+                                       tree.draft_logits, tree=tree, hidden_states=self.drafter.target_features,
                                        block_argmax=self.drafter.needs_block_argmax)
         verified = VerifyResult.unpack(read(packed), tree_width=width)
         return finish_round(clock, self.verifier, self.drafter, verified, live, hidden, verified.num_draft)

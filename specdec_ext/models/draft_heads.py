@@ -7,6 +7,12 @@ outputs. The input norm (learned, as EAGLE-3's) makes the head blind to the feat
 is: a small model's residual stream runs to RMS 30 with single dimensions in the hundreds, which would swamp the
 token embedding in fc.
 
+With feature_layers (EAGLE-3, Li et al. 2025) the head reads the target's low, middle and high layers instead of
+its last: each layer's output RMS-normed (its own learned weight), the three side by side projected to one feature
+(fuse, 3H -> H), which then enters as the last layer's feature does above. Its outputs are trained only to predict
+tokens (no regression onto the target's features: they live in the head's own space, fed back at later draft
+steps), so its final norm is its own, trained; the LM-head rows stay the target's.
+
 MedusaHeads (Medusa, Cai et al. 2024): head i = ResBlock (z + SiLU(W_i z + b_i)) on the normed feature z of the
 last scored token -> the same restricted LM head, predicting the token i + 1 places after the one that feature
 predicts.
@@ -38,20 +44,45 @@ def check_draft_vocab(draft_vocab: torch.Tensor, vocab_size: int, what: str) -> 
     return ids
 
 
+def eagle3_layers(num_layers: int) -> tuple:
+    """EAGLE-3's low, middle and high layers (outputs of layers 2, L/2 and L-3, 0-based), distinct and sorted."""
+    if num_layers < 2:
+        raise ValueError(f"EAGLE-3 features need a target of at least 2 layers, got {num_layers}")
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
+
+
 class EagleHead(nn.Module):
-    def __init__(self, target: LlamaForCausalLM, draft_vocab: torch.Tensor):
+    def __init__(self, target: LlamaForCausalLM, draft_vocab: torch.Tensor, feature_layers: tuple | None = None):
         super().__init__()
         c = target.config
         self.draft_vocab = check_draft_vocab(draft_vocab, c.vocab_size, "EagleHead").to(target.device)
+        if feature_layers is not None:
+            feature_layers = tuple(feature_layers)
+            if len(feature_layers) < 2 or len(set(feature_layers)) != len(feature_layers) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < c.num_hidden_layers
+                    for i in feature_layers):
+                raise ValueError(f"EagleHead: feature_layers must be at least 2 distinct layer indices in "
+                                 f"[0, {c.num_hidden_layers}), got {feature_layers!r}")
+        self.feature_layers = feature_layers
+        n = len(feature_layers or ())
         # One decoder layer whose tied "embedding" is the restricted LM head: its forward runs on inputs_embeds.
         layer_config = dataclasses.replace(c, num_hidden_layers=1, vocab_size=len(self.draft_vocab),
                                            tie_word_embeddings=True)
         self.decoder = LlamaForCausalLM(layer_config, dtype=target.dtype, device=target.device, ops=target.ops)
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True, dtype=target.dtype, device=target.device)
         self.feature_norm = nn.Parameter(torch.ones(c.hidden_size, dtype=target.dtype, device=target.device))
+        if n:
+            self.fuse_norms = nn.Parameter(torch.ones(n, c.hidden_size, dtype=target.dtype, device=target.device))
+            self.fuse = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False, dtype=target.dtype,
+                                  device=target.device)
         self.target_config = c
-        self.fc_blocks = None  # fc's weight as Q8_0 blocks (on_integer_kernels)
+        self.fc_blocks = self.fuse_blocks = None  # fc's and fuse's weights as Q8_0 blocks (on_integer_kernels)
         self.share_target_weights(target)
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target features the head takes: H, or len(feature_layers) x H."""
+        return self.target_config.hidden_size * len(self.feature_layers or (None,))
 
     @property
     def on_integer_kernels(self) -> bool:
@@ -76,6 +107,8 @@ class EagleHead(nn.Module):
             weight = layer._parameters.pop(name)
             setattr(layer, name, quantize_q8_0(weight, "int8"))
         self.fc_blocks = quantize_q8_0(self.fc.weight, "int8")
+        if self.feature_layers:
+            self.fuse_blocks = quantize_q8_0(self.fuse.weight, "int8")
         return self
 
     def share_target_weights(self, target: LlamaForCausalLM) -> None:
@@ -85,28 +118,41 @@ class EagleHead(nn.Module):
         with torch.no_grad():
             self.decoder.norm.copy_(target.norm)
             self.decoder.embed_tokens.copy_(target.lm_head[self.draft_vocab])
-        self.decoder.norm.requires_grad_(False)
+        self.decoder.norm.requires_grad_(self.feature_layers is not None)  # EAGLE-3: its own final norm
         self.decoder.embed_tokens.requires_grad_(False)
 
     def init_weights(self, generator: torch.Generator | None = None) -> "EagleHead":
         """Random weights (std 1/sqrt(fan-in), norms 1): the start of training, and the heads of tests."""
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if not p.requires_grad and name.startswith("decoder.") and "layers." not in name:
-                    continue  # the target's norm and LM head rows
-                if p.dim() == 1:
-                    p.fill_(1.0 if "norm" in name else 0.0)
+                if name.startswith("decoder.") and "layers." not in name:
+                    continue  # the target's norm (EAGLE-3's final norm starts as it) and LM head rows
+                if "norm" in name:
+                    p.fill_(1.0)
+                elif p.dim() == 1:
+                    p.fill_(0.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=generator) / p.shape[-1] ** 0.5)
         return self
 
-    def inputs(self, next_tokens: torch.Tensor, features: torch.Tensor, noise: float = 0.0) -> torch.Tensor:
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., len(feature_layers) x H] target features -> [..., H]: each layer's RMS-normed, then fuse."""
+        h, eps = self.target_config.hidden_size, self.target_config.rms_norm_eps
+        parts = [rms_norm(features[..., i * h:(i + 1) * h], self.fuse_norms[i], eps)
+                 for i in range(len(self.feature_layers))]
+        return linear(torch.cat(parts, -1), self.fuse.weight if self.fuse_blocks is None else self.fuse_blocks)
+
+    def inputs(self, next_tokens: torch.Tensor, features: torch.Tensor, noise: float = 0.0,
+               generator: torch.Generator | None = None) -> torch.Tensor:
         """[B, P] tokens j+1 and [B, P, H] features of tokens j -> the decoder layer's input [B, P, H]. noise:
         training's uniform noise in [-noise, noise] on the normed features (the head then tolerates the inexact
-        features it feeds itself at later draft steps)."""
+        features it feeds itself at later draft steps). With feature_layers, features of the width
+        len(feature_layers) x H are the target's (fused first); of width H, the head's own outputs."""
+        if self.feature_layers and features.shape[-1] == self.feature_width:
+            features = self.fuse_features(features)
         normed = rms_norm(features, self.feature_norm, self.target_config.rms_norm_eps)
         if noise:
-            normed = normed + (torch.rand_like(normed) - 0.5) * (2 * noise)
+            normed = normed + (torch.rand(normed.shape, generator=generator).to(normed) - 0.5) * (2 * noise)
         return linear(torch.cat((embed(next_tokens, self.embed), normed), dim=-1),
                       self.fc.weight if self.fc_blocks is None else self.fc_blocks, self.fc.bias)
 
@@ -120,6 +166,8 @@ class EagleHead(nn.Module):
         """The weights a file holds: fc and the decoder layer (not the target's shared tensors)."""
         state = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
         state["feature_norm"] = self.feature_norm
+        if self.feature_layers:
+            state.update({"fuse.weight": self.fuse.weight, "fuse_norms": self.fuse_norms, "norm": self.decoder.norm})
         layer = self.decoder.layers[0]
         for name in ("input_layernorm", "qkv_proj", "qkv_bias", "o_proj", "post_attention_layernorm", "gate_up_proj",
                      "down_proj"):
@@ -131,14 +179,18 @@ class EagleHead(nn.Module):
         """dtype: the weights' dtype in the file (default: as they are); load casts them to the target's."""
         if self.on_integer_kernels:
             raise ValueError("EagleHead.save: a head on the integer kernels holds Q8_0 copies; save the float head")
-        save_head(path, "eagle", self.trained_state(), self.draft_vocab, self.target_config, {}, dtype)
+        extra = {"feature_layers": ",".join(map(str, self.feature_layers))} if self.feature_layers else {}
+        save_head(path, "eagle", self.trained_state(), self.draft_vocab, self.target_config, extra, dtype)
 
     @classmethod
     def load(cls, path, target: LlamaForCausalLM) -> "EagleHead":
         """The head in `path` for `target`; on the target's integer kernels (use_integer_kernels) when the target
         keeps its LM head as GGUF blocks with 8-bit activations."""
         tensors, meta = load_head(path, "eagle", target)
-        head = cls(target, tensors.pop("draft_vocab"))
+        layers = meta.get("feature_layers")
+        if layers is not None and not all(part.isdigit() for part in layers.split(",")):
+            raise ValueError(f"{path}: metadata feature_layers must be comma-separated layer indices, got {layers!r}")
+        head = cls(target, tensors.pop("draft_vocab"), tuple(map(int, layers.split(","))) if layers else None)
         copy_trained_state(path, head.trained_state(), tensors)
         if isinstance(target.lm_head, QuantizedWeight) and target.activations == "int8":
             head.use_integer_kernels(target)

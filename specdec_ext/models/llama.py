@@ -330,8 +330,10 @@ class LlamaForCausalLM(nn.Module):
         positions cache_seqlens[b] + i, or + depth with a tree_mask [Q, Q] / [B, Q, Q] bool). cache_seqlens is not
         advanced: the caller advances or truncates. cache_rows: which requests of the cache the B rows are.
         logits_indices [B, n] (or [n]): the positions to score (default all Q; a prefill needs the last only).
-        Returns logits [B, Q or n, V] float32, and the last layer's hidden states [B, Q, H] with
-        output_hidden_states (before the final norm, as EAGLE-style heads take them). inputs_embeds [B, Q, H]
+        Returns logits [B, Q or n, V] float32, and with output_hidden_states the last layer's hidden states [B, Q, H]
+        (True: before the final norm, as EAGLE-style heads take them) or, given layer indices (l1, l2, ...), the
+        residual stream after each of those layers side by side [B, Q, len x H] (EAGLE-3's low, middle and high
+        features). inputs_embeds [B, Q, H]
         instead of input_ids: the first layer's input (a draft head's own input projection). kv_cache None: each
         row is a whole sequence from position 0, attended causally by torch (differentiable, for training).
         Token ids outside the vocabulary raise ValueError: checked on the CPU always, on CUDA in strict mode
@@ -361,13 +363,16 @@ class LlamaForCausalLM(nn.Module):
             x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, added into in place
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps, layers = c.rms_norm_eps, self.layers
+        capture = self.check_capture(output_hidden_states)
+        captured = x.new_empty(b, n, len(capture) * c.hidden_size) if capture else None  # [B, Q, len x H]
         step = self.cpu_step_args(x, kv_cache, cache_rows, n, qo_indptr) if fused else None
         if step is not None:  # the same ops in one C++ call (cpu/llama_layers.cpp)
             weights, formats, parts, biases, activations, k, v, table, start, stop = step
             x = torch.ops.specdec_internal.llama_layers(
                 x, cos, sin, weights, formats, parts, biases, [layer.input_layernorm for layer in layers],
                 [layer.post_attention_layernorm for layer in layers], eps, hq, hkv, activations, k, v, seqlens, table,
-                start, stop, tree_mask if tree_mask is None else tree_mask.contiguous(), qo_indptr)
+                start, stop, tree_mask if tree_mask is None else tree_mask.contiguous(), qo_indptr, captured,
+                list(capture))
             layers = []
         else:
             h = rms_norm(x, layers[0].input_layernorm, eps)
@@ -381,13 +386,31 @@ class LlamaForCausalLM(nn.Module):
                 x, h = add_rms_norm(x, mlp, layers[i + 1].input_layernorm, eps, fused)
             else:
                 x = x + mlp
-        hidden = x
+            if i in capture:
+                j = capture.index(i) * c.hidden_size
+                if torch.is_grad_enabled() and x.requires_grad:
+                    captured = torch.cat((captured[..., :j], x, captured[..., j + c.hidden_size:]), -1)
+                else:
+                    captured[..., j:j + c.hidden_size].copy_(x)  # x is added into in place (fused)
+        hidden = x if not capture else captured
         if logits_indices is not None:
             idx = logits_indices.to(device=x.device, dtype=torch.long)
             idx = idx.expand(b, -1) if idx.dim() == 1 else idx
             x = x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
-        return (logits, hidden) if output_hidden_states else logits
+        return (logits, hidden) if output_hidden_states is not False else logits
+
+    def check_capture(self, output_hidden_states) -> tuple:
+        """The layers whose outputs the forward returns side by side: () for a bool output_hidden_states."""
+        if isinstance(output_hidden_states, bool):
+            return ()
+        layers = self.config.num_hidden_layers
+        if not isinstance(output_hidden_states, tuple) or not output_hidden_states or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in output_hidden_states) \
+                or len(set(output_hidden_states)) != len(output_hidden_states):
+            raise ValueError(f"LlamaForCausalLM: output_hidden_states must be a bool or a tuple of distinct layer "
+                             f"indices in [0, {layers}), got {output_hidden_states!r}")
+        return output_hidden_states
 
     def cpu_step_args(self, x, kv_cache, rows: slice, n: int, qo_indptr):
         """The arguments of the C++ layer loop (torch.ops.specdec_internal.llama_layers) for this forward, or None
@@ -423,11 +446,11 @@ class LlamaForCausalLM(nn.Module):
             table = table[rows]
         return weights, formats, parts, biases, modes.pop() if modes else "float", k, v, table, start, stop
 
-    def prefill(self, kv_cache, rows: list, token_lists: list, *, output_hidden_states: bool = False):
+    def prefill(self, kv_cache, rows: list, token_lists: list, *, output_hidden_states: bool | tuple = False):
         """Writes token_lists[i] into cache row rows[i] after its current length and advances it: every list in
         one forward (the flat form: a ragged batch), lists longer than verify_attention's limit in chunks of it,
         one forward per chunk (empty lists are skipped). Returns the number of forwards run, and with
-        output_hidden_states also each list's last-layer hidden states [n_i, H]."""
+        output_hidden_states also each list's hidden states [n_i, H] (or [n_i, len x H] for layer indices: forward)."""
         device, chunk = self.device, MAX_ATTENTION_QUERIES
         hidden_states = [[] for _ in rows]
         forwards, start = 0, 0
@@ -444,7 +467,8 @@ class LlamaForCausalLM(nn.Module):
             order = sorted(step, key=lambda item: rows[item[0]])  # the flat rows go in cache-row order
             ids = upload([t for _, tokens in order for t in tokens], torch.long, device).unsqueeze(0)
             rows_span = slice(span.start, span.stop)
-            _, hidden = self(ids, kv_cache, qo_indptr=qo_indptr, cache_rows=rows_span, output_hidden_states=True,
+            _, hidden = self(ids, kv_cache, qo_indptr=qo_indptr, cache_rows=rows_span,
+                             output_hidden_states=output_hidden_states or True,
                              logits_indices=upload([qo_indptr[-1] - 1], torch.long, device))
             for i, _ in step:
                 first = qo_indptr[rows[i] - span.start]
@@ -454,7 +478,8 @@ class LlamaForCausalLM(nn.Module):
             start += chunk
         if not output_hidden_states:
             return forwards
-        empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device)
+        width = self.config.hidden_size * max(1, len(self.check_capture(output_hidden_states)))
+        empty = torch.empty(0, width, dtype=self.dtype, device=device)
         return forwards, [torch.cat(h) if len(h) > 1 else (h[0] if h else empty) for h in hidden_states]
 
     # Loaders (loaders.py); here so that they read as the class's constructors.

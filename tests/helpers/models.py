@@ -15,7 +15,7 @@ import transformers
 
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.models import LlamaForCausalLM, default_model_path, load_tokenizer
-from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
+from specdec_ext.models.draft_heads import EagleHead, MedusaHeads, eagle3_layers
 
 # ----------------------------------------------------------------------------------------------------- shared models
 
@@ -110,8 +110,11 @@ def random_medusa(target, vocab, num_heads, seed):
 
 
 def make_drafter(name, target, vocab, seed=0):
-    if name == "eagle":
-        return EagleDrafter(target, EagleHead(target, vocab).init_weights(torch.Generator().manual_seed(seed)))
+    """"eagle" (an EAGLE-1 head), "eagle3" (EAGLE-3 features: the target's low, middle and high layers) or "medusa",
+    with random weights."""
+    if name in ("eagle", "eagle3"):
+        layers = eagle3_layers(target.config.num_hidden_layers) if name == "eagle3" else None
+        return EagleDrafter(target, EagleHead(target, vocab, layers).init_weights(torch.Generator().manual_seed(seed)))
     return MedusaDrafter(target, random_medusa(target, vocab, 4, seed))
 
 
