@@ -45,7 +45,7 @@ def drafter_of(name, target):
 
 
 CASES = [(d, shape) for d in ("ngram", "model", "eagle", "medusa") for shape in ("k=3", "adaptive")] + \
-        [(d, "tree") for d in ("ngram", "eagle", "medusa")]
+        [(d, "tree") for d in ("ngram", "eagle", "eagle3", "medusa")]
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])

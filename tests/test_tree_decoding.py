@@ -60,7 +60,7 @@ def test_best_tree_keeps_the_best_nodes_best_first():
 # ------------------------------------------------------------------------------------------------------ greedy
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "ngram"])
 def test_greedy_tree_decoding_equals_plain_decoding(target, name, paged, monkeypatch):
     """7 ragged prompts (one of a single token) through 3 slots, finishing at different rounds; the stats of the
     rounds add up to the emitted tokens."""
@@ -92,7 +92,8 @@ def test_greedy_tree_decoding_equals_plain_decoding(target, name, paged, monkeyp
 # ------------------------------------------------------------------------------------------------ lossless law
 
 @pytest.mark.parametrize("case", list(LAW_CASES))
-@pytest.mark.parametrize("name", [pytest.param("eagle", marks=pytest.mark.slow), "ngram"])
+@pytest.mark.parametrize("name", [pytest.param("eagle", marks=pytest.mark.slow),
+                                  pytest.param("eagle3", marks=pytest.mark.slow), "ngram"])
 def test_law_of_the_first_tokens_is_the_targets_with_trees(name, case):
     """As test_speculative_decoding's law test (70,000 or 50,000 seeds by case, chi-square over the 512 sequences of
     3 tokens, power >= 0.9 against a 1% bias, checked by assert_law), with tree rounds of up to 8 nodes, depth 2 and
@@ -100,8 +101,8 @@ def test_law_of_the_first_tokens_is_the_targets_with_trees(name, case):
     distribution. The n-gram trie branches on LAW_PROMPT; EAGLE's head (slow: its draft steps are head forwards) sees
     5 of the 8 tokens, the others coming through the residual. Mutation run once: handing the tree op the target's
     unmasked logits fails the top-k/top-p case (a masked token is emitted)."""
-    target = law_target()
-    drafter = make_drafter("eagle", target, torch.tensor([0, 2, 4, 5, 7]), seed=11) if name == "eagle" \
+    target = law_target(2 if name == "eagle3" else 1)
+    drafter = make_drafter(name, target, torch.tensor([0, 2, 4, 5, 7]), seed=11) if name.startswith("eagle") \
         else NgramDrafter(2, 1)
     counts, law, acceptance = sample_first_tokens(target, drafter, case,
                                                   tree=dict(num_nodes=8, depth=2, branching=3))

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "compat_vllm": (),
     "compat_vllm_v2": (),
     "cpu_forward": (),
+    "draft_heads": (),
     "e2e": (),
     "philox_uniform": ("philox",),
     "quantized_linear": (),

@@ -42,8 +42,9 @@ LAW_TARGET = dict(vocab=LAW_VOCAB, layers=1, seed=99, logit_scale=0.15)
 LAW_DRAFT = dict(vocab=LAW_VOCAB, layers=1, hidden=32, seed=5, logit_scale=0.15)
 
 
-def law_target() -> LlamaForCausalLM:
-    return tiny_model(**LAW_TARGET)
+def law_target(layers: int = 1) -> LlamaForCausalLM:
+    """The law target; layers=2 its two-layer twin (an EAGLE-3 head needs two layers to read)."""
+    return tiny_model(**{**LAW_TARGET, "layers": layers})
 
 
 def law_draft() -> LlamaForCausalLM:
@@ -97,7 +98,8 @@ def sample_first_tokens(target, drafter, case: str, tree=None, sampling: str = "
     verified as `sampling` says: the counts of their first LAW_TOKENS tokens (a dict over every sequence, as the
     law), the exact law, and the acceptance rate."""
     temperature, top_k, top_p = LAW_CASES[case]
-    law = exact_law(temperature, top_k, top_p)
+    law = exact_law(temperature, top_k, top_p) if target is law_target() else \
+        exact_law_of(target, temperature, top_k, top_p)
     per_call = 5000
     dec = SpeculativeDecoder(target, drafter, 2, adaptive=False, max_batch_size=per_call, tree=tree,
                              sampling=sampling)
