@@ -66,15 +66,19 @@ class TargetFeatures:
     def build(cls, target, data: DraftData, folder, layers: tuple, *, tokens_per_batch: int = 2048,
               progress: bool = True) -> "TargetFeatures":
         """Runs every sequence through the target (whole sequences, no cache; batches of similar lengths) into
-        `folder`; sequences already done (done.npy) are skipped, so an interrupted build resumes."""
+        `folder`; sequences already done (done.npy) are skipped, so an interrupted build resumes. A folder that
+        holds these data's features at more layers than asked serves as it is (Medusa reads EAGLE-3's folder)."""
         from tqdm import tqdm
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         total, width = len(data.tokens), len(layers) * target.config.hidden_size
         meta = {"layers": list(layers), "tokens": total, "sequences": len(data), "top_k": TOP_K}
-        if (folder / "meta.json").exists() and json.loads((folder / "meta.json").read_text()) != meta:
-            raise ValueError(f"{folder}: features of other data or layers; remove it or choose another folder")
+        if (folder / "meta.json").exists():
+            held = json.loads((folder / "meta.json").read_text())
+            if {**held, "layers": meta["layers"]} != meta or not set(layers) <= set(held["layers"]):
+                raise ValueError(f"{folder}: features of other data or layers; remove it or choose another folder")
+            layers, width = tuple(held["layers"]), len(held["layers"]) * target.config.hidden_size
         if not (folder / "meta.json").exists():
             for name, shape, dtype in (("features", (total, width), np.float16), ("top_ids", (total, TOP_K), np.int32),
                                        ("top_probs", (total, TOP_K), np.float16), ("done", (len(data),), np.bool_)):

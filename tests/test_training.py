@@ -148,8 +148,13 @@ def test_target_features_are_the_targets_and_resume(setup, tmp_path):
     out.flush()
     resumed = TargetFeatures.build(target, data, tmp_path, layers, tokens_per_batch=100, progress=False)
     assert (resumed.features == copy.features).all() and (resumed.features == features.features).all()
+    # A folder with more layers serves a head that reads fewer; one of other data is refused.
+    assert TargetFeatures.build(target, data, tmp_path, layers[-1:], progress=False).layers == layers
+    fewer = DraftData(tokens=data.tokens[:int(data.offsets[3])], offsets=data.offsets[:4],
+                      answer_start=data.answer_start[:3], source=data.source[:3], split=data.split[:3],
+                      greedy=data.greedy[:3])
     with pytest.raises(ValueError, match="other data or layers"):
-        TargetFeatures.build(target, data, tmp_path, layers[:1], progress=False)
+        TargetFeatures.build(target, fewer, tmp_path, layers, progress=False)
 
 
 def test_vocabulary_and_coverage(setup):
