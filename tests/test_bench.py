@@ -208,6 +208,25 @@ def test_verify_attention_rows_state_bytes_floor_and_split_plan(parser, tmp_path
         assert "flashinfer_us" not in r
 
 
+def test_draft_heads_rows(parser, tmp_path):
+    """The shipped heads on 2 held-out chat prompts, 8 tokens: a greedy row equals plain decoding's tokens, its
+    acceptance is a mean acceptance length, its speed-up the ratio of the two rates."""
+    out = tmp_path / "heads.json"
+    args = parse(parser, ["bench", "draft_heads", "--prompts", "2", "--new-tokens", "8", "--weights", "kept-Q4_1",
+                          "--heads", "eagle,medusa", "--shapes", "chain k=4,tree", "--sampling", "greedy,sampled",
+                          "--repeats", "1", "--json", str(out)])
+    assert args.fn(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["head"], r["shape"], r["sampling"]) for r in rows] == [
+        (h, s, m) for m in ("greedy", "sampled") for h in ("eagle", "medusa") for s in ("chain k=4", "tree")]
+    for r in rows:
+        assert r["same_as_plain"] is True if r["sampling"] == "greedy" else r["same_as_plain"] == "-"
+        assert 1.0 <= r["mean_acceptance_length"] <= 5.0
+        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["plain_tok_s"])
+    with pytest.raises(ValueError, match="--shapes"):
+        benchmarks.module("draft_heads").main(parse(parser, ["bench", "draft_heads", "--shapes", "star"]))
+
+
 def test_verify_attention_layouts_run_at_tiny_sizes(parser, tmp_path):
     out = tmp_path / "layouts.json"
     args = parse(parser, ["bench", "attention", "--layouts", "--batch", "2", "--contexts", "32", "--device", "cpu",

@@ -5,9 +5,19 @@ seed, target-written questions are cleaned as documented, and the file round-tri
 import pytest
 import torch
 
-from specdec_ext.draft_data import (DraftData, check_heldout, clean_question, heldout_chat_prompts, heldout_ngrams,
-                                    heldout_prompts, prompt_seeds, question_requests, stdlib_docstrings,
-                                    template_prompts, word_ngrams)
+from specdec_ext.draft_data import (
+    DraftData,
+    check_heldout,
+    clean_question,
+    heldout_chat_prompts,
+    heldout_ngrams,
+    heldout_prompts,
+    prompt_seeds,
+    question_requests,
+    stdlib_docstrings,
+    template_prompts,
+    word_ngrams,
+)
 from specdec_ext.training import load_prompts
 
 
@@ -63,7 +73,8 @@ def test_stdlib_docstrings_are_read_without_importing():
 
 def test_file_round_trip_and_errors(tmp_path):
     data = DraftData(tokens=torch.arange(10, dtype=torch.int32), offsets=torch.tensor([0, 4, 10]),
-                     answer_start=torch.tensor([2, 0], dtype=torch.int32), source=torch.tensor([1, 3], dtype=torch.int8),
+                     answer_start=torch.tensor([2, 0], dtype=torch.int32),
+                     source=torch.tensor([1, 3], dtype=torch.int8),
                      split=torch.tensor([1, 0], dtype=torch.int8), greedy=torch.tensor([True, False]),
                      recipe={"seed": 3})
     data.save(tmp_path / "d.safetensors")

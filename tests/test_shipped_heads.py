@@ -6,11 +6,11 @@ import pytest
 
 from helpers.models import shipped_model
 from specdec_ext import SpeculativeDecoder
+from specdec_ext.draft_data import heldout_chat_prompts
 from specdec_ext.drafters import EagleDrafter, MedusaDrafter
 from specdec_ext.factory import make_drafter, prompt_ids
 from specdec_ext.models import default_head_path, default_model_path
 from specdec_ext.models.draft_heads import EagleHead, MedusaHeads
-from specdec_ext.draft_data import heldout_chat_prompts
 
 # Mean acceptance length, greedy, k = 4, the first HELDOUT held-out chat prompts, NEW_TOKENS tokens each, measured on
 # the shipped files when they were trained (bench/RESULTS.md): EAGLE TBD, Medusa TBD (the heads before them: 1.34 and

@@ -25,17 +25,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weights", default=",".join(WEIGHTS), help=f"comma-separated, of {', '.join(WEIGHTS)}")
     parser.add_argument("--heads", default="eagle,medusa", help="comma-separated: eagle, medusa")
     parser.add_argument("--sampling", default="greedy,sampled", help="comma-separated: greedy, sampled")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     add_common_arguments(parser, repeats=3, cpu_only=True, plot=False)
 
 
-def configs(head: str):
-    """(label, SpeculativeDecoder settings) of a head's rows."""
+SHAPES = ("chain k=4", "chain adaptive", "tree", "tree adaptive")
+
+
+def settings_of(shape: str) -> dict:
+    """A row's SpeculativeDecoder settings: chains of k = 4 or adaptive k (up to 8), the default TreeSettings."""
     from specdec_ext.trees import TreeSettings
 
-    return [("chain k=4", dict(num_speculative_tokens=4, adaptive=False)),
-            ("chain adaptive", dict(num_speculative_tokens=8, adaptive=True)),
-            ("tree", dict(tree=TreeSettings(), adaptive=False)),
-            ("tree adaptive", dict(tree=TreeSettings(), adaptive=True))]
+    tree = dict(tree=TreeSettings()) if shape.startswith("tree") else dict(num_speculative_tokens=4)
+    return {**tree, "adaptive": shape.endswith("adaptive"), **({"num_speculative_tokens": 8}
+                                                              if shape == "chain adaptive" else {})}
 
 
 def main(args) -> int:
@@ -45,9 +48,12 @@ def main(args) -> int:
     from specdec_ext.models import default_model_path
 
     path, new_tokens, rows = default_model_path(), args.new_tokens, []
+    for flag, values, allowed in (("--weights", args.weights, WEIGHTS), ("--shapes", args.shapes, SHAPES),
+                                  ("--sampling", args.sampling, SAMPLING)):
+        wrong = [v for v in values.split(",") if v not in allowed]
+        if wrong:
+            raise ValueError(f"{flag}: {', '.join(map(repr, wrong))} not among {', '.join(allowed)}")
     for weights in args.weights.split(","):
-        if weights not in WEIGHTS:
-            raise ValueError(f"--weights: {weights!r} is not one of {', '.join(WEIGHTS)}")
         target, tokenizer = load(path, torch.device("cpu"), keep_quantized=weights == "kept-Q4_1")
         prompts = [prompt_ids(tokenizer, r["prompt"]) for r in heldout_chat_prompts()[:args.prompts]]
         plain = SpeculativeDecoder(target, None, max_batch_size=1)
@@ -61,8 +67,8 @@ def main(args) -> int:
 
             for head in args.heads.split(","):
                 drafter = make_drafter(head, target, path)
-                for label, settings in configs(head):
-                    dec = SpeculativeDecoder(target, drafter, max_batch_size=1, **settings)
+                for label in args.shapes.split(","):
+                    dec = SpeculativeDecoder(target, drafter, max_batch_size=1, **settings_of(label))
                     dec.generate([prompts[0]], 16, **sampling)  # warm-up (and the cost model's calibration)
                     plain.generate_autoregressive([prompts[0]], 16, **sampling)
                     spec_s, plain_s = [], []
