@@ -173,8 +173,8 @@ def test_vocabulary_and_coverage(setup):
 
 
 # name: (kind, EAGLE-3 features, autocast)
-KINDS = {"eagle3": ("eagle", True, None), "eagle3-bf16": ("eagle", True, torch.bfloat16), "eagle": ("eagle", False, None),
-         "medusa": ("medusa", False, None)}
+KINDS = {"eagle3": ("eagle", True, None), "eagle3-bf16": ("eagle", True, torch.bfloat16),
+         "eagle": ("eagle", False, None), "medusa": ("medusa", False, None)}
 
 
 @pytest.mark.parametrize("name", list(KINDS))
