@@ -11,7 +11,7 @@ Where the text comes from (everything installs here; no dataset download):
   of Python's standard library, read with `ast` (nothing imported).
 
 Held-out prompts (prompts.jsonl's "heldout" split and data/heldout_chat.jsonl) are never trained on: a training
-sequence that shares a word 8-gram with one of them is dropped, and `check_heldout` proves none is left. A
+sequence that shares a word 8-gram with one of them (or holds the whole of one shorter than 8 words) is dropped. A
 "validation" share of the generated prompts (their answers) is kept apart for choosing epochs and settings.
 
 Generation runs in shards of requests through our plain decoding with continuous batching; a shard on disk is never
@@ -75,6 +75,9 @@ def template_prompts(count: int, seed: int) -> list[dict]:
     topic of each drawn at random."""
     seeds, rng = prompt_seeds(), random.Random(seed)
     categories = sorted(seeds["templates"])
+    distinct = min(len(t) for t in seeds["templates"].values()) * len(seeds["topics"]) * len(categories)
+    if count > distinct:
+        raise ValueError(f"template_prompts: at most {distinct} distinct prompts, asked for {count}")
     rows, seen = [], set()
     while len(rows) < count:
         category = categories[len(rows) % len(categories)]
@@ -135,9 +138,19 @@ def heldout_ngrams(n: int = 8) -> set:
 
 
 def check_heldout(texts, n: int = 8) -> list[int]:
-    """The indices of `texts` that share a word n-gram with a held-out prompt (case and punctuation ignored)."""
+    """The indices of `texts` that share a word n-gram with a held-out prompt, or hold the whole of one shorter than
+    n words (case and punctuation ignored)."""
     grams = heldout_ngrams(n)
-    return [i for i, t in enumerate(texts) if word_ngrams(t, n) & grams]
+    short = [" " + " ".join(w) + " " for w in (re.findall(r"\w+", r["prompt"].lower()) for r in heldout_prompts())
+             if len(w) < n]
+
+    def shares(text: str) -> bool:
+        if word_ngrams(text, n) & grams:
+            return True
+        words = " " + " ".join(re.findall(r"\w+", text.lower())) + " "
+        return any(s in words for s in short)
+
+    return [i for i, t in enumerate(texts) if shares(t)]
 
 
 # ---------------------------------------------------------------------------------------------- generation
@@ -155,6 +168,16 @@ class DraftData:
 
     def __len__(self) -> int:
         return len(self.answer_start)
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.offsets[1:] - self.offsets[:-1]).tolist()
+
+    def fingerprint(self) -> str:
+        """A hash of the token ids and sequence bounds: the data a feature folder was made from."""
+        import hashlib
+
+        return hashlib.sha256(self.tokens.numpy().tobytes() + self.offsets.numpy().tobytes()).hexdigest()[:16]
 
     def sequence(self, i: int) -> torch.Tensor:
         return self.tokens[int(self.offsets[i]):int(self.offsets[i + 1])]
@@ -177,11 +200,14 @@ class DraftData:
 
     @classmethod
     def load(cls, path) -> "DraftData":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-            recipe = json.loads((f.metadata() or {}).get("recipe", "{}"))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                recipe = json.loads((f.metadata() or {}).get("recipe", "{}"))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise ValueError(f"{path}: not a readable draft-data file: {error}") from error
         missing = {"tokens", "offsets", "answer_start", "source", "split", "greedy"} - tensors.keys()
         if missing:
             raise ValueError(f"{path}: not a draft-data file (missing {sorted(missing)})")

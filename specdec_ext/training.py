@@ -7,7 +7,7 @@
 
 EAGLE-3 (feature_layers given, Li et al. 2025): the head reads the target's low, middle and high layers and is
 trained with "training-time test": step s of `unroll` feeds the head its own step s-1 outputs, and attends as a
-draft does at its s-th step (the target-fed pairs up to s places back, then its own draft-step pairs: ttt_forward
+draft does at its (s+1)-th step (the target-fed pairs up to s places back, then its own draft-step pairs: ttt_forward
 reproduces drafting exactly). Loss: the cross-entropy of each step's draft distribution against the target's
 (its top-k, renormalised over the draft vocabulary), step s weighted 0.8^s.
 EAGLE-1 (the last layer's features): smooth L1 between the head's predicted feature of token j+1 and the
@@ -73,7 +73,8 @@ class TargetFeatures:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         total, width = len(data.tokens), len(layers) * target.config.hidden_size
-        meta = {"layers": list(layers), "tokens": total, "sequences": len(data), "top_k": TOP_K}
+        meta = {"layers": list(layers), "tokens": total, "sequences": len(data), "top_k": TOP_K,
+                "data": data.fingerprint(), "target": target_identity(target)}
         if (folder / "meta.json").exists():
             held = json.loads((folder / "meta.json").read_text())
             if {**held, "layers": meta["layers"]} != meta or not set(layers) <= set(held["layers"]):
@@ -86,7 +87,7 @@ class TargetFeatures:
             (folder / "meta.json").write_text(json.dumps(meta))
         done = np.load(folder / "done.npy", mmap_mode="r+")
         out = {name: np.load(folder / f"{name}.npy", mmap_mode="r+") for name in ("features", "top_ids", "top_probs")}
-        lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+        lengths = data.lengths
         order = sorted((i for i in range(len(data)) if not done[i]), key=lambda i: lengths[i])
         bar = tqdm(total=sum(lengths[i] for i in order), desc="target features", unit="tok", disable=not progress)
         while order:
@@ -95,6 +96,9 @@ class TargetFeatures:
                 batch.append(order.pop())
             tokens, valid = padded_tokens(data, batch)
             logits, hidden = target(tokens.to(target.device), None, output_hidden_states=layers)
+            if hidden.float().abs().max() > 65504:  # float16's largest
+                raise ValueError("TargetFeatures: the target's features overflow float16; this model's residual "
+                                 "stream is too large to store as they are")
             top = logits.softmax(-1).topk(TOP_K)
             for r, i in enumerate(batch):
                 a, b, n = int(data.offsets[i]), int(data.offsets[i + 1]), lengths[i]
@@ -126,6 +130,14 @@ class TargetFeatures:
             top_ids[r, :e - a], top_probs[r, :e - a] = self.top_ids[a:e], self.top_probs[a:e]
         return (tokens.to(device), torch.from_numpy(features).to(device=device, dtype=dtype), valid.to(device),
                 torch.from_numpy(top_ids).to(device), torch.from_numpy(top_probs).to(device))
+
+
+def target_identity(target) -> dict:
+    """What a feature folder records of the target that made it: its shape, dtype and how its weights multiply."""
+    from .cost_tables import table_key
+
+    key = table_key(target)
+    return json.loads(json.dumps({k: key[k] for k in ("config", "dtype", "weights")}, default=str))
 
 
 def padded_tokens(data: DraftData, idx: list):
@@ -237,6 +249,8 @@ def eagle3_loss(head, tokens, features, valid, top_ids, top_probs, remap, unroll
         rows = valid[:, 1:] & has_mass & (p >= s)
         ce = -(probs * logits.log_softmax(-1).gather(-1, index)).sum(-1)
         losses.append((ce * rows).sum() / rows.sum().clamp(min=1))
+    if not losses:  # one-token sequences only: nothing to score (a zero that still has a graph)
+        return sum(p.sum() * 0.0 for p in head.fc.parameters()), losses
     return sum(0.8 ** s * loss for s, loss in enumerate(losses)), losses
 
 
@@ -286,7 +300,7 @@ def chain_acceptance(head: EagleHead, features: TargetFeatures, indices: list, k
     token there. The rounds are the decoder's: the first after the prompt's last token, each next after the last
     token the one before emitted, k capped by the tokens left (GenerationStats.mean_acceptance_length)."""
     data = features.data
-    lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    lengths = data.lengths
     accepted = rounds = 0
     for idx in batches(indices, lengths, tokens_per_batch, torch.Generator().manual_seed(0)):
         tokens, feats, valid, top_ids, _ = features.batch(idx, head.feature_layers or features.layers[-1:], device,
@@ -296,13 +310,16 @@ def chain_acceptance(head: EagleHead, features: TargetFeatures, indices: list, k
         hits = [head.draft_vocab[logits.argmax(-1)] == greedy for logits in ttt_forward(head, tokens, feats, k)]
         run = torch.zeros(len(idx), n, dtype=torch.long)  # [B, n]: accepted drafts of a round at row p
         alive = torch.ones(len(idx), n, dtype=torch.bool)
-        for s, hit in enumerate(hits):  # step s drafts at row p + s
+        for s, hit in enumerate(hits[:n]):  # step s drafts at row p + s
             alive[:, :n - s] &= hit[:, s:].cpu()
             alive[:, n - s:] = False
             run += alive
         for r, i in enumerate(idx):
             length, p = lengths[i], int(data.answer_start[i]) - 2
             while length - (p + 2) > 0:  # tokens p + 2 .. length - 1 left to emit
+                if p < 0:  # a one-token prompt: no feature yet, so its first round drafts nothing
+                    p += 1
+                    continue
                 asked = min(k, length - (p + 2) - 1)
                 taken = min(int(run[r, p]), asked) if asked else 0
                 accepted, rounds = accepted + taken, rounds + (asked > 0)
@@ -373,10 +390,18 @@ def train(kind: str, target, features: TargetFeatures, draft_vocab: torch.Tensor
         p.requires_grad_(True)
     optimiser = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     data = features.data
-    lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    lengths = data.lengths
     train_idx, validation_idx = data.indices("train"), data.indices("validation", greedy_only=True)
-    steps_per_epoch = sum(1 for _ in batches(train_idx, lengths, tokens_per_batch, torch.Generator().manual_seed(0)))
-    total_steps = epochs * steps_per_epoch
+    if not train_idx:
+        raise ValueError("train: the data hold no training sequences")
+    # Every epoch's batches, a function of (seed, epoch): a resumed run sees the same ones (their count varies).
+    orders = [list(batches(train_idx, lengths, tokens_per_batch, torch.Generator().manual_seed(seed * 1000 + epoch)))
+              for epoch in range(epochs)]
+    first_step = [sum(len(o) for o in orders[:epoch]) for epoch in range(epochs + 1)]
+    total_steps = first_step[-1]
+    settings = {"kind": kind, "feature_layers": list(feature_layers or ()), "epochs": epochs, "lr": lr, "seed": seed,
+                "tokens_per_batch": tokens_per_batch, "unroll": unroll, "num_heads": num_heads, "noise": noise,
+                "autocast": str(autocast), "draft_vocab": draft_vocab.tolist(), "sequences": len(data)}
     warmup = min(50, max(1, total_steps // 20))  # linear warm-up, then a cosine to 0
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimiser,
@@ -384,6 +409,10 @@ def train(kind: str, target, features: TargetFeatures, draft_vocab: torch.Tensor
     step, log, epochs_log = 0, [], []
     if resume and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=False)
+        changed = sorted(k for k in settings if state.get("settings", {}).get(k) != settings[k])
+        if changed or len(state["params"]) != len(params):
+            raise ValueError(f"{checkpoint}: made with other settings ({', '.join(changed) or 'parameters'}); resume "
+                             f"with the same ones or train into another folder")
         with torch.no_grad():
             for p, saved in zip(params, state["params"]):
                 p.copy_(saved)
@@ -394,14 +423,15 @@ def train(kind: str, target, features: TargetFeatures, draft_vocab: torch.Tensor
 
     def save_checkpoint():
         torch.save({"params": [p.detach().clone() for p in params], "optimiser": optimiser.state_dict(),
-                    "schedule": schedule.state_dict(), "step": step, "log": log, "epochs": epochs_log}, checkpoint)
+                    "schedule": schedule.state_dict(), "step": step, "log": log, "epochs": epochs_log,
+                    "settings": settings}, checkpoint)
 
     start = time.perf_counter()
     bar = tqdm(total=total_steps, initial=step, desc=f"training {kind}", disable=not progress)
-    for epoch in range(step // steps_per_epoch, epochs):
-        # The epoch's batch order is a function of (seed, epoch): a resumed run sees the same batches.
-        order = list(batches(train_idx, lengths, tokens_per_batch, torch.Generator().manual_seed(seed * 1000 + epoch)))
-        for idx in order[step - epoch * steps_per_epoch:]:
+    for epoch in range(epochs):
+        if step >= first_step[epoch + 1]:
+            continue
+        for idx in orders[epoch][step - first_step[epoch]:]:
             if stop_after is not None and step >= stop_after:
                 save_checkpoint()
                 bar.close()

@@ -111,6 +111,16 @@ def test_head_files_round_trip_and_refuse_another_model(target, tmp_path):
     got = SpeculativeDecoder(target, EagleDrafter(target, eagle2), 3, adaptive=False).generate(prompts, 10,
                                                                                              temperature=0.8)
     assert got.sequences == want.sequences and got.stats.num_accepted_tokens == want.stats.num_accepted_tokens
+    # An EAGLE-3 head: its fusion, norms and feature layers round-trip too; an EAGLE-1 file stays one.
+    eagle3 = EagleHead(target, vocab, (0, 1)).init_weights(torch.Generator().manual_seed(6))
+    eagle3.save(tmp_path / "eagle3.safetensors")
+    eagle3b = EagleHead.load(tmp_path / "eagle3.safetensors", target)
+    assert eagle3b.feature_layers == (0, 1) and eagle2.feature_layers is None
+    assert {"fuse.weight", "fuse_norms", "norm"} <= eagle3b.trained_state().keys()
+    assert all(torch.equal(eagle3.trained_state()[k], v) for k, v in eagle3b.trained_state().items())
+    for bad in ((0,), (0, 0), (0, 5), 3, [True, 1]):
+        with pytest.raises(ValueError, match="feature_layers"):
+            EagleHead(target, vocab, bad)
     wider = LlamaForCausalLM.from_hf(tiny_hf(seed=1, hidden=96))
     other_vocab = LlamaForCausalLM.from_hf(tiny_hf(seed=1, vocab=100))
     for other, what in ((wider, "hidden_size"), (other_vocab, "vocab_size")):

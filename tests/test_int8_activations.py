@@ -289,6 +289,40 @@ def test_default_activations_and_medusa_training_on_a_kept_target(tmp_path):
     assert float((decoded - trained.detach()).abs().max()) <= 0.05 * float(trained.detach().abs().max())
 
 
+def test_eagle3_head_on_the_integer_kernels_round_trips_and_equals_plain(tmp_path):
+    """An EAGLE-3 head saved, then loaded onto a target kept quantised with 8-bit activations: its fuse, fc and layer
+    become Q8_0, its LM head the target's blocks, and greedy chains and trees with it equal plain greedy decoding."""
+    from test_quantized_linear import write_mixed_gguf
+
+    from helpers.models import random_prompts
+    from specdec_ext import EagleDrafter, SpeculativeDecoder
+    from specdec_ext.engine import generate_autoregressive
+    from specdec_ext.models import LlamaForCausalLM
+    from specdec_ext.models.draft_heads import EagleHead, eagle3_layers
+    from specdec_ext.models.quantized import QuantizedWeight
+    from specdec_ext.trees import TreeSettings
+
+    kept = LlamaForCausalLM.from_pretrained(write_mixed_gguf(tmp_path, tied=False), keep_quantized=True)
+    layers = eagle3_layers(kept.config.num_hidden_layers)
+    head = EagleHead(kept, torch.arange(0, kept.config.vocab_size, 2), layers).init_weights(
+        torch.Generator().manual_seed(8))
+    head.save(tmp_path / "eagle3.safetensors")
+    loaded = EagleHead.load(tmp_path / "eagle3.safetensors", kept)
+    assert loaded.feature_layers == layers and loaded.on_integer_kernels
+    assert isinstance(loaded.fuse_blocks, QuantizedWeight) and isinstance(loaded.decoder.lm_head, QuantizedWeight)
+    float_head = EagleHead(kept, head.draft_vocab, layers)
+    with torch.no_grad():
+        for name, t in head.trained_state().items():
+            float_head.trained_state()[name].copy_(t)
+    assert all(torch.equal(a, b) for a, b in zip(head.trained_state().values(), float_head.trained_state().values()))
+    prompts = random_prompts(3, [6, 11], vocab=kept.config.vocab_size)
+    plain = generate_autoregressive(kept, prompts, 20).sequences
+    for settings in (dict(num_speculative_tokens=3, adaptive=False), dict(tree=TreeSettings(num_nodes=8),
+                                                                          adaptive=False)):
+        out = SpeculativeDecoder(kept, EagleDrafter(kept, loaded), max_batch_size=2, **settings).generate(prompts, 20)
+        assert out.sequences == plain and out.stats.num_draft_tokens > 0
+
+
 def test_the_policy_guard_is_for_targets_whose_rows_do_not_depend_on_the_block(tmp_path):
     """SpeculativeDecoder enables the policy's wall-time guard only for a CPU target whose every projection and LM
     head are kept with 8-bit activations (rows with the same bits in any verify block)."""

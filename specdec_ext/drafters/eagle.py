@@ -33,7 +33,7 @@ class EagleDrafter(Drafter):
         if target is not self.target:
             raise ValueError("EagleDrafter: made for another target model than the decoder's")
         self.cache = self.state.bind(self.head.decoder, slots, capacity, paged, num_pages, cuda_graphs=False)
-        self.pending = [[] for _ in range(slots)]  # target features not yet fed: [n, H] tensors
+        self.pending = [[] for _ in range(slots)]  # target features not yet fed: [n, feature_width] tensors
 
     def check_tree(self, tree) -> None:
         if (tree.depth - 1) * tree.branching > MAX_TREE_NODES:  # the draft block holds every expanded node
@@ -60,7 +60,10 @@ class EagleDrafter(Drafter):
             indices = torch.arange(rows, device=self.target.device)
             return lambda: self.head(tokens, features, cache, logits_indices=indices)
 
-        return {**table_key(self.head.decoder), "drafter": "eagle head"}, prepare
+        key = {**table_key(self.head.decoder), "drafter": "eagle head"}
+        if self.head.feature_layers:  # EAGLE-3's step also fuses the target's layers
+            key["feature_layers"] = list(self.head.feature_layers)
+        return key, prepare
 
     @torch.no_grad()
     def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:

@@ -17,8 +17,8 @@ def default_model_path() -> Path:
     return path
 
 
-# Draft heads trained for the shipped model by `specdec train-draft` (bench/RESULTS.md has the command), shipped
-# inside this package.
+# Draft heads trained for the shipped model by `specdec draft-data` and `specdec train-draft` (docs/decoding.md and
+# bench/RESULTS.md have the commands), shipped inside this package.
 HEAD_FILES = {"eagle": "smollm2-135m-instruct.eagle.safetensors",
               "medusa": "smollm2-135m-instruct.medusa.safetensors"}
 

@@ -48,7 +48,10 @@ def eagle3_layers(num_layers: int) -> tuple:
     """EAGLE-3's low, middle and high layers (outputs of layers 2, L/2 and L-3, 0-based), distinct and sorted."""
     if num_layers < 2:
         raise ValueError(f"EAGLE-3 features need a target of at least 2 layers, got {num_layers}")
-    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
+    chosen = {min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}
+    if len(chosen) < min(3, num_layers):  # a shallow target (4 or 5 layers): its first, middle and last
+        chosen = {0, (num_layers - 1) // 2, num_layers - 1}
+    return tuple(sorted(chosen))
 
 
 class EagleHead(nn.Module):
@@ -57,12 +60,15 @@ class EagleHead(nn.Module):
         c = target.config
         self.draft_vocab = check_draft_vocab(draft_vocab, c.vocab_size, "EagleHead").to(target.device)
         if feature_layers is not None:
+            problem = f"EagleHead: feature_layers must be at least 2 distinct layer indices in [0, " \
+                      f"{c.num_hidden_layers}), got {feature_layers!r}"
+            if not isinstance(feature_layers, (list, tuple)) or len(feature_layers) < 2:
+                raise ValueError(problem)
             feature_layers = tuple(feature_layers)
-            if len(feature_layers) < 2 or len(set(feature_layers)) != len(feature_layers) or any(
-                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < c.num_hidden_layers
-                    for i in feature_layers):
-                raise ValueError(f"EagleHead: feature_layers must be at least 2 distinct layer indices in "
-                                 f"[0, {c.num_hidden_layers}), got {feature_layers!r}")
+            try:
+                target.check_capture(feature_layers)  # distinct indices of the target's layers
+            except ValueError:
+                raise ValueError(problem) from None
         self.feature_layers = feature_layers
         n = len(feature_layers or ())
         # One decoder layer whose tied "embedding" is the restricted LM head: its forward runs on inputs_embeds.
