@@ -247,13 +247,14 @@ def test_law_of_the_first_tokens_on_the_int8_path(tmp_path):
     law draft (k = 2, rejection sampling, T = 1, 70,000 requests): its first 3 tokens against the exact law of that
     int8 model (helpers/laws.py: power >= 0.9 against the hardest 1% bias, checked by assert_law)."""
     from helpers.chi_square import assert_law
-    from helpers.laws import exact_law_of, law_draft, law_target_int8, sample_first_tokens
+    from helpers.laws import exact_law, exact_law_of, law_draft, law_target_int8, sample_first_tokens
     from specdec_ext import ModelDrafter
 
     target = law_target_int8(tmp_path)
     assert target.activations == "int8"
-    counts, float_law, acceptance = sample_first_tokens(target, ModelDrafter(law_draft()), "T=1")
-    law = exact_law_of(target, 1.0, 0, 1.0)
+    counts, law, acceptance = sample_first_tokens(target, ModelDrafter(law_draft()), "T=1")
+    assert law == exact_law_of(target, 1.0, 0, 1.0)  # the law of the target sampled, not the float one's
+    float_law = exact_law(1.0, 0, 1.0)
     assert 0.1 < acceptance < 0.95, acceptance
     assert max(abs(law[s] - float_law[s]) for s in law) > 1e-6  # the int8 model's law is its own
     assert_law(counts, law)

@@ -100,7 +100,7 @@ def test_kept_models_equal_the_python_loop(tmp_path, activations, paged, monkeyp
     assert_same(got, forwards(model, torch.Generator().manual_seed(gen.initial_seed()), paged))
 
 
-def test_where_the_python_loop_runs(tmp_path):
+def test_where_the_python_loop_runs(tmp_path, monkeypatch):
     from specdec_ext import sim
 
     model = tiny_model()
@@ -111,7 +111,7 @@ def test_where_the_python_loop_runs(tmp_path):
     assert model.cpu_step_args(x, None, slice(None), 1, None) is None  # no cache: training
     assert model.cpu_step_args(x, object(), slice(None), 1, None) is None  # an engine's cache
     assert model.cpu_step_args(x, model.new_kv_cache(3, 8), slice(0, 3, 2), 1, None) is None  # rows with a step
-    model.ops = sim
+    monkeypatch.setattr(model, "ops", sim)  # the shared model: restored after the test
     assert model.cpu_step_args(x, cache, slice(None), 1, None) is None  # the emulated CUDA kernels
     kept = LlamaForCausalLM.from_pretrained(write_mixed_gguf(tmp_path, tied=True), keep_quantized=True)
     kept.layers[0].o_proj.activations = "float"  # one weight unlike the others
