@@ -122,7 +122,8 @@ setup(
     description="CUDA kernels for lossless speculative decoding: verify attention, rejection sampling, KV-cache "
                 "truncation",
     packages=find_packages(include=["specdec_ext", "specdec_ext.*"]),
-    package_data={"specdec_ext": ["data/*.json", "data/*.jsonl", "data/*.safetensors"]},  # the prompt set, the trained heads
+    # The prompt sets and seeds, the trained heads.
+    package_data={"specdec_ext": ["data/*.json", "data/*.jsonl", "data/*.safetensors"]},
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     python_requires=">=3.10",
