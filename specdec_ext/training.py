@@ -22,26 +22,18 @@ the validation split's teacher-forced chain acceptance per epoch into the log.
 import json
 import math
 import time
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .draft_data import DraftData
+from .draft_data import DraftData, load_prompts  # noqa: F401 (load_prompts: where callers find it)
 from .engine import SpeculativeDecoder
 from .models.draft_heads import EagleHead, MedusaHeads
 from .models.llama import linear, rms_norm, rotary_split, silu_mul
 
 TOP_K = 8  # the target's next-token distribution kept per position: its top 8 (renormalised in the loss)
-
-
-def load_prompts(split: str = "train") -> list[dict]:
-    """The shipped prompt set: {"category", "prompt", "split"} rows of the given split ("train", "heldout", "all")."""
-    text = resources.files("specdec_ext").joinpath("data/prompts.jsonl").read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    return [r for r in rows if split == "all" or r["split"] == split]
 
 
 def feature_columns(target, feature_layers) -> tuple:
