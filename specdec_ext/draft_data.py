@@ -171,6 +171,17 @@ class DraftData:
     greedy: torch.Tensor          # [N] bool: the answer is the target's greedy one
     recipe: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_sequences(cls, sequences: list, recipe: dict | None = None) -> "DraftData":
+        """From (token ids, answer_start, source, split, greedy) per sequence."""
+        lengths = torch.tensor([len(s[0]) for s in sequences], dtype=torch.int64)
+        return cls(tokens=torch.tensor([t for s in sequences for t in s[0]], dtype=torch.int32),
+                   offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
+                   answer_start=torch.tensor([s[1] for s in sequences], dtype=torch.int32),
+                   source=torch.tensor([s[2] for s in sequences], dtype=torch.int8),
+                   split=torch.tensor([s[3] for s in sequences], dtype=torch.int8),
+                   greedy=torch.tensor([bool(s[4]) for s in sequences], dtype=torch.bool), recipe=recipe or {})
+
     def __len__(self) -> int:
         return len(self.answer_start)
 
@@ -298,15 +309,8 @@ def make_draft_data(target, tokenizer, out_dir, recipe: Recipe = Recipe(), *, mo
         total += len(ids)
     # 5. Nothing that shares a word 8-gram with a held-out prompt.
     dropped = set(check_heldout(texts))
-    sequences = [s for i, s in enumerate(sequences) if i not in dropped]
-    lengths = torch.tensor([len(s[0]) for s in sequences])
-    data = DraftData(
-        tokens=torch.tensor([t for s in sequences for t in s[0]], dtype=torch.int32),
-        offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
-        answer_start=torch.tensor([s[1] for s in sequences], dtype=torch.int32),
-        source=torch.tensor([s[2] for s in sequences], dtype=torch.int8),
-        split=torch.tensor([s[3] for s in sequences], dtype=torch.int8),
-        greedy=torch.tensor([s[4] for s in sequences], dtype=torch.bool),
+    data = DraftData.from_sequences(
+        [s for i, s in enumerate(sequences) if i not in dropped],
         recipe={**vars(recipe), "model": model_name,
                 "activations": getattr(target, "activations", "float"), "python": sys.version.split()[0],
                 "questions_kept": len(questions), "dropped_for_heldout": len(dropped),

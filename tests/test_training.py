@@ -36,15 +36,9 @@ def tiny_data(target, prompts, new_tokens=40) -> DraftData:
     """The target's greedy answers to prompts, then one sampled answer each; every fourth prompt's go to validation."""
     greedy = generate_autoregressive(target, prompts, new_tokens).sequences
     sampled = generate_autoregressive(target, prompts, new_tokens, temperature=0.8, seed=list(range(len(prompts))))
-    sequences = [(p + a, len(p), i % 4 == 3, answers is greedy) for answers in (greedy, sampled.sequences)
-                 for i, (p, a) in enumerate(zip(prompts, answers))]
-    lengths = torch.tensor([len(s[0]) for s in sequences])
-    return DraftData(tokens=torch.tensor([t for s in sequences for t in s[0]], dtype=torch.int32),
-                     offsets=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))),
-                     answer_start=torch.tensor([s[1] for s in sequences], dtype=torch.int32),
-                     source=torch.ones(len(sequences), dtype=torch.int8),
-                     split=torch.tensor([int(s[2]) for s in sequences], dtype=torch.int8),
-                     greedy=torch.tensor([s[3] for s in sequences]))
+    return DraftData.from_sequences([(p + a, len(p), 1, int(i % 4 == 3), answers is greedy)
+                                     for answers in (greedy, sampled.sequences)
+                                     for i, (p, a) in enumerate(zip(prompts, answers))])
 
 
 @pytest.fixture(scope="module")
