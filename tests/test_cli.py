@@ -69,6 +69,19 @@ def test_generate_drafts_with_the_shipped_eagle_head_by_default():
     assert "[eagle drafter" in r.stderr and "mean acceptance length" in r.stderr, r.stderr
 
 
+def test_generate_with_stop_strings_penalties_and_logprobs():
+    """The answer names Paris; a stop string at "Paris" ends the output before it (the text the stream printed),
+    and --logprobs prints a line per generated token (the token that completed the stop included)."""
+    r = run_cli("generate", "--device", "cpu", "--chat", "--max-new-tokens", "24", "--stop", "Paris",
+                "--repetition-penalty", "1.1", "--bad-words", "Lyon", "--min-tokens", "2", "--logprobs", "2",
+                "--prompt", "What is the capital of France? Answer in one sentence.")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "paris" not in r.stdout.lower() and r.stdout.strip(), r.stdout
+    assert "finished: stop]" in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if " rank " in line]
+    assert 2 <= len(lines) < 24 and "rank 1" in lines[0], r.stderr
+
+
 def test_generate_with_tree_rounds():
     r = run_cli("generate", "--device", "cpu", "--chat", "--max-new-tokens", "24", "--tree", "nodes=8,depth=4",
                 "--prompt", "What is the capital of France? Answer in one sentence.")
@@ -159,6 +172,10 @@ BAD_ARGUMENTS = [
     (["generate", "--prompt", "Hi", "--drafter", "model:/no/such/dir"], "--drafter model:/no/such/dir: no such file"),
     (["generate", "--prompt", "Hi", "--device", "tpu"], "--device 'tpu' is not a device"),
     (["generate", "--prompt", "Hi", "--seed", str(2**64)], "--seed must fit in a signed 64-bit integer"),
+    (["generate", "--prompt", "Hi", "--repetition-penalty", "0"], "--repetition-penalty must be a finite number > 0"),
+    (["generate", "--prompt", "Hi", "--min-p", "1"], "--min-p must be in [0, 1)"),
+    (["generate", "--prompt", "Hi", "--logprobs", "21"], "--logprobs must be in [0, 20]"),
+    (["generate", "--prompt", "Hi", "--logit-bias", "12=x"], "argument --logit-bias: expected TOKEN_ID=BIAS"),
     (["generate", "--prompt", ""], "--prompt is empty"),
     (["generate", "--prompt", "Hi", "--draft-keep-quantized"],
      "--draft-keep-quantized: the drafter must be model:PATH"),

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "cpu_forward": (),
     "draft_heads": (),
     "e2e": (),
+    "generation_controls": (),
     "philox_uniform": ("philox",),
     "quantized_linear": (),
     "tree_sampling": (),

@@ -1,4 +1,5 @@
 """`specdec generate`: text in, text out, streamed, through speculative decoding of any supported model."""
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -42,7 +43,6 @@ def main(args) -> int:
     from ..engine import SpeculativeDecoder
     from ..factory import choose_device, load, make_drafter, prompt_ids
     from ..models import default_model_path
-    from ..streaming import TextStream
 
     device = choose_device(args.device)
     path = args.model or default_model_path()
@@ -57,18 +57,17 @@ def main(args) -> int:
     dec = SpeculativeDecoder(model, make_drafter(drafter, model, path, args.draft_keep_quantized), args.k,
                              tree=args.tree, max_batch_size=args.max_batch_size, adaptive=not args.no_adaptive,
                              sampling=args.sampling)
-    text = TextStream(tokenizer)
-
-    def stream(r, new):
-        piece = text.push(new)
-        if piece:
-            print(piece, end="", flush=True)
+    def text_stream(r, piece):
+        print(piece, end="", flush=True)
 
     t0 = time.perf_counter()
     out = dec.generate([ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, eos_token_id=tokenizer.eos_token_id, stream=stream)
+                       seed=args.seed, eos_token_id=tokenizer.eos_token_id, tokenizer=tokenizer,
+                       text_stream=text_stream, **controls(args))
     seconds = time.perf_counter() - t0
-    print(text.flush(), flush=True)
+    print(flush=True)
+    if out.logprobs is not None:
+        print_logprobs(out.sequences[0], out.logprobs[0], tokenizer)
     adaptive = "fixed" if args.no_adaptive else "adaptive"
     shape = f"k <= {args.k}, {adaptive}" if dec.tree is None else \
         f"trees of <= {dec.tree.num_nodes} nodes, depth {dec.tree.depth}, branching {dec.tree.branching}, {adaptive}"
@@ -77,6 +76,31 @@ def main(args) -> int:
     if drafter_stats is not None:  # Lookahead's own counts
         print(f"[{drafter_stats.summary()}]", file=sys.stderr)
     return 0
+
+
+def controls(args) -> dict:
+    """The generation controls of `specdec generate`'s flags (engine/controls.py)."""
+    return dict(repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, min_p=args.min_p, min_tokens=args.min_tokens,
+                logit_bias=dict(args.logit_bias or []), bad_words=args.bad_words or None, stop=args.stop or None,
+                include_stop_str_in_output=args.include_stop, logprobs=args.logprobs)
+
+
+def print_logprobs(tokens: list, logprobs: list, tokenizer) -> None:
+    """A line per generated token on stderr: its text, log-probability, rank and the alternatives."""
+    for token, entry in zip(tokens, logprobs):
+        alternatives = "  ".join(f"{tokenizer.decode([t])!r} {lp:.3f}" for t, lp in entry.top)
+        print(f"{tokenizer.decode([token])!r:>16} {entry.logprob:8.3f}  rank {entry.rank:<5} {alternatives}",
+              file=sys.stderr)
+
+
+def logit_bias_entry(text: str) -> tuple:
+    """--logit-bias TOKEN_ID=BIAS -> (int, float)."""
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 1234=-5.0), got {text!r}") from None
 
 
 def tree_drafters() -> str:
@@ -104,6 +128,24 @@ def register(sub) -> None:
                    help="how sampled tokens are verified: invariant (Gumbel coupling: the tokens plain sampling with "
                         "this seed gives, whatever the drafter), rejection (min(1, p/q), draft by draft) or block "
                         "(block verification: the drafts judged jointly, chains only; default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0, help="keep tokens with p >= MIN_P * max p; 0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide a positive logit, multiply a negative one, of every token of the prompt and the "
+                        "output (transformers' definition); 1: off")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logit of every token the output holds (OpenAI's); 0: off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times its count in the output from a token's logit (OpenAI's); 0: off")
+    p.add_argument("--logit-bias", action="append", type=logit_bias_entry, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS to a token's logit (repeatable)")
+    p.add_argument("--bad-words", action="append", metavar="WORD",
+                   help="never generate this word (tokenised with and without a leading space; repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many tokens")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the output where this text appears (excluded unless --include-stop; repeatable)")
+    p.add_argument("--include-stop", action="store_true", help="keep the --stop text that ended the output")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="print each token's log-probability, its rank and the N most likely tokens to stderr")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=4, help="num_speculative_tokens (largest k; adaptive below it)")
     p.add_argument("--no-adaptive", action="store_true",

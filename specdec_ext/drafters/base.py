@@ -61,6 +61,8 @@ class RoundInputs:
     seed: torch.Tensor      # [batch] int64: the requests' seeds
     steps: torch.Tensor     # [batch] int64: tokens generated so far (the Philox counter of this round)
     coupling: str = "rejection"  # the sampling ops' coupling: "gumbel" under sampling="invariant"
+    min_p: torch.Tensor | None = None  # [batch] float32, or None when no request of the call sets min_p
+    controls: object = None  # logits_processing.BlockControls of the call's generation controls, or None (off)
 
 
 @dataclass
@@ -183,14 +185,39 @@ def padded(rows: list, fill, dtype: torch.dtype, device) -> torch.Tensor:
 
 def draw_draft(logits: torch.Tensor, r: RoundInputs, offset: torch.Tensor) -> torch.Tensor:
     """A sampled draft token per row [batch] int64 from unprocessed logits [batch, V or Vd] (a column of them), drafting
-    the tokens at positions `offset` (tokens generated), processed inside the kernel with the requests' top-k and
-    top-p: with the draft's own Philox key (rejection coupling; the verifier processes the reported rows the same
+    the tokens at positions `offset` (tokens generated), processed inside the kernel with the requests' top-k, top-p
+    and min-p: with the draft's own Philox key (rejection coupling; the verifier processes the reported rows the same
     way), or with the target's Gumbel noise at that position (gumbel coupling: the draft is the target's own token
     wherever the two argmaxes of log-probability plus noise agree; the noise is indexed by target id, so the columns
     must be target ids)."""
     seed = r.seed if r.coupling == "gumbel" else r.seed ^ DRAFT_KEY
     return sample_without_drafts(logits, temperature=r.temperature, seed=seed, offset=offset, coupling=r.coupling,
-                                 top_k=r.top_k, top_p=r.top_p).long()
+                                 top_k=r.top_k, top_p=r.top_p, min_p=r.min_p).long()
+
+
+def controlled_rows(logits: torch.Tensor, r: RoundInputs, block: torch.Tensor | None, draft_vocab=None,
+                    vocab_size: int = 0) -> torch.Tensor:
+    """A drafter's logits [batch, V] (or [batch, Vd] over draft_vocab, target ids) processed by the call's generation
+    controls for the draft after `block` [batch, 1 + i] int64 (the last emitted token, then the i drafts so far): the
+    row a draft is drawn from and reported as (the verifier processes the target's rows so; the sampling op reads the
+    draft's as given). The logits themselves when the call has no controls (block None)."""
+    if r.controls is None or block is None:
+        return logits
+    from ..logits_processing import process_block
+
+    if draft_vocab is None:
+        return process_block(logits.clone().unsqueeze(1), block, r.controls)[:, 0]
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    full[:, draft_vocab] = logits
+    return process_block(full.unsqueeze(1), block, r.controls)[:, 0, draft_vocab]
+
+
+def control_block(r: RoundInputs, device) -> torch.Tensor | None:
+    """The last emitted token of each row [batch, 1] int64, the start of the block controlled_rows reads; None when
+    the call has no controls."""
+    if r.controls is None:
+        return None
+    return upload([[h[-1] if h else 0] for h in r.histories], torch.int64, device).view(r.batch, 1)
 
 
 def draw_from_draft_vocab(logits: torch.Tensor, draft_vocab: torch.Tensor, vocab_size: int, r: RoundInputs,

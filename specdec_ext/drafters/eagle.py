@@ -3,7 +3,17 @@ import torch
 
 from ..host import upload
 from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
-from .base import DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal, draw_from_draft_vocab
+from .base import (
+    DraftCache,
+    Drafter,
+    Proposal,
+    RoundFeedback,
+    RoundInputs,
+    control_block,
+    controlled_rows,
+    draft_proposal,
+    draw_from_draft_vocab,
+)
 from .registry import DrafterEntry, path_value, register_drafter
 
 
@@ -129,11 +139,14 @@ class EagleDrafter(Drafter):
         asked, logits, feature = self.feed_pending(r, max(r.num_tokens))
         kmax = max(asked)
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
-        drawn = []  # the draft rows [B, Vd] drawn from, unprocessed (none under gumbel coupling)
+        drawn = []  # the draft rows [B, Vd] drawn from, as controlled_rows left them (none under gumbel coupling)
         wants = upload(asked, torch.int32, device)
+        block = control_block(r, device)
         for i in range(kmax):
+            logits = controlled_rows(logits, r, block, self.head.draft_vocab, vocab)
             token, row = draw_from_draft_vocab(logits, self.head.draft_vocab, vocab, r, r.steps + i)
             draft_ids[:, i] = token
+            block = torch.cat([block, token.unsqueeze(1)], 1) if block is not None else None
             drawn.append(row)
             if i + 1 < kmax:
                 logits, feature = self.head(token.unsqueeze(1), feature, self.cache, cache_rows=rows)

@@ -3,7 +3,16 @@ import torch
 
 from ..host import upload
 from ..trees import Candidates, last_tokens
-from .base import Drafter, Proposal, RoundFeedback, RoundInputs, draft_proposal, draw_from_draft_vocab
+from .base import (
+    Drafter,
+    Proposal,
+    RoundFeedback,
+    RoundInputs,
+    control_block,
+    controlled_rows,
+    draft_proposal,
+    draw_from_draft_vocab,
+)
 from .registry import DrafterEntry, path_value, register_drafter
 
 
@@ -68,9 +77,12 @@ class MedusaDrafter(Drafter):
         kmax = max(asked)
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
         drawn = []
+        block = control_block(r, device)
         for i in range(kmax):
-            draft_ids[:, i], row = draw_from_draft_vocab(logits[:, i], self.heads.draft_vocab, vocab, r, r.steps + i)
+            row = controlled_rows(logits[:, i], r, block, self.heads.draft_vocab, vocab)
+            draft_ids[:, i], row = draw_from_draft_vocab(row, self.heads.draft_vocab, vocab, r, r.steps + i)
             drawn.append(row)
+            block = torch.cat([block, draft_ids[:, i:i + 1]], 1) if block is not None else None
         return draft_proposal(draft_ids, asked, drawn, self.draft_to_target)
 
     @torch.no_grad()

@@ -2,7 +2,17 @@
 import torch
 
 from ..host import upload
-from .base import DraftCache, Drafter, Proposal, RoundFeedback, RoundInputs, draw_draft, padded
+from .base import (
+    DraftCache,
+    Drafter,
+    Proposal,
+    RoundFeedback,
+    RoundInputs,
+    control_block,
+    controlled_rows,
+    draw_draft,
+    padded,
+)
 from .registry import DrafterEntry, path_value, register_drafter
 
 
@@ -66,23 +76,29 @@ class ModelDrafter(Drafter):
         draft_logits = torch.empty(r.batch, kmax, logits.shape[-1], dtype=torch.float32, device=device)
         wants = upload(r.num_tokens, torch.int32, device)
 
-        def step(logits, offset, grow, feed: bool):
-            """Draws a token per row from the logits (processed in the kernel); feeds it (next logits) unless it is
-            the last."""
+        block = control_block(r, device)  # with generation controls: the last token, then the drafts so far
+
+        def step(logits, offset, grow, block, feed: bool):
+            """Draws a token per row from the logits (the controls applied here, the rest in the kernel); feeds it
+            (next logits) unless it is the last. Returns (the token, the row it was drawn from, the next logits)."""
+            logits = controlled_rows(logits, r, block)
             token = draw_draft(logits, r, offset)
             if not feed:
-                return token, logits
-            logits = self.model(token.unsqueeze(1), self.cache, cache_rows=rows)[:, 0]
+                return token, logits, logits
+            next_logits = self.model(token.unsqueeze(1), self.cache, cache_rows=rows)[:, 0]
             self.cache.advance(grow, rows)  # device counts: the host mirror is restored at rollback
-            return token, logits
+            return token, logits, next_logits
 
         for i in range(kmax):
             feed = i + 1 < kmax
             grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
-            key = ("draft", r.batch, r.coupling, feed)
-            token, next_logits = self.state.graphs.run(key, lambda x, o, g: step(x, o, g, feed),
-                                                       (logits, r.steps + i, grow), state=[self.cache.cache_seqlens])
-            draft_ids[:, i], draft_logits[:, i] = token, logits
+            key = ("draft", r.batch, r.coupling, r.min_p is not None, feed) + ((i,) if block is not None else ())
+            token, row, next_logits = self.state.graphs.run(key, lambda x, o, g, c: step(x, o, g, c, feed),
+                                                            (logits, r.steps + i, grow, block),
+                                                            state=[self.cache.cache_seqlens])
+            draft_ids[:, i], draft_logits[:, i] = token, row
+            if block is not None:
+                block = torch.cat([block, token.unsqueeze(1)], 1)
             logits = next_logits.clone() if feed else logits
         self.round = list(r.num_tokens)
         return Proposal(draft_ids, list(r.num_tokens), draft_logits)

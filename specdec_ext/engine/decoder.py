@@ -10,6 +10,7 @@ from ..drafters.base import Drafter
 from ..graphs import StepGraphs
 from ..ops import LIMITS
 from ..trees import TreeSettings
+from .controls import attach_controls
 from .policy import CostModel, Policy
 from .requests import Request, make_requests
 from .rounds import ChainRound, SlotParams, TreeRound, Verifier
@@ -185,19 +186,30 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------------------------------------ public
     def generate(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                 eos_token_id=None, stream=None) -> GenerationOutput:
+                 eos_token_id=None, stream=None, **controls) -> GenerationOutput:
         """Speculative decoding of a list of ragged prompts (token-id lists). max_new_tokens, temperature, top_k,
         top_p, seed: a scalar or one per prompt; eos_token_id: an int, a list of ints or None; stream: called as
-        stream(request_index, new_token_ids) as tokens are accepted."""
+        stream(request_index, new_token_ids) as tokens are accepted.
+
+        Generation controls (engine/controls.py; each a scalar or one per prompt, all off by default):
+        repetition_penalty, presence_penalty, frequency_penalty, logit_bias ({token id: bias}), bad_words (strings
+        or token-id sequences), min_tokens, min_p, logprobs (n alternatives; logprobs_mode "processed" or "raw"),
+        stop (strings; include_stop_str_in_output), tokenizer (for string bad words and stop strings: the output
+        gains `texts`) and text_stream (text_stream(request_index, text), never past a stop). Every verified row is
+        processed with the history it has in plain decoding, so greedy output and the sampled law are plain
+        decoding's with the same controls."""
         if self.drafter is None:
             raise ValueError("SpeculativeDecoder.generate: no drafter was given (generate_autoregressive decodes "
                              "without one)")
-        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, True)
+        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, True,
+                         controls)
 
     def generate_autoregressive(self, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-                                eos_token_id=None, stream=None) -> GenerationOutput:
-        """Plain decoding, one token per request and round, on the same kernels, scheduler and caches."""
-        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, False)
+                                eos_token_id=None, stream=None, **controls) -> GenerationOutput:
+        """Plain decoding, one token per request and round, on the same kernels, scheduler and caches (the
+        generation controls as generate's)."""
+        return self._run(prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, False,
+                         controls)
 
     def _run(self, *args):
         if not self._running.acquire(blocking=False):
@@ -211,16 +223,19 @@ class SpeculativeDecoder:
 
     # --------------------------------------------------------------------------------------------- the loop
     @torch.no_grad()
-    def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate):
+    def _decode(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, stream, speculate,
+                controls):
         start = time.perf_counter()
         requests, eos, limit, self._limit_reason = make_requests(
             self.target.config, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
             self.max_seq_len)
+        call = attach_controls(requests, self.target.config.vocab_size, eos, controls)
+        text_stream = controls.get("text_stream")
         if stream is not None and not callable(stream):
             raise ValueError(f"stream must be a callable(request_index, new_token_ids) or None, got {stream!r}")
         drafter, rounds = (self.drafter, self.speculative) if speculate else (None, self.plain)
         stats = GenerationStats()
-        stats.calibration_s = self._bind(requests, limit, drafter)
+        stats.calibration_s = self._bind(requests, limit, drafter, call, eos)
         start += stats.calibration_s
         waiting, slots = deque(requests), [None] * min(self.max_batch_size, len(requests))  # the request per cache row
         while waiting or any(slots):
@@ -237,9 +252,11 @@ class SpeculativeDecoder:
             result = rounds.run(inputs, [int(r is not None) for r in slots[:batch]], budget)
             stats.add_times(result)
             t0 = time.perf_counter()
-            for b, r in enumerate(slots[:batch]):
-                if r is not None:
-                    self._emit(r, b, result, slots, drafter, stats, eos, stream, limit)
+            emitted = [(b, r, self._emit(r, b, result, slots, drafter, stats, eos, stream, text_stream, limit))
+                       for b, r in enumerate(slots[:batch]) if r is not None]
+            self.params.controls.advance([b for b, r, new in emitted if slots[b] is r],
+                                         [new for b, r, new in emitted if slots[b] is r],
+                                         [r.tokens for b, r, new in emitted if slots[b] is r])
             # The target's cache holds every token of a request but the last: known here without a read.
             self.cache.free_unused_pages([len(r.tokens) - 1 if r is not None else 0 for r in slots] +
                                          [0] * (self.cache.batch_size - len(slots)))
@@ -250,17 +267,29 @@ class SpeculativeDecoder:
                                           time.perf_counter() - round_start)
         stats.generated_tokens = sum(len(r.generated) for r in requests)
         stats.elapsed_s = time.perf_counter() - start
+        texts = [r.stops.text for r in requests] if requests[0].stops is not None else None
+        stop_reasons = [r.stops.stopped for r in requests] if any(r.controls.stop for r in requests) else None
+        logprobs = [r.logprobs for r in requests] if call.logprobs is not None else None
         return GenerationOutput([r.generated for r in requests], stats, [r.stats for r in requests],
-                                [r.finish_reason for r in requests])
+                                [r.finish_reason for r in requests], texts, stop_reasons, logprobs)
 
-    def _emit(self, r: Request, b: int, result, slots, drafter, stats, eos: set, stream, limit: int) -> None:
-        """Request r (slot b) advances by what the round emitted for it (up to an EOS); its stats, the policy's
-        estimates and the stream follow; a finished request frees its slot."""
+    def _emit(self, r: Request, b: int, result, slots, drafter, stats, eos: set, stream, text_stream,
+              limit: int) -> list:
+        """Request r (slot b) advances by what the round emitted for it (up to an EOS or a stop string); its
+        stats, the policy's estimates and the streams follow; a finished request frees its slot. Returns the
+        tokens it kept."""
         v = result.verified
         new, k, a = v.tokens[b], result.num_draft[b], v.num_accepted[b]
         cut = next((i for i, t in enumerate(new) if t in eos), None)
         if cut is not None:
             new = new[:cut + 1]
+        stopped = False
+        if r.stops is not None:  # stop strings are not looked for before min_tokens (vLLM)
+            kept = r.stops.push(new, max(0, r.controls.min_tokens - len(r.generated)))
+            if r.stops.stopped is not None:
+                new, cut, stopped = new[:kept], None, True
+        if r.logprobs is not None:
+            r.logprobs += v.logprobs[b][:len(new)]
         r.generated += new
         for s in (r.stats, stats):
             s.add_round(k, a, v.depths[b] if v.depths is not None else None)
@@ -272,11 +301,18 @@ class SpeculativeDecoder:
             self.monitor.observe(k, a)
         if stream is not None:
             stream(r.index, new)
-        reason = "eos" if cut is not None else "length" if len(r.generated) >= r.max_new_tokens else \
-            self._limit_reason if len(r.tokens) >= limit else None
+        reason = "stop" if stopped else "eos" if cut is not None else \
+            "length" if len(r.generated) >= r.max_new_tokens else self._limit_reason if len(r.tokens) >= limit else None
         if reason is not None:
             r.finish_reason = reason
             self._finish(r, b, slots, drafter)
+            if r.stops is not None:
+                r.stops.finish()
+        if text_stream is not None:
+            piece = r.stops.take_stream_text()
+            if piece:
+                text_stream(r.index, piece)
+        return new
 
     # ------------------------------------------------------------------------------------- scheduler helpers
     def _pages(self, tokens: int) -> int:
@@ -293,7 +329,7 @@ class SpeculativeDecoder:
         """The most pages request r can hold in the target's cache: its longest sequence plus a verify block."""
         return self._pages(min(len(r.prompt) + r.max_new_tokens, limit) + self._margin())
 
-    def _bind(self, requests: list, limit: int, drafter) -> float:
+    def _bind(self, requests: list, limit: int, drafter, call, eos: set) -> float:
         """Caches and per-slot parameter buffers, sized from what the call needs (its slots, its longest sequence
         capped by `limit`) and kept across calls while they are large enough (CUDA graphs replay on these very
         tensors). The verify block of a request near its end may run up to the margin past it. Measures the cost
@@ -305,9 +341,12 @@ class SpeculativeDecoder:
             self.cache = None  # free the old one before allocating
             self.cache = self._allocate(self.target, slots, capacity, self.num_pages)
             self.capacity = capacity
-            self.params = SlotParams(slots, self.target.device, SAMPLING_MODES[self.sampling][0])
+            self.params = SlotParams(slots, self.target.device, SAMPLING_MODES[self.sampling][0],
+                                     self.target.config.vocab_size)
             self.verifier.bind(self.cache, self.params)
             self.graphs.clear()
+        if self.params.controls.configure(call, eos):
+            self.graphs.clear()  # graphs captured on the controls' old tensors
         rows = self.cache.batch_size
         if self.num_pages is not None:  # the largest request alone must fit, or it would wait for ever
             need = max(self._request_pages(r, limit) for r in requests) + rows * self._pages(self._margin())
@@ -398,16 +437,17 @@ class SpeculativeDecoder:
 @torch.no_grad()
 def generate_autoregressive(model, prompts, max_new_tokens=128, *, temperature=0.0, top_k=0, top_p=1.0, seed=0,
                             eos_token_id=None, stream=None, max_seq_len=None, paged=False,
-                            sampling: str = DEFAULT_SAMPLING) -> GenerationOutput:
+                            sampling: str = DEFAULT_SAMPLING, **controls) -> GenerationOutput:
     """Plain decoding of a batch of ragged prompts (lists of token ids), all at once: SpeculativeDecoder's
     generate_autoregressive with one slot per prompt. max_new_tokens, temperature, top_k, top_p and seed: a
     scalar or one per prompt. eos_token_id: an int, a list of ints, or None. stream: called as
     stream(request_index, new_token_ids) as tokens are emitted. max_seq_len: prompt + generated tokens per
     request (default: the longest prompt plus the largest max_new_tokens). sampling: "invariant" draws each token as
     the Gumbel-max sample of (seed, position), the tokens a SpeculativeDecoder with sampling="invariant" emits;
-    "rejection" and "block": by inverse CDF (the same law)."""
+    "rejection" and "block": by inverse CDF (the same law). The generation controls (**controls) as
+    SpeculativeDecoder.generate's."""
     batch = len(prompts) if isinstance(prompts, (list, tuple)) and prompts else 1
     decoder = SpeculativeDecoder(model, None, max_batch_size=batch, max_seq_len=max_seq_len, paged=paged,
                                  sampling=sampling)
     return decoder.generate_autoregressive(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                           seed=seed, eos_token_id=eos_token_id, stream=stream)
+                                           seed=seed, eos_token_id=eos_token_id, stream=stream, **controls)

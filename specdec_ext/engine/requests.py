@@ -106,6 +106,9 @@ class Request:
     node_tries: np.ndarray | None = None  # accepted it and of rounds whose tree held it
     started: float = 0.0
     finish_reason: str | None = None
+    controls: object = None       # engine.controls.Controls
+    stops: object = None          # engine.stops.StopChecker when the request has stop strings
+    logprobs: list | None = None  # with logprobs: a TokenLogprobs per generated token
 
     @property
     def tokens(self) -> list:
@@ -118,7 +121,9 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 def make_requests(config, prompts, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                   max_seq_len: int | None):
     """A call's requests, its EOS ids, the length limit of a request (prompt + generated tokens: the decoder's
-    max_seq_len, else the model's context) and the finish reason of reaching it."""
+    max_seq_len, else the model's context) and the finish reason of reaching it (the generation controls:
+    controls.attach_controls)."""
+
     prompts = check_prompts(prompts, config.vocab_size)
     n = len(prompts)
     max_new = per_request(max_new_tokens, "max_new_tokens", n, as_int)

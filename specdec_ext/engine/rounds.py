@@ -22,7 +22,9 @@ import torch
 
 from ..drafters.base import RoundFeedback, RoundInputs
 from ..host import read, upload
+from ..logits_processing import process_block
 from ..ops import chain_speculative_sampling_from_logits, sample_without_drafts, tree_speculative_sampling_from_logits
+from .controls import CallControls, SlotControls, emitted_logprobs, unpack_logprobs
 
 
 class Stopwatch:
@@ -49,6 +51,7 @@ class VerifyResult:
     paths: list | None = None         # trees: [batch] lists, the accepted nodes below the root (node = rank + 1)
     depths: list | None = None        # trees: [batch] the tree's depth
     block_argmax: list | None = None  # trees with block_argmax: [batch] lists, the target's greedy token per node
+    logprobs: list | None = None      # with logprobs: [batch] lists of TokenLogprobs, one per token of `tokens`
 
     @staticmethod
     def pack(tokens, num_accepted, path=None, num_nodes=None, depths=None, argmax=None) -> torch.Tensor:
@@ -62,8 +65,17 @@ class VerifyResult:
         return torch.cat(columns, 1)
 
     @classmethod
-    def unpack(cls, rows: list, tree_width: int | None = None) -> "VerifyResult":
-        """pack's rows read back ([B] lists); tree_width: W of a tree round, None for a chain."""
+    def unpack(cls, rows: list, tree_width: int | None = None, logprobs: int | None = None) -> "VerifyResult":
+        """pack's rows read back ([B] lists); tree_width: W of a tree round, None for a chain; logprobs: the
+        alternatives per position when the rows end with emitted_logprobs' columns (W * (2 + 2n) of them)."""
+        if logprobs is not None:
+            n = logprobs
+            width = tree_width if tree_width is not None else (len(rows[0]) - 1) // (1 + 2 + 2 * n)
+            columns = width * (2 + 2 * n)
+            result = cls.unpack([row[:-columns] for row in rows], tree_width)
+            result.logprobs = [unpack_logprobs(row[-columns:], len(tokens), n)
+                               for row, tokens in zip(rows, result.tokens)]
+            return result
         if tree_width is None:
             return cls([row[:row[-1] + 1] for row in rows], [row[-1] for row in rows])
         n = tree_width
@@ -74,11 +86,12 @@ class VerifyResult:
 
 
 class SlotParams:
-    """Per-slot sampling parameters on the device, written at admission (temperature, top_k, top_p, seed) and every
-    round (steps: tokens generated, the Philox counter), which CUDA graphs replay on."""
+    """Per-slot sampling parameters on the device, written at admission (temperature, top_k, top_p, seed, and the
+    generation controls) and every round (steps: tokens generated, the Philox counter), which CUDA graphs replay on."""
 
-    def __init__(self, slots: int, device, coupling: str = "rejection"):
+    def __init__(self, slots: int, device, coupling: str = "rejection", vocab_size: int = 0):
         self.coupling = coupling
+        self.controls = SlotControls(slots, vocab_size, device)
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(slots, dtype=torch.int32, device=device)
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
@@ -91,15 +104,18 @@ class SlotParams:
         for column, value in ((self.temperature, r.temperature), (self.top_k, r.top_k), (self.top_p, r.top_p),
                               (self.seed, r.seed)):
             column[b].fill_(value)
+        self.controls.admit(b, r)
 
     def round_inputs(self, slots: list, batch: int, ks: list) -> RoundInputs:
         """The round's view for a drafter; uploads the steps (no host synchronisation)."""
         running = slots[:batch]
         self.steps[:batch].copy_(upload([len(r.generated) if r is not None else 0 for r in running], torch.int64,
                                         self.steps.device), non_blocking=True)
+        call = self.controls.call
         return RoundInputs(batch, ks, [r.tokens if r is not None else None for r in running],
                            self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
-                           self.steps[:batch], self.coupling)
+                           self.steps[:batch], self.coupling, self.controls.min_p[:batch] if call.min_p else None,
+                           self.controls.block(batch, self.steps[:batch]) if call.on else None)
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,7 @@ class StepShape:
     draft_rows: bool      # draft logits are read (not under gumbel coupling, not for point drafts)
     hidden_states: bool | tuple  # the target's hidden states go back to the drafter (a tuple: of those layers)
     block_argmax: bool    # the target's greedy token at every node goes back to the drafter (trees)
+    controls: CallControls = CallControls()  # the generation controls the call turns on
 
 
 class Verifier:
@@ -136,7 +153,7 @@ class Verifier:
         if r.coupling == "gumbel":  # each row decides by its own Gumbel-max token: the draft rows are not read
             draft_logits = draft_to_target = None
         shape = StepShape(tree is not None, *ids.shape, r.coupling, draft_logits is not None, hidden_states,
-                          block_argmax)
+                          block_argmax, self.params.controls.call)
         inputs = (ids, live, draft_logits, num_draft) + ((None,) * 4 if tree is None else
                                                          (tree.parents, tree.tree_mask, tree.num_nodes, tree.depths))
         self.forward_end = None
@@ -150,8 +167,12 @@ class Verifier:
         logits = self.target(ids, cache, tree_mask=tree_mask, cache_rows=rows, output_hidden_states=shape.hidden_states)
         logits, hidden = logits if shape.hidden_states is not False else (logits, None)  # [batch, W, V], [batch, W, H*]
         self.forward_end = time.perf_counter()
+        controls = shape.controls
+        raw = logits.clone() if controls.logprobs is not None and controls.logprobs_mode == "raw" else None
+        if r.controls is not None:  # each row with the history it has in plain decoding (drafts on its path)
+            process_block(logits, ids, r.controls, ancestors=tree_mask, parents=parents, depths=depths)
         sampling = dict(temperature=r.temperature, seed=r.seed, offset=r.steps, coupling=r.coupling, top_k=r.top_k,
-                        top_p=r.top_p)
+                        top_p=r.top_p, min_p=r.min_p)
         if not shape.tree:
             if shape.width == 1:  # no drafts: the next token drawn from the last token's logits
                 tokens = sample_without_drafts(logits[:, 0], **sampling).unsqueeze(1)
@@ -163,7 +184,10 @@ class Verifier:
                                                              verification=self.verification, **sampling)
                 tokens, num_accepted = out.output_token_ids, out.num_accepted
             cache.truncate((num_accepted + 1) * live, rows, free_pages=False)
-            return VerifyResult.pack(tokens, num_accepted), hidden
+            packed = VerifyResult.pack(tokens, num_accepted)
+            if controls.logprobs is not None:  # row i drew output token i
+                packed = torch.cat([packed, self.logprobs(r, raw if raw is not None else logits, tokens)], 1)
+            return packed, hidden
         out = tree_speculative_sampling_from_logits(parents, ids, logits, draft_logits, num_nodes=num_nodes,
                                                     **sampling)
         cache.truncate((out.num_accepted + 1) * live, rows, kept_indices=out.accepted_nodes, free_pages=False)
@@ -171,8 +195,20 @@ class Verifier:
             path = out.accepted_nodes.long().clamp_min(0)
             hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         argmax = logits.argmax(-1) if shape.block_argmax else None
-        return VerifyResult.pack(out.output_token_ids, out.num_accepted, out.accepted_nodes, num_nodes, depths,
-                                 argmax), hidden
+        packed = VerifyResult.pack(out.output_token_ids, out.num_accepted, out.accepted_nodes, num_nodes, depths,
+                                   argmax)
+        if controls.logprobs is not None:  # output token m was drawn from the row of the path's node m
+            path = out.accepted_nodes.long().clamp_min(0)
+            source = raw if raw is not None else logits
+            drawn_from = source.gather(1, path.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
+            packed = torch.cat([packed, self.logprobs(r, drawn_from, out.output_token_ids)], 1)
+        return packed, hidden
+
+    def logprobs(self, r: RoundInputs, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """emitted_logprobs of the round's output tokens [batch, W] drawn from rows [batch, W, V]."""
+        controls = self.params.controls.call
+        return emitted_logprobs(rows, tokens, controls.logprobs, temperature=r.temperature, top_k=r.top_k,
+                                top_p=r.top_p, min_p=r.min_p, processed=controls.logprobs_mode == "processed")
 
 
 @dataclass
@@ -207,7 +243,8 @@ class ChainRound:
                                        num_draft=upload(ks, torch.int32, device),
                                        hidden_states=drafter is not None and drafter.target_features,
                                        draft_to_target=proposal.draft_to_target if proposal is not None else None)
-        return finish_round(clock, self.verifier, drafter, VerifyResult.unpack(read(packed)), live, hidden, ks)
+        verified = VerifyResult.unpack(read(packed), logprobs=self.verifier.params.controls.call.logprobs)
+        return finish_round(clock, self.verifier, drafter, verified, live, hidden, ks)
 
 
 class TreeRound:
@@ -228,7 +265,8 @@ class TreeRound:
         packed, hidden = self.verifier(r, tree.token_ids, upload(live, torch.int32, self.verifier.target.device),
                                        tree.draft_logits, tree=tree, hidden_states=self.drafter.target_features,
                                        block_argmax=self.drafter.needs_block_argmax)
-        verified = VerifyResult.unpack(read(packed), tree_width=width)
+        verified = VerifyResult.unpack(read(packed), tree_width=width,
+                                       logprobs=self.verifier.params.controls.call.logprobs)
         return finish_round(clock, self.verifier, self.drafter, verified, live, hidden, verified.num_draft)
 
 

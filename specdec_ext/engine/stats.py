@@ -87,7 +87,12 @@ class GenerationOutput:
     stats: GenerationStats
     request_stats: list = field(default_factory=list)
     finish_reasons: list = field(default_factory=list)  # per request: "eos" (it emitted an EOS token), "length"
-    #   (max_new_tokens), "max_seq_len" (the decoder's max_seq_len) or "context" (the model's max_position_embeddings)
+    #   (max_new_tokens), "max_seq_len" (the decoder's max_seq_len), "context" (the model's max_position_embeddings)
+    #   or "stop" (a stop string)
+    texts: list | None = None        # with tokenizer=: each request's text (cut at its stop string)
+    stop_reasons: list | None = None  # with stop strings: the one each request matched, else None
+    logprobs: list | None = None     # with logprobs=: per request a TokenLogprobs per generated token (None for a
+    #                                  request that did not ask)
 
 
 class AcceptanceMonitor:
