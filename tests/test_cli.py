@@ -413,11 +413,18 @@ class FakeDecoder:
         FakeDecoder.made = dict(kw, k=k)
         self.drafter = drafter
 
-    def generate(self, prompts, max_new_tokens, *, stream, **kw):
+    def generate(self, prompts, max_new_tokens, *, tokenizer, text_stream, **kw):
+        """Streams CHUNKS as the decoder does: through a StopChecker (whole characters, never past a stop)."""
         from specdec_ext import GenerationOutput, GenerationStats
+        from specdec_ext.engine.stops import StopChecker
 
+        FakeDecoder.controls = kw
+        checker = StopChecker(tokenizer, kw.get("stop") or [])
         for new in self.chunks:
-            stream(0, new)
+            checker.push(new)
+            text_stream(0, checker.take_stream_text())
+        checker.finish()
+        text_stream(0, checker.take_stream_text())
         n = sum(len(c) for c in self.chunks)
         stats = GenerationStats(generated_tokens=n, elapsed_s=n / 6, num_drafts=1, num_draft_tokens=2,
                                 num_accepted_tokens=1)
@@ -447,6 +454,11 @@ def test_generate_passes_batch_size_and_adaptive_and_reports_calibration(monkeyp
     assert "k <= 4, fixed" in capsys.readouterr().err
     assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "--sampling", "block"]) == 0
     assert FakeDecoder.made["sampling"] == "block", FakeDecoder.made
+    assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu", "--repetition-penalty",
+                     "1.2", "--stop", "zz", "--stop", "\n", "--logit-bias", "7=-3", "--min-p", "0.1"]) == 0
+    controls = FakeDecoder.controls
+    assert controls["repetition_penalty"] == 1.2 and controls["stop"] == ["zz", "\n"], controls
+    assert controls["logit_bias"] == {7: -3.0} and controls["min_p"] == 0.1 and controls["logprobs"] is None, controls
 
 
 def test_generate_streams_whole_characters(monkeypatch):
@@ -468,7 +480,7 @@ def test_generate_streams_whole_characters(monkeypatch):
     monkeypatch.setattr(FakeDecoder, "chunks", tuple(chunks))
     monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append((a, k.get("file"))))
     assert cli.main(["generate", "--prompt", "x", "--drafter", "ngram", "--device", "cpu"]) == 0
-    pieces = [a[0] for a, file in printed if file is None]
+    pieces = [a[0] for a, file in printed if file is None and a and a[0]]
     assert all("\ufffd" not in p for p in pieces), pieces
     assert "".join(pieces) == text, pieces
 

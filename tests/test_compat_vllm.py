@@ -1,6 +1,8 @@
 """The vLLM shim (specdec_ext.compat.vllm): vLLM v1's rejection_sample cases, the law of the emitted tokens, seeded
-requests, mixed greedy/random batches, RejectionSampler.forward's logits processing, parse_output, register() against
-a stand-in vllm package and the plugin entry point, bad inputs. Every sampling case runs on the CPU kernel and on the
+requests, mixed greedy/random batches, RejectionSampler.forward's logits processing, the generation controls at the
+draft positions (penalties counting the drafts, allowed-token masks, bad words across the drafts, min_tokens) and the
+logprobs in each logprobs_mode against references written out from vLLM's code, parse_output, register() against a
+stand-in vllm package and the plugin entry point, bad inputs. Every sampling case runs on the CPU kernel and on the
 CUDA kernel's source under the emulator (smaller there, and checked equal to the CPU kernel on the same draws)."""
 import ast
 import importlib.metadata
@@ -32,6 +34,7 @@ from helpers.compat_vllm import (
     greedy_call,
     processed_law,
     sampling_metadata,
+    spec_metadata,
 )
 from specdec_ext.compat import vllm as shim
 
@@ -199,6 +202,345 @@ def test_forward_without_top_k_top_p_and_all_greedy():
     assert ((plain[:, 0] >= 0) & (plain[:, 0] < 8)).all()
 
 
+# Generation controls at the draft positions and logprobs, as vLLM 0.14-0.19's V1 RejectionSampler applies them
+# (vllm/v1/sample/rejection_sampler.py: apply_logits_processors, _get_logprobs_tensors): the references below are
+# written out from that code, row by row, on tiny batches.
+NEG = float("-inf")
+
+
+def controls_metadata(temperature=None, *, outputs, prompts=None, penalties=None, allowed=None, bad_words=None,
+                      min_toks=None, vocab, **extra):
+    """vLLM's SamplingMetadata fields for the controls: prompts padded with V (vLLM's pad), penalties
+    [(repetition, presence, frequency)] per request, allowed [B] lists of allowed ids (None: all), min_toks as
+    MinTokensLogitsProcessor's."""
+    batch = len(outputs)
+    fields = dict(output_token_ids=[list(o) for o in outputs], spec_token_ids=None)
+    if penalties is not None:
+        width = max(len(q) for q in prompts)
+        fields.update(no_penalties=False,
+                      prompt_token_ids=torch.tensor([list(q) + [vocab] * (width - len(q)) for q in prompts]),
+                      repetition_penalties=torch.tensor([r for r, _, _ in penalties]),
+                      presence_penalties=torch.tensor([p for _, p, _ in penalties]),
+                      frequency_penalties=torch.tensor([f for _, _, f in penalties]))
+    if allowed is not None:
+        mask = torch.zeros(batch, vocab, dtype=torch.bool)
+        for b, ids in enumerate(allowed):
+            if ids is not None:
+                mask[b] = True
+                mask[b, ids] = False
+        fields["allowed_token_ids_mask"] = mask
+    if bad_words is not None:
+        fields["bad_words_token_ids"] = bad_words
+    if min_toks is not None:
+        fields["logitsprocs"] = types.SimpleNamespace(non_argmax_invariant=[MinTokensProcessor(min_toks)])
+    fields.update(extra)
+    return sampling_metadata(temperature, **fields)
+
+
+def reference_controls(rows, drafts, meta, vocab, count_drafts=True):
+    """vLLM's apply_logits_processors, one draft position at a time: row j of request b sees history
+    output_b + drafts_b[:j] (count_drafts=False: output_b alone, the bug the shim must not have). Penalties, then the
+    allowed-token mask, bad words, min_tokens; float32 as vLLM's torch path (x * (1 / r) above 0)."""
+    out, t = rows.clone(), 0
+    prompts = getattr(meta, "prompt_token_ids", None)
+    processors = getattr(getattr(meta, "logitsprocs", None), "non_argmax_invariant", [])
+    for b, request_drafts in enumerate(drafts):
+        for j in range(len(request_drafts)):
+            history = meta.output_token_ids[b] + (request_drafts[:j] if count_drafts else [])
+            x = out[t]
+            if not meta.no_penalties:
+                prompt = set(prompts[b].tolist())
+                r = meta.repetition_penalties[b]
+                for v in range(vocab):
+                    c = history.count(v)
+                    if c > 0 or v in prompt:
+                        x[v] = x[v] * (1.0 / r) if x[v] > 0 else x[v] * r
+                    x[v] -= meta.frequency_penalties[b] * c
+                    x[v] -= meta.presence_penalties[b] * (c > 0)
+            if meta.allowed_token_ids_mask is not None:
+                x[meta.allowed_token_ids_mask[b]] = NEG
+            for word in meta.bad_words_token_ids.get(b, []):
+                if len(word) <= len(history) + 1 and history[len(history) - len(word) + 1:] == word[:-1]:
+                    x[word[-1]] = NEG
+            for processor in processors:
+                minimum, generated, stops = processor.min_toks.get(b, (0, [], set()))
+                if len(generated) + j < minimum:
+                    x[sorted(stops)] = NEG
+            t += 1
+    return out
+
+
+def controls_case():
+    """Four requests (one without drafts), V = 12: drafts that repeat tokens of the output and of each other, bad words
+    completed by drafts (across the output / draft boundary too), one bad word the prompt would complete (vLLM
+    matches output tokens only), min_tokens with two stop-token sets, an allowed-token list. Fixed-seed logits."""
+    vocab = 12
+    drafts = [[3, 3, 7], [], [2, 6, 2, 2], [5, 11, 4]]
+    outputs = [[3, 5], [8], [], [9]]
+    prompts = [[1, 2], [4], [6, 6, 2], [11]]
+    penalties = [(1.3, 0.4, 0.6), (2.0, 0.5, 0.5), (1.0, 0.0, 0.0), (0.8, -0.3, 0.2)]
+    bad_words = {0: [[5, 3, 9], [3, 3, 4], [5, 2], [8]], 2: [[6, 2]], 3: [[11, 5], [9, 5, 11, 1], [3, 5]]}
+    # 0: [5, 2] bans 2 at row 0; [5, 3, 9] 9 at row 1; [3, 3, 4] 4 at row 2; [8] everywhere. 2: [6, 2] bans 2 at row 2
+    # only (the prompt ends with 6 too: not matched). 3: [9, 5, 11, 1] bans 1 at row 2.
+    min_toks = {0: (4, [3, 5], {10, 11}), 3: (2, [9], {0})}  # 0: rows 0, 1 ban 10 and 11; 3: row 0 bans 0
+    allowed = [None, None, [0, 1, 2, 3, 4, 5, 6, 7], None]
+    rows = 2.0 * torch.randn(sum(map(len, drafts)), vocab, generator=torch.Generator().manual_seed(7))
+    return vocab, drafts, outputs, prompts, penalties, bad_words, min_toks, allowed, rows
+
+
+CONTROLS = {
+    "penalties": dict(penalties=True),
+    "allowed_token_ids": dict(allowed=True),
+    "bad_words": dict(bad_words=True),
+    "min_tokens": dict(min_toks=True),
+    "all": dict(penalties=True, allowed=True, bad_words=True, min_toks=True),
+}
+
+
+def controls_inputs(which, temperature=None, **extra):
+    vocab, drafts, outputs, prompts, penalties, bad_words, min_toks, allowed, rows = controls_case()
+    on_ = CONTROLS[which]
+    meta = controls_metadata(temperature, outputs=outputs, prompts=prompts, vocab=vocab,
+                             penalties=penalties if on_.get("penalties") else None,
+                             allowed=allowed if on_.get("allowed") else None,
+                             bad_words=bad_words if on_.get("bad_words") else None,
+                             min_toks=min_toks if on_.get("min_toks") else None, **extra)
+    return vocab, drafts, rows, meta
+
+
+@pytest.mark.parametrize("which", list(CONTROLS))
+def test_generation_controls_at_the_draft_positions_match_vllm(which):
+    vocab, drafts, rows, meta = controls_inputs(which)
+    ids, counts, _, cu = flat(drafts)
+    got = shim.apply_generation_controls(rows.clone(), ids, counts, cu, meta)
+    want = reference_controls(rows, drafts, meta, vocab)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), (torch.isinf(got) != torch.isinf(want)).nonzero()
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got, rows), "the case must change something"
+    if which not in ("allowed_token_ids", "min_tokens"):  # these two do not read the history's tokens
+        blind = reference_controls(rows, drafts, meta, vocab, count_drafts=False)
+        assert not torch.equal(torch.isinf(blind), torch.isinf(want)) or not torch.allclose(blind, want)
+
+
+def test_generation_controls_off_leave_the_rows_alone():
+    vocab, drafts, rows, meta = controls_inputs("penalties")
+    meta.no_penalties = True
+    ids, counts, _, cu = flat(drafts)
+    assert shim.apply_generation_controls(rows.clone(), ids, counts, cu, meta).equal(rows)
+    meta.logitsprocs = types.SimpleNamespace(non_argmax_invariant=[MinTokensProcessor({0: (9, [], {1})}, False)])
+    assert shim.apply_generation_controls(rows.clone(), ids, counts, cu, meta).equal(rows)  # vLLM 0.12-0.16
+
+
+def control_rows(top, second, vocab=10, rows=4):
+    """Target rows [rows, V]: top[i] at 2.0, second at 1.5, the rest -1.0 (a draft is the argmax unless a control
+    moves it)."""
+    x = torch.full((rows, vocab), -1.0)
+    x[torch.arange(rows), torch.tensor(top)] = 2.0
+    x[:, second] = 1.5
+    return x
+
+
+def greedy_forward(drafts, rows, meta):
+    """RejectionSampler.forward on a greedy batch whose rows are `rows` (target rows of each request, then its bonus
+    row, which the stand-in sampler answers with its argmax: 9 here)."""
+    counts = [len(d) for d in drafts]
+    layout, t = [], 0
+    for k in counts:
+        layout += [rows[t:t + k], torch.full((1, rows.shape[1]), -1.0).index_fill_(1, torch.tensor([9]), 3.0)]
+        t += k
+    meta_spec = spec_metadata(counts, flat(drafts)[0])
+    return shim.RejectionSampler(BonusSampler())(meta_spec, None, torch.cat(layout), meta).sampled_token_ids.tolist()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_penalties_count_the_drafts(backend):
+    """Each row's argmax is its draft 4 (2.0) until the drafts already accepted penalise it below 6 (1.5): frequency
+    0.3 with 4 output once (1.7, then 1.4), presence 0.6 (2.0, then 1.4), repetition 1.5 (2.0, then 1.33); the
+    prompt's 4 penalises row 0 of the last request (1.33). Without the drafts counted every draft would be accepted."""
+    drafts = [[4, 4, 4], [4, 4], [4, 4], [4, 4]]
+    rows = control_rows([4] * 9, 6, rows=9)
+    meta = controls_metadata(None, outputs=[[4], [], [2], [1]], prompts=[[7], [7], [7], [4, 3]], vocab=10,
+                             penalties=[(1.0, 0.0, 0.3), (1.0, 0.6, 0.0), (1.5, 0.0, 0.0), (1.5, 0.0, 0.0)])
+    with on(backend):
+        out = greedy_forward(drafts, rows, meta)
+    assert out == [[4, 6, P, P], [4, 6, P, P], [4, 6, P, P], [6, P, P, P]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_bad_words_span_the_drafts(backend):
+    """Output [1, 2], drafts [3, 4, 5]: the bad word [2, 3, 4] is completed by the first draft, so 4 is banned at
+    row 1 and 6 comes instead. The second request's prompt would complete [2, 3] but vLLM matches the output tokens
+    only: its drafts are all accepted, then the bonus token."""
+    drafts = [[3, 4, 5], [3, 5]]
+    rows = control_rows([3, 4, 5, 3, 5], 6, rows=5)
+    meta = controls_metadata(None, outputs=[[1, 2], []], prompts=[[0], [2]], vocab=10,
+                             bad_words={0: [[2, 3, 4], [7]], 1: [[2, 3]]})
+    with on(backend):
+        out = greedy_forward(drafts, rows, meta)
+    assert out == [[3, 6, P, P], [3, 5, 9, P]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_allowed_token_ids_mask(backend):
+    """Request 0 may not emit 4 (its second draft): 6 instead; request 1 may emit only 3, 5 and 8: at its last row
+    neither the draft 7 (2.0) nor 6 (1.5) is allowed, so 8 (-0.5, the largest allowed logit there)."""
+    drafts = [[3, 4], [3, 5, 7]]
+    rows = control_rows([3, 4, 3, 5, 7], 6, rows=5)
+    rows[4, 8] = -0.5
+    meta = controls_metadata(None, outputs=[[], []], vocab=10,
+                             allowed=[[0, 1, 2, 3, 5, 6, 7, 8, 9], [3, 5, 8]])
+    with on(backend):
+        out = greedy_forward(drafts, rows, meta)
+    assert out == [[3, 6, P, P], [3, 5, 8, P]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_min_tokens_per_request_stop_sets(backend):
+    """vLLM 0.17-0.19: request 0 (1 token out, min 3, stops {5}) may not stop at rows 0 and 1: its draft 5 is banned
+    at row 0 (6 instead); request 1 (none out, min 2, stops {6}) keeps its 5 at row 0 and loses 6 at row 1; request 2
+    (no min_tokens) accepts both."""
+    drafts = [[5, 5], [5, 6], [5, 6]]
+    rows = control_rows([5, 5, 5, 6, 5, 6], 7, rows=6)
+    meta = controls_metadata(None, outputs=[[9], [], []], vocab=10, min_toks={0: (3, [9], {5}), 1: (2, [], {6})})
+    with on(backend):
+        out = greedy_forward(drafts, rows, meta)
+    assert out == [[7, P, P], [5, 7, P], [5, 6, 9]]
+
+
+class LogitsSampler:
+    """Stands in for vLLM's Sampler as the V1 rejection sampler calls it: the bonus rows' argmax and, asked with
+    max_num_logprobs=-1, the bonus rows' logits in the override's mode (raw: as given; processed: the stand-in's
+    processing, minus 0.25). Records each call's (max_num_logprobs, override)."""
+
+    def __init__(self, logprobs_mode):
+        self.logprobs_mode = logprobs_mode
+        self.calls = []
+
+    def __call__(self, *, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        self.calls.append((sampling_metadata.max_num_logprobs, logprobs_mode_override))
+        scores = None
+        if sampling_metadata.max_num_logprobs is not None:
+            scores = types.SimpleNamespace(logprobs=logits.float() - (0.25 if "processed" in logprobs_mode_override
+                                                                      else 0.0))
+        return types.SimpleNamespace(sampled_token_ids=logits.argmax(-1, keepdim=True).int(), logprobs_tensors=scores)
+
+
+def reference_processed(rows, drafts, meta, vocab):
+    """vLLM's processed target rows: the controls, then temperature (greedy rows: 1) and top-k."""
+    x = reference_controls(rows, drafts, meta, vocab)
+    t = 0
+    for b, request_drafts in enumerate(drafts):
+        for _ in request_drafts:
+            temperature = float(meta.temperature[b])
+            if temperature > 0:
+                x[t] = x[t] / temperature
+                k = int(meta.top_k[b])
+                x[t][x[t] < x[t].sort(descending=True).values[k - 1]] = NEG
+            t += 1
+    return x
+
+
+def reference_logprobs(num_logprobs, drafts, target_rows, bonus_rows, out, logits_mode, dense):
+    """vLLM 0.14-0.19's _get_logprobs_tensors (dense) or 0.12-0.13's (emitted slots only), slot by slot: slot j of
+    request b reads row first_b + j (clamped) of the layout [its draft rows, its bonus row]*; a -1 slot is scored as
+    token 0; scores are the row (logits modes) or its log_softmax; then the token's score, the top scores, the rank."""
+    layout, t = [], 0
+    for b, request_drafts in enumerate(drafts):
+        layout += [target_rows[t + i] for i in range(len(request_drafts))] + [bonus_rows[b]]
+        t += len(request_drafts)
+    ids, scores, ranks, first = [], [], [], 0
+    for b, request_drafts in enumerate(drafts):
+        for j, token in enumerate(out[b]):
+            if token == P and not dense:
+                continue
+            token = max(token, 0)
+            row = layout[min(first + j, len(layout) - 1)]
+            s = row if logits_mode else torch.log_softmax(row, -1)
+            top = sorted(range(len(s)), key=lambda v: -float(s[v]))[:num_logprobs]
+            ids.append([token] + top)
+            scores.append([float(s[token])] + [float(s[v]) for v in top])
+            ranks.append(int((s >= s[token]).sum()))
+        first += len(request_drafts) + 1
+    return ids, scores, ranks
+
+
+class OldVllmRejectionSampler:
+    """vLLM 0.12-0.13's class as dense_logprobs_layout reads it: parse_output(..., return_cu_num_tokens)."""
+
+    @staticmethod
+    def parse_output(output_token_ids, vocab_size, discard_req_indices=(), return_cu_num_tokens=False):
+        raise AssertionError("stand-in")
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense_0.14", "emitted_0.12"])
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_forward_logprobs_as_vllm(mode, dense, monkeypatch):
+    """A mixed batch (greedy, and temperatures with top-k) under every control, with logprobs: the tokens come from
+    the kernel on the controlled rows, and the LogprobsTensors equal vLLM's for those tokens: the raw target rows
+    (raw modes, the controls not applied) or the processed ones, and the sampler's bonus-row logits, in the layout of
+    the release (dense: 0.14-0.19; the emitted slots only: 0.12-0.13)."""
+    monkeypatch.setattr(shim, "_vllm_rejection_sampler", None if dense else OldVllmRejectionSampler)
+    num_logprobs = 3
+    vocab, drafts, rows, meta = controls_inputs("all", [0.0, 0.8, 1.3, 0.5], max_num_logprobs=num_logprobs,
+                                                top_k=torch.tensor([12, 5, 12, 6]))
+    counts = [len(d) for d in drafts]
+    bonus = 2.0 * torch.randn(len(drafts), vocab, generator=torch.Generator().manual_seed(8))
+    layout, t = [], 0
+    for b, k in enumerate(counts):
+        layout += [rows[t:t + k], bonus[b:b + 1]]
+        t += k
+    logits = torch.cat(layout)
+    poisoned = logits.clone()
+    sampler = LogitsSampler(mode)
+    torch.manual_seed(11)
+    out = shim.RejectionSampler(sampler)(spec_metadata(counts, flat(drafts)[0]), None, logits, meta)
+    assert torch.equal(logits, poisoned), "the caller's logits are left as they are"
+    assert sampler.calls == [(-1, "processed_logits" if mode.startswith("processed") else "raw_logits")]
+    tokens = out.sampled_token_ids.tolist()
+    processed = reference_processed(rows, drafts, meta, vocab)
+    # The kernel saw the processed rows: no emitted token is one a control banned at its position.
+    t = 0
+    for b, k in enumerate(counts):
+        for j in range(min(k, sum(x != P for x in tokens[b]))):
+            assert torch.isfinite(processed[t + j, tokens[b][j]]), (b, j, tokens[b])
+        t += k
+    target = processed if mode.startswith("processed") else rows
+    bonus_rows = bonus - (0.25 if mode.startswith("processed") else 0.0)
+    ids, scores, ranks = reference_logprobs(num_logprobs, drafts, target, bonus_rows, tokens, mode.endswith("logits"),
+                                            dense)
+    lp = out.logprobs_tensors
+    assert lp.logprob_token_ids.dtype == torch.int32 and lp.logprob_token_ids.tolist() == ids
+    assert torch.allclose(lp.logprobs, torch.tensor(scores), rtol=1e-5, atol=1e-5)
+    assert lp.selected_token_ranks.tolist() == ranks
+    kept, second = shim.RejectionSampler.parse_output(out.sampled_token_ids, vocab, (), lp if dense else None,
+                                                      return_cu_num_tokens=not dense)
+    assert [len(x) for x in kept] == [sum(x != P for x in row) for row in tokens]
+    if dense:  # the model runner's filter keeps the emitted tokens' rows: each row's first id is its token
+        assert [[r[0][0] for r in zip(*request)] for request in second] == kept
+
+
+def test_forward_hands_the_kernel_the_controlled_probabilities(monkeypatch):
+    """The random rows' target probabilities are softmax(controlled rows / temperature, top-k masked): captured at
+    rejection_sample, against the reference."""
+    vocab, drafts, rows, meta = controls_inputs("all", [0.0, 0.8, 1.3, 0.5], top_k=torch.tensor([12, 5, 12, 6]))
+    counts = [len(d) for d in drafts]
+    captured = {}
+
+    def capture(*args):
+        captured["target_probs"] = args[5]
+        return torch.full((len(counts), max(counts) + 1), P, dtype=torch.int32)
+
+    monkeypatch.setattr(shim, "rejection_sample", capture)
+    layout, t = [], 0
+    for k in counts:
+        layout += [rows[t:t + k], torch.zeros(1, vocab).fill_(0.5)]
+        t += k
+    shim.RejectionSampler(BonusSampler())(spec_metadata(counts, flat(drafts)[0]), None, torch.cat(layout), meta)
+    want = reference_processed(rows, drafts, meta, vocab).softmax(-1)
+    assert torch.allclose(captured["target_probs"], want, rtol=1e-6, atol=1e-7)
+
+
 def test_parse_output():
     out = torch.tensor([[5, 6, P], [P, P, P], [7, 300, P], [1, 2, 3]], dtype=torch.int32)
     tokens, cu = shim.RejectionSampler.parse_output(out, vocab_size=100)
@@ -231,22 +573,25 @@ def test_parse_output_with_logprobs_tensors():
 
 
 class MinTokensProcessor:
-    """vLLM 0.17-0.19's MinTokensLogitsProcessor as the shim inspects it: min_toks {request: (min, output, stops)}."""
+    """vLLM's MinTokensLogitsProcessor as the shim reads it: min_toks {request: (min_tokens, output ids, stop ids)};
+    0.17-0.19's has apply_with_spec_decode (it masks the draft positions), 0.12-0.16's does not."""
 
     def __init__(self, min_toks, spec_decode=True):
         self.min_toks = min_toks
         if spec_decode:
-            self.apply_with_spec_decode = lambda *args: None
+            self.apply_with_spec_decode = lambda *args: pytest.fail("the shim masks the draft positions itself")
 
 
 @pytest.mark.parametrize("processor, expected", [
-    (MinTokensProcessor({0: (5, [], {7})}), "min_tokens"),
-    (MinTokensProcessor({}), None),  # nobody short of min_tokens: nothing is masked at the draft positions
-    (MinTokensProcessor({0: (5, [], {7})}, spec_decode=False), None),  # 0.12-0.16: drafts are not masked
+    (MinTokensProcessor({0: (5, [4, 4], {7, 3}), 2: (1, [], {9}), 9: (3, [], {1})}),  # 9: not in a batch of 3
+     [(0, 5, 2, (3, 7)), (2, 1, 0, (9,))]),
+    (MinTokensProcessor({}), []),  # nobody short of min_tokens: nothing is masked at the draft positions
+    (MinTokensProcessor({0: (5, [], set())}), []),  # no stop tokens: nothing to mask (vLLM skips it)
+    (MinTokensProcessor({0: (5, [], {7})}, spec_decode=False), []),  # 0.12-0.16: drafts are not masked
 ])
-def test_min_tokens_at_the_draft_positions_is_left_to_vllm(processor, expected):
+def test_min_tokens_requests_at_the_draft_positions(processor, expected):
     processors = types.SimpleNamespace(non_argmax_invariant=[processor])
-    assert shim._needs_vllm(sampling_metadata([1.0], logitsprocs=processors)) == expected
+    assert shim._min_tokens_requests(sampling_metadata([1.0] * 3, logitsprocs=processors), 3) == expected
 
 
 def _v1_module(init, rejection_sample):
@@ -319,21 +664,15 @@ def test_bad_inputs_name_the_argument(backend, name, corrupt):
             shim.rejection_sample(**args)
 
 
-def test_forward_refuses_what_it_leaves_to_vllm_without_register(monkeypatch):
-    monkeypatch.setattr(shim, "_vllm_rejection_sampler", None)
+def test_forward_refuses_a_long_spec_len():
     meta, logits, _ = forward_batch(3)
-    module = shim.RejectionSampler(BonusSampler())
-    for field, value in (("max_num_logprobs", 0), ("no_penalties", False), ("bad_words_token_ids", {0: [[1]]}),
-                         ("allowed_token_ids_mask", torch.zeros(3, 8, dtype=torch.bool))):
-        with pytest.raises(NotImplementedError, match="penalties" if field == "no_penalties" else field):
-            module(meta, None, logits, sampling_metadata([1.0] * 3, **{field: value}))
     too_long = types.SimpleNamespace(**{**vars(meta), "max_spec_len": 129})
     with pytest.raises(ValueError, match="max_spec_len"):
-        module(too_long, None, logits, sampling_metadata())
+        shim.RejectionSampler(BonusSampler())(too_long, None, logits, sampling_metadata())
 
 
 class VllmRejectionSampler(nn.Module):
-    """Stands in for vLLM's own class: records the calls handed to it."""
+    """Stands in for vLLM's own class (0.14-0.19's parse_output): records any call handed to it (none should be)."""
     calls = []
 
     def __init__(self, sampler):
@@ -343,6 +682,10 @@ class VllmRejectionSampler(nn.Module):
     def forward(self, *args):
         VllmRejectionSampler.calls.append(args)
         return "vllm's output"
+
+    @staticmethod
+    def parse_output(output_token_ids, vocab_size, discard_req_indices=(), logprobs_tensors=None):
+        raise AssertionError("stand-in")
 
 
 class ModelRunnerV2RejectionSampler:
@@ -389,15 +732,18 @@ def test_register_replaces_vllms_class_where_the_worker_looks(stand_in_vllm, mon
     monkeypatch.setitem(sys.modules, late.__name__, late)
     assert shim.register() == ["vllm.v1.spec_decode.late.RejectionSampler"]
     assert m["vllm.v1.sample.rejection_sampler"].RejectionSampler is shim.RejectionSampler
-    # What the model runner now builds hands logprobs batches to vLLM's own class, and samples the rest itself.
+    # What the model runner now builds samples every batch itself, logprobs and generation controls included.
     runner_cls = m["vllm.v1.worker.gpu_model_runner"].RejectionSampler
     meta, logits, _ = forward_batch(3)
-    module = runner_cls(BonusSampler())
-    wants_logprobs = sampling_metadata([1.0] * 3, max_num_logprobs=2)
-    assert module(meta, None, logits, wants_logprobs) == "vllm's output"
-    assert len(VllmRejectionSampler.calls) == 1 and VllmRejectionSampler.calls[0][3] is wants_logprobs
+    module = runner_cls(LogitsSampler("raw_logprobs"))
+    wants_all = sampling_metadata(None, max_num_logprobs=2, bad_words_token_ids={b: [[0]] for b in range(3)},
+                                  output_token_ids=[[], [], []],
+                                  allowed_token_ids_mask=torch.zeros(3, 8, dtype=torch.bool))
+    out = module(meta, None, logits, wants_all)
+    assert out.sampled_token_ids.tolist() == [[4, P, P, P]] * 3  # 0, the argmax, is a bad word: 4 comes next
+    assert out.logprobs_tensors.logprobs.shape == (12, 3)
     assert module(meta, None, logits, sampling_metadata()).sampled_token_ids.tolist() == [[0, P, P, P]] * 3
-    assert len(VllmRejectionSampler.calls) == 1
+    assert VllmRejectionSampler.calls == []
 
 
 def test_register_without_vllm_logs_and_does_nothing(monkeypatch, caplog):

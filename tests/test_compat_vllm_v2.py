@@ -329,6 +329,37 @@ def test_a_sampled_request_stops_at_its_placeholder_and_draws_from_that_row(bloc
         assert_law(dict(enumerate(counts)), dict(enumerate(p.tolist())))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block", [False, True], ids=["token", "block"])
+def test_what_vllms_sampler_masked_is_never_emitted(backend, block):
+    """V2 applies the generation controls (penalties, bad words, allowed tokens, min_tokens, logit bias, with the
+    drafts in each row's history) in its sampler before rejection_sample: a token the processed logits hold at -inf
+    is masked at that position. Every draft here is such a token at its own row, while the draft logits put almost
+    all their mass on it: each draft is rejected, and the token emitted at its row is one the row allows; greedy
+    requests (temperature 0) too. 64 requests of 3 drafts, V = 16, fixed seeds."""
+    n, k, vocab = 64, 3, 16
+    gen = torch.Generator().manual_seed(21)
+    drafts = torch.randint(0, vocab, (n, k), generator=gen)
+    target = (torch.randn(n, k + 1, vocab, generator=gen) * 2 + 0.5)
+    banned = torch.zeros(n, k + 1, vocab, dtype=torch.bool)
+    banned[:, :k].scatter_(2, drafts.unsqueeze(-1), True)  # each draft at its own row
+    banned |= torch.rand(n, k + 1, vocab, generator=gen) < 0.3  # and other tokens, as bad words / masks ban them
+    banned[..., vocab - 1] = False  # every row keeps a token
+    target = target.masked_fill(banned, float("-inf")).view(-1, vocab)
+    peaked = torch.full((n, k, vocab), -5.0).scatter_(2, drafts.unsqueeze(-1), 20.0)
+    temperature = torch.where(torch.arange(n) % 4 == 0, 0.0, 1.0)
+    with on(backend):
+        sampled, num_sampled = call(target, drafts, temperature=temperature, cache=DraftLogitsCache(peaked),
+                                    use_block_verification=block)
+    assert_well_formed(sampled, num_sampled, n, k, vocab)
+    assert num_sampled.tolist() == [1] * n, "every draft is masked at its row: none accepted"
+    first = sampled[:, 0]
+    assert not banned[torch.arange(n), 0, first].any(), "the token emitted at row 0 is one the row allows"
+    greedy = torch.arange(n) % 4 == 0
+    rows = target.view(n, k + 1, vocab)[:, 0]
+    assert torch.equal(first[greedy], rows[greedy].argmax(-1))
+
+
 # ------------------------------------------------------------------------------------- seeds, request states
 
 class Request:

@@ -84,8 +84,10 @@ def controls_of(prompts, outputs, repetition=1.0, presence=0.0, frequency=0.0, *
     for r in range(b):
         counts[r] += torch.bincount(torch.tensor(outputs[r]), minlength=VOCAB).int()
         in_prompt[r, prompts[r]] = True
-    return BlockControls(counts, in_prompt, torch.full((b,), float(repetition)), torch.full((b,), float(presence)),
-                         torch.full((b,), float(frequency)), **extra)
+    longest = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+    history = torch.tensor([(p + o + [VOCAB - 1] * longest)[:longest] for p, o in zip(prompts, outputs)])
+    return BlockControls(counts, in_prompt, history, torch.full((b,), float(repetition)),
+                         torch.full((b,), float(presence)), torch.full((b,), float(frequency)), **extra)
 
 
 def processed(logits, ids, controls, tree, parents, ancestors):

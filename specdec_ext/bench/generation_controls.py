@@ -6,8 +6,12 @@ every round verifies a block of 5 rows per request), greedy and sampled (tempera
 repetition / presence / frequency penalties, a logit bias on three tokens, three bad words (tokenised as vLLM does),
 min_tokens, min_p, logprobs with 5 alternatives and a stop string; "none" turns on nothing. The controls change the
 tokens (and so the acceptance), so the figure compared is the time per round: elapsed / rounds, the median of
---repeats after a warm-up, the two settings alternating; "sample_ms" is the part after the target's forward (the
-controls' processing, the sampling op, the truncation and the round's read).
+--repeats after a warm-up, the two settings alternating, with its phases (GenerationStats): draft (the drafter, its
+rows processed), verify (the target's forward), sample (the block's processing, the sampling op, the truncation, the
+round's read and the logprobs), other (admission, the host's bookkeeping: stop strings, the controls' uploads).
+"vs_none" is the round's ratio; "controls_share" the controls' own time, the phases but the forward (which the
+controls do not touch, and whose run-to-run spread on a loaded CPU is larger than their cost), over the round without
+them.
 """
 import statistics
 import time
@@ -63,20 +67,24 @@ def main(args) -> int:
                 out = dec.generate(prompts, args.new_tokens, seed=list(range(len(prompts))), **sampling, **given)
                 seconds = time.perf_counter() - t0
                 rounds = max(s.target_forwards for s in out.request_stats)
-                runs[name].append((seconds / rounds, out.stats.sample_s / rounds, out.stats.mean_acceptance_length))
-        per_round = {name: statistics.median(r[0] for r in runs[name]) for name in controls}
+                st = out.stats
+                runs[name].append({"round": seconds, "draft": st.draft_s, "verify": st.verify_s, "sample": st.sample_s,
+                                   "other": seconds - st.draft_s - st.verify_s - st.sample_s,
+                                   "mal": st.mean_acceptance_length, "rounds": rounds})
+        ms = {name: {phase: statistics.median(r[phase] / r["rounds"] for r in runs[name]) * 1e3
+                     for phase in ("round", "draft", "verify", "sample", "other")} for name in controls}
         for name in controls:
+            own = ms[name]["round"] - ms[name]["verify"]
             row = {"weights": "kept-Q4_1" if kept else "float32", "device": device.type, "sampling": mode,
-                   "controls": name, "batch": args.batch,
-                   "round_ms": per_round[name] * 1e3,
-                   "sample_ms": statistics.median(r[1] for r in runs[name]) * 1e3,
-                   "mean_acceptance_length": runs[name][-1][2],
-                   "vs_none": per_round[name] / per_round["none"]}
+                   "controls": name, "batch": args.batch, **{f"{k}_ms": v for k, v in ms[name].items()},
+                   "mean_acceptance_length": statistics.median(r["mal"] for r in runs[name]),
+                   "vs_none": ms[name]["round"] / ms["none"]["round"],
+                   "controls_share": (own - (ms["none"]["round"] - ms["none"]["verify"])) / ms["none"]["round"]}
             rows.append(row)
             print_row(row)
     report(f"generation controls: a round at B = {args.batch}, EAGLE k = 4", rows,
-           ["weights", "device", "sampling", "controls", "round_ms", "sample_ms", "mean_acceptance_length",
-            "vs_none"])
+           ["weights", "device", "sampling", "controls", "round_ms", "draft_ms", "verify_ms", "sample_ms", "other_ms",
+            "mean_acceptance_length", "vs_none", "controls_share"])
     save(args, {"title": "generation controls: cost per round", "batch": args.batch, "new_tokens": args.new_tokens,
                 "threads": torch.get_num_threads()}, rows, ["weights", "device", "sampling", "controls"])
     return 0

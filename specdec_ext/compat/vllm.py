@@ -19,6 +19,14 @@ releases' own tests of it pass against this class (tests/engine_suites/vllm_v1.p
 - `RejectionSampler(sampler)`, an nn.Module with vLLM's `forward(metadata, draft_probs, logits, sampling_metadata)`:
   `logits` [T + B, V] holds each request's draft rows then its bonus row (`metadata.target_logits_indices`,
   `metadata.bonus_logits_indices`); the bonus token comes from vLLM's Sampler, as in vLLM. Returns a SamplerOutput.
+  Every batch is verified here, with what vLLM 0.14-0.19's class does at the draft positions: penalties
+  (repetition over prompt and output, frequency and presence over the output, the drafts before each position
+  counted as output), the allowed-token mask, bad words (matched against the output tokens and the drafts, not the
+  prompt) and, on 0.17-0.19, min_tokens (all by `apply_generation_controls`, on specdec_ext.logits_processing), then
+  temperature, top-k and top-p; and with `max_num_logprobs` set the sampled tokens' logprobs (`logprobs_tensors`:
+  from the raw target rows, or the processed ones in the sampler's "processed_*" logprobs_mode; the bonus rows' from
+  the Sampler), in the layout the release's model runner reads (0.12-0.13: the emitted tokens' rows; 0.14-0.19: every
+  output slot's). Like vLLM, logit bias, min_p and other logits processors are not applied at the draft positions.
   `parse_output` returns either release's second result (0.12-0.13: cumulative counts; 0.14-0.19: logprob lists).
 - `register()`: the `vllm.general_plugins` entry point; swaps vLLM's RejectionSampler for this one.
 
@@ -36,6 +44,7 @@ for the recovered token), and the tokens are not vLLM's. Acceptance is u * q < p
 u = 0 never accepts a token the target gives probability 0); the recovered token is the inverse CDF of
 norm(max(p - q, 0)) at the final uniform.
 """
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -43,10 +52,12 @@ import itertools
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
+from ..logits_processing import BlockControls, process_block
 from ..ops import LIMITS, MIN_TEMPERATURE
 from ..reference import filter_logits
 from . import backend, parameters, replace_in_vllm_modules
@@ -63,7 +74,8 @@ V1_REJECTION_SAMPLE_PARAMETERS = ["draft_token_ids", "num_draft_tokens", "max_sp
                                   "draft_probs", "target_probs", "bonus_token_ids", "sampling_metadata"]
 V1_TARGET_NAMES = ("target_probs", "target_logits")
 
-_vllm_rejection_sampler = None  # vLLM's own class, kept by register() for the batches this shim hands back
+# vLLM's own class, kept by register(): its parse_output tells which logprobs layout the release's model runner reads.
+_vllm_rejection_sampler = None
 
 
 def _require(meta, name: str, what: str):
@@ -207,23 +219,152 @@ def _reject_placeholders(out, placeholder, cu_num_draft_tokens, draft_probs, tar
                        torch.where(reached & (col > first), PLACEHOLDER_TOKEN_ID, ids))
 
 
-def _needs_vllm(sampling_metadata) -> str | None:
-    """The first processing this shim leaves to vLLM's own sampler (logprobs, penalties, bad words, allowed-token
-    masks, min_tokens at the draft positions), or None. Attributes the metadata lacks count as off."""
-    if getattr(sampling_metadata, "max_num_logprobs", None) is not None:
-        return "max_num_logprobs"
-    if not getattr(sampling_metadata, "no_penalties", True):
-        return "penalties"
-    if getattr(sampling_metadata, "bad_words_token_ids", None):
-        return "bad_words_token_ids"
-    if getattr(sampling_metadata, "allowed_token_ids_mask", None) is not None:
-        return "allowed_token_ids_mask"
-    # vLLM 0.17-0.19 mask the stop tokens of requests short of min_tokens at the draft positions too (a processor's
-    # apply_with_spec_decode); it has something to mask while its min_toks holds requests.
+def _min_tokens_requests(sampling_metadata, batch: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(request, min_tokens, tokens output so far, stop ids) of each request short of its min_tokens whose stop tokens
+    vLLM masks at the draft positions: those of a processor with vLLM 0.17-0.19's MinTokensLogitsProcessor interface
+    (`min_toks` {request: (min_tokens, output ids, stop ids)} and `apply_with_spec_decode`; 0.12-0.16's processor has
+    no such method, and vLLM leaves the draft positions unmasked there). Attributes the metadata lacks count as off."""
     processors = getattr(getattr(sampling_metadata, "logitsprocs", None), "non_argmax_invariant", None) or ()
-    if any(hasattr(p, "apply_with_spec_decode") and getattr(p, "min_toks", None) for p in processors):
-        return "min_tokens"
-    return None
+    requests = []
+    for processor in processors:
+        if not hasattr(processor, "apply_with_spec_decode"):
+            continue
+        for b, (min_tokens, output_ids, stop_ids) in (getattr(processor, "min_toks", None) or {}).items():
+            if stop_ids and 0 <= b < batch:
+                requests.append((b, int(min_tokens), len(output_ids), tuple(sorted(stop_ids))))
+    return requests
+
+
+def _output_lists(sampling_metadata, batch: int, what: str) -> list:
+    outputs = getattr(sampling_metadata, "output_token_ids", None)
+    if outputs is None or len(outputs) < batch:
+        raise ValueError(f"RejectionSampler: sampling_metadata.output_token_ids must hold each request's output token "
+                         f"ids ({batch} lists) when {what} is on")
+    return [list(o) for o in outputs[:batch]]
+
+
+def _padded(rows: list[list[int]], width: int, fill: int, device) -> torch.Tensor:
+    """rows right-aligned in a [len(rows), width] int64 tensor, `fill` on the left."""
+    out = torch.full((len(rows), width), fill, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        if row and width:
+            out[b, width - len(row):] = torch.tensor(row, dtype=torch.int64)
+    return out.to(device)
+
+
+def _penalty_controls(sampling_metadata, outputs: list[list[int]], batch: int, vocab: int, device) -> dict:
+    """BlockControls' penalty fields from vLLM's metadata: the output tokens' counts [B, V] (ids outside [0, V), the
+    -1 placeholders of asynchronous scheduling among them, are not counted, as vLLM pads them out), the prompt's
+    tokens [B, V] (vLLM pads prompt_token_ids with V), the history [B, L] and the three per-request penalties."""
+    lengths = torch.tensor([len(o) for o in outputs], dtype=torch.int64)
+    flat = torch.tensor([t for o in outputs for t in o], dtype=torch.int64).to(device)
+    owner = torch.repeat_interleave(torch.arange(batch), lengths).to(device)
+    dump = batch * vocab  # one bin past the end for the ids that are not counted
+    bins = torch.where((flat >= 0) & (flat < vocab), owner * vocab + flat, dump)
+    counts = torch.bincount(bins, minlength=dump + 1)[:dump].view(batch, vocab).to(torch.int32)
+    prompt = _require(sampling_metadata, "prompt_token_ids", "[B, L] tensor, padded with V").to(device)[:batch].long()
+    prompt = torch.where((prompt >= 0) & (prompt < vocab), prompt, vocab)
+    prompt_mask = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device).scatter_(1, prompt, True)[:, :vocab]
+
+    def per_request(name):
+        value = _require(sampling_metadata, name, "[B] tensor")
+        return torch.as_tensor(value).to(device=device, dtype=torch.float32).reshape(-1)[:batch]
+
+    # Every token a row may have seen (apply_penalties gathers these): the prompt and the outputs, 0 padding them.
+    outputs_seen = _padded([[t if 0 <= t < vocab else 0 for t in o] for o in outputs],
+                           max((len(o) for o in outputs), default=0), 0, device)
+    history = torch.cat([torch.where(prompt < vocab, prompt, 0), outputs_seen], 1)
+    return dict(output_counts=counts, prompt_mask=prompt_mask, history=history,
+                repetition=per_request("repetition_penalties"),
+                presence=per_request("presence_penalties"), frequency=per_request("frequency_penalties"))
+
+
+def _bad_word_controls(bad_words: dict, outputs: list[list[int]], batch: int, device) -> tuple[dict, torch.Tensor]:
+    """BlockControls' bad-word fields: each request's words as right-aligned prefixes and last tokens, and the tail
+    of its history as vLLM matches it there: its output tokens only (not the prompt), as they are (a -1 placeholder
+    matches nothing), -1 before the start. Returns them and each request's last output token (-1 when none)."""
+    words = {b: [list(w) for w in ws if len(w)] for b, ws in bad_words.items() if 0 <= b < batch}
+    context = max((len(w) - 1 for ws in words.values() for w in ws), default=0)
+    count = max((len(ws) for ws in words.values()), default=0)
+    prefixes = torch.full((batch, max(count, 1), context), -2, dtype=torch.int64)
+    last = torch.full((batch, max(count, 1)), -1, dtype=torch.int64)
+    for b, ws in words.items():
+        for n, word in enumerate(ws):
+            if len(word) > 1:
+                prefixes[b, n, context - len(word) + 1:] = torch.tensor(word[:-1], dtype=torch.int64)
+            last[b, n] = word[-1]
+    tail = _padded([o[len(o) - context:] if context else [] for o in outputs], context, -1, device)
+    last_output = _padded([o[-1:] for o in outputs], 1, -1, device)[:, 0]
+    return dict(tail=tail, bad_word_prefixes=prefixes.to(device), bad_word_last=last.to(device)), last_output
+
+
+def apply_generation_controls(logits: torch.Tensor, draft_token_ids: torch.Tensor, num_draft_tokens: list[int],
+                              cu_num_draft_tokens: torch.Tensor, sampling_metadata) -> torch.Tensor:
+    """vLLM's processing of the draft positions' target rows before temperature (Model Runner V1's
+    RejectionSampler.apply_logits_processors): logits [T, V] float32, in place, each draft position's row processed
+    with the history it has there, the request's output tokens then its drafts before that position:
+
+    - repetition, frequency and presence penalties (`no_penalties` False): repetition on tokens of the prompt or of
+      that history, frequency and presence on that history's counts (the drafts counted);
+    - `allowed_token_ids_mask` [B, V] (True: not allowed): -inf on every draft position of the request;
+    - `bad_words_token_ids` {request: [[ids]]}: a word's last token -inf where the history ends with its other
+      tokens, matched against the output tokens and the drafts only (vLLM's history for bad words has no prompt);
+    - min_tokens (vLLM 0.17-0.19): the stop tokens -inf at the draft positions j (from 0) with output + j < min_tokens.
+
+    The rows are laid out per request as blocks [B, max k, V] for specdec_ext.logits_processing.process_block (row j
+    of request b: column 0 its last output token, columns 1..j its drafts 0..j-1); the per-request stop-token sets
+    of min_tokens go in one call per distinct set. Returns logits (unchanged when no control is on)."""
+    counts = list(num_draft_tokens)
+    tokens, vocab = logits.shape
+    batch = len(counts)
+    penalties = not getattr(sampling_metadata, "no_penalties", True)
+    bad_words = getattr(sampling_metadata, "bad_words_token_ids", None) or {}
+    allowed = getattr(sampling_metadata, "allowed_token_ids_mask", None)
+    min_tokens = _min_tokens_requests(sampling_metadata, batch)
+    if tokens == 0 or not (penalties or bad_words or allowed is not None or min_tokens):
+        return logits
+    device = logits.device
+    width = max(counts)
+    cu = cu_num_draft_tokens.to(device=device, dtype=torch.int64).reshape(-1)
+    k = torch.diff(cu, prepend=cu.new_zeros(1))
+    start = cu - k
+    col = torch.arange(width, device=device)
+    valid = col < k.unsqueeze(1)                                            # [B, W]: the request's draft positions
+    rows = (start.unsqueeze(1) + col).clamp(0, tokens - 1)                  # their flat rows (any row where invalid)
+    block = logits[rows]                                                    # [B, W, V]
+    # Column j >= 1 of a request's block is its draft j - 1 (read only by the rows after it).
+    drafts = draft_token_ids.to(device=device, dtype=torch.int64)[(start.unsqueeze(1) + col - 1).clamp(0, tokens - 1)]
+    outputs = _output_lists(sampling_metadata, batch, "a penalty or bad words") if penalties or bad_words else None
+
+    fields = {}
+    if penalties:
+        fields.update(_penalty_controls(sampling_metadata, outputs, batch, vocab, device))
+    if allowed is not None:
+        fields["logit_bias"] = torch.zeros(batch, vocab, device=device).masked_fill_(
+            allowed.to(device)[:batch].bool(), float("-inf"))
+    if fields:
+        # Ids outside [0, V) (a -1 placeholder draft) stand in as token 0: only rows after a placeholder, which emit
+        # nothing, see them. Column 0 (any token) is in the history already.
+        ids = torch.where((drafts >= 0) & (drafts < vocab), drafts, 0)
+        ids[:, 0] = 0
+        process_block(block, ids, BlockControls(**fields))
+    if bad_words:
+        bad, last_output = _bad_word_controls(bad_words, outputs, batch, device)
+        ids = drafts.clone()
+        ids[:, 0] = last_output
+        process_block(block, ids, BlockControls(**bad))
+    groups = {}
+    for b, minimum, generated, stop_ids in min_tokens:
+        groups.setdefault(stop_ids, []).append((b, minimum, generated))
+    for stop_ids, members in groups.items():
+        minimum = torch.zeros(batch, dtype=torch.int64)
+        generated = torch.zeros(batch, dtype=torch.int64)
+        for b, m, g in members:
+            minimum[b], generated[b] = m, g
+        process_block(block, drafts, BlockControls(generated=generated.to(device), min_tokens=minimum.to(device),
+                                                   stop_ids=torch.tensor(stop_ids, dtype=torch.int64, device=device)))
+    logits[rows[valid]] = block[valid]
+    return logits
 
 
 @dataclasses.dataclass
@@ -233,21 +374,96 @@ class SamplerOutput:
     logprobs_tensors: object = None
 
 
-def _sampler_output(token_ids: torch.Tensor):
+class LogprobsTensors(NamedTuple):
+    """vLLM's LogprobsTensors fields (and the filter parse_output uses), used when vllm.v1.outputs is not loaded:
+    per output slot, the sampled token then the top-n ids [N, n + 1] int32, their logprobs [N, n + 1] float32, and
+    the sampled token's rank [N] (1 + the number of tokens with a larger logprob)."""
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    selected_token_ranks: torch.Tensor
+
+    def filter(self, mask: torch.Tensor) -> "LogprobsTensors":
+        return LogprobsTensors(*(t[mask] for t in self))
+
+    def tolists(self, cu_num_generated_tokens: list[int]):
+        """Per request: (token ids, logprobs, ranks) as lists, split at the cumulative counts."""
+        return [tuple(t[a:b].tolist() for t in self)
+                for a, b in zip(cu_num_generated_tokens[:-1], cu_num_generated_tokens[1:])]
+
+
+def _sampler_output(token_ids: torch.Tensor, logprobs_tensors=None):
     outputs = sys.modules.get("vllm.v1.outputs")
     cls = getattr(outputs, "SamplerOutput", SamplerOutput)
-    return cls(sampled_token_ids=token_ids, logprobs_tensors=None)
+    return cls(sampled_token_ids=token_ids, logprobs_tensors=logprobs_tensors)
 
 
-def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata,
-                          cu_num_draft_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """vLLM's processing of the draft positions' target rows: logits [T, V] -> probabilities [T, V] float32 of
-    softmax(top-k/top-p masked logits / temperature) per request; greedy rows keep their argmax. With
+def _replaced(sampling_metadata, **changes):
+    """A copy of the metadata with `changes` (dataclasses.replace for vLLM's SamplingMetadata)."""
+    if dataclasses.is_dataclass(sampling_metadata) and not isinstance(sampling_metadata, type):
+        return dataclasses.replace(sampling_metadata, **changes)
+    copied = copy.copy(sampling_metadata)
+    for name, value in changes.items():
+        setattr(copied, name, value)
+    return copied
+
+
+def dense_logprobs_layout() -> bool:
+    """Whether the model runner reads the logprobs of every output slot (vLLM 0.14-0.19: [B * (K + 1)] rows, which its
+    parse_output filters) rather than those of the emitted tokens only (0.12-0.13). Told by the parse_output of the
+    vLLM class register() replaced; without one, the newer form."""
+    if _vllm_rejection_sampler is None:
+        return True
+    return "logprobs_tensors" in parameters(getattr(_vllm_rejection_sampler, "parse_output", None))
+
+
+def logprobs_tensors(num_logprobs: int, metadata, num_rows: int, target_rows: torch.Tensor,
+                     bonus_rows: torch.Tensor, token_ids: torch.Tensor, logits_mode: bool, dense: bool = True):
+    """The LogprobsTensors vLLM's V1 RejectionSampler returns for output token_ids [B, K + 1] (-1 padded).
+
+    Its [num_rows, V] layout (the forward's `logits`) gets target_rows at metadata.target_logits_indices and
+    bonus_rows at metadata.bonus_logits_indices (zeros elsewhere); output slot j of request b reads row
+    s_b + j, s_b the request's first row (the exclusive cumulative sum of k + 1), clamped to the last row. Dense
+    (0.14-0.19): every slot, a -1 slot scored as token 0 (parse_output drops it); else (0.12-0.13) the emitted
+    slots only. Scores: the rows themselves in a logits mode, else their log_softmax in float32; then the sampled
+    token's score, the top num_logprobs (torch.topk) and the sampled token's rank (entries >= its score)."""
+    vocab = target_rows.shape[-1] if target_rows.numel() else bonus_rows.shape[-1]
+    device = token_ids.device
+    final = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)
+    final[metadata.target_logits_indices.to(device).long()] = target_rows.to(device, torch.float32)
+    final[metadata.bonus_logits_indices.to(device).long()] = bonus_rows.to(device, torch.float32)
+    batch, width = token_ids.shape
+    cu_sampled = getattr(metadata, "cu_num_sampled_tokens", None)
+    if cu_sampled is None:
+        cu_sampled = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64).add(1).cumsum(0)
+    cu_sampled = cu_sampled.to(device=device, dtype=torch.int64).reshape(-1)
+    first = torch.cat([cu_sampled.new_zeros(1), cu_sampled[:-1]])
+    slots = first.unsqueeze(1) + torch.arange(width, device=device)
+    tokens = token_ids.long()
+    if dense:
+        slots = slots.flatten().clamp(max=num_rows - 1)
+        tokens = torch.where(tokens == PLACEHOLDER_TOKEN_ID, 0, tokens).flatten()
+    else:
+        emitted = tokens != PLACEHOLDER_TOKEN_ID
+        slots, tokens = slots[emitted], tokens[emitted]
+    scores = final[slots]
+    if not logits_mode:
+        scores = scores.log_softmax(-1, dtype=torch.float32)
+    top, top_ids = scores.topk(num_logprobs, -1)
+    chosen = scores.gather(-1, tokens.unsqueeze(-1))
+    ranks = (scores >= chosen).sum(-1)
+    cls = getattr(sys.modules.get("vllm.v1.outputs"), "LogprobsTensors", LogprobsTensors)
+    return cls(torch.cat([tokens.unsqueeze(-1), top_ids], 1).to(torch.int32), torch.cat([chosen, top], 1), ranks)
+
+
+def processed_target_logits(logits, num_draft_tokens: list[int], sampling_metadata,
+                            cu_num_draft_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's sampling constraints on the draft positions' target rows: logits [T, V] -> [T, V] float32, top-k/top-p
+    masked (-inf) and divided by the request's temperature; greedy rows (and an all-greedy batch) unchanged. With
     cu_num_draft_tokens on the logits' device the rows' owners come from it (no host-to-device copy: a copy from
     pageable host memory synchronises the stream)."""
     logits = logits.float()
     if sampling_metadata.all_greedy:
-        return logits.softmax(-1)
+        return logits
     tokens, vocab = logits.shape
     if isinstance(cu_num_draft_tokens, torch.Tensor) and cu_num_draft_tokens.device == logits.device:
         # Row t belongs to the request whose inclusive cumsum first exceeds t.
@@ -271,43 +487,69 @@ def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata
         # float32 as vLLM's own apply_top_k_top_p.
         logits = filter_logits(logits, temperature, per_token(top_k, 0).long().clamp(max=vocab),
                                per_token(top_p, 1.0).float(), dtype=torch.float32)
-    return (logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)).softmax(-1)
+    return logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+
+
+def process_target_logits(logits, num_draft_tokens: list[int], sampling_metadata,
+                          cu_num_draft_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """vLLM's processing of the draft positions' target rows after their generation controls: logits [T, V] ->
+    probabilities [T, V] float32, the softmax of processed_target_logits; greedy rows keep their argmax."""
+    return processed_target_logits(logits, num_draft_tokens, sampling_metadata, cu_num_draft_tokens).softmax(-1)
 
 
 class RejectionSampler(nn.Module):
     """Drop-in for vLLM's v1 RejectionSampler (the GPU model runner builds it as RejectionSampler(self.sampler)).
 
-    forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput: the bonus tokens come from the
-    Sampler on the bonus rows (vLLM's rule: its processors, penalties and seeded generators apply there); the draft
-    positions' target rows get temperature, top-k and top-p per request (greedy rows untouched), then
-    rejection_sample. Batches that need logprobs, penalties, bad words, allowed-token masks or (vLLM 0.17-0.19)
-    min_tokens at the draft positions are handed to vLLM's own RejectionSampler when register() found it, and raise
-    NotImplementedError otherwise."""
+    forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput, every batch on specdec_ext's kernels,
+    in vLLM 0.14-0.19's order:
+    1. the bonus tokens from the Sampler on the bonus rows (vLLM's rule: its processors, penalties and seeded
+       generators apply there); with logprobs asked, called as vLLM calls it (max_num_logprobs=-1 and the logits
+       mode of the sampler's logprobs_mode), so that it also returns the bonus rows' logits;
+    2. the draft positions' target rows in float32: apply_generation_controls (penalties with the drafts counted,
+       the allowed-token mask, bad words matched across the drafts, min_tokens on 0.17-0.19), then temperature,
+       top-k and top-p per request (greedy rows untouched), then rejection_sample;
+    3. with `max_num_logprobs` set (0: the sampled token's only), the output slots' LogprobsTensors (logprobs_tensors)
+       from the raw target rows, or in the sampler's "processed_*" modes the rows after step 2, and the bonus rows'
+       logits of step 1; in the layout the release's model runner reads (dense_logprobs_layout).
+    Processors vLLM leaves out at the draft positions stay out here (logit bias, min_p, custom ones: they reach only
+    the bonus rows, through the Sampler)."""
 
     def __init__(self, sampler):
         super().__init__()
         self.sampler = sampler
-        self._vllm = None
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         if metadata.max_spec_len > MAX_SPEC_LEN:
             raise ValueError(f"RejectionSampler: metadata.max_spec_len {metadata.max_spec_len} exceeds {MAX_SPEC_LEN}")
-        unsupported = _needs_vllm(sampling_metadata)
-        if unsupported is not None:
-            if _vllm_rejection_sampler is None:
-                raise NotImplementedError(f"RejectionSampler: sampling_metadata asks for {unsupported}, which this "
-                                          "shim leaves to vLLM's RejectionSampler (call register() inside vLLM)")
-            if self._vllm is None:
-                self._vllm = _vllm_rejection_sampler(self.sampler)
-            return self._vllm(metadata, draft_probs, logits, sampling_metadata)
-        bonus = self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata,
-                             predict_bonus_token=True).sampled_token_ids
-        target_probs = process_target_logits(logits[metadata.target_logits_indices], metadata.num_draft_tokens,
-                                             sampling_metadata, metadata.cu_num_draft_tokens)
+        num_logprobs = getattr(sampling_metadata, "max_num_logprobs", None)
+        mode = str(getattr(self.sampler, "logprobs_mode", "raw_logprobs"))
+        processed_mode = mode.startswith("processed")
+        bonus_rows = logits[metadata.bonus_logits_indices]
+        if num_logprobs is None:
+            bonus = self.sampler(logits=bonus_rows, sampling_metadata=sampling_metadata, predict_bonus_token=True)
+        else:
+            bonus = self.sampler(logits=bonus_rows, sampling_metadata=_replaced(sampling_metadata, max_num_logprobs=-1),
+                                 predict_bonus_token=True,
+                                 logprobs_mode_override="processed_logits" if processed_mode else "raw_logits")
+            if getattr(bonus, "logprobs_tensors", None) is None:
+                raise ValueError("RejectionSampler: the Sampler returned no logits of the bonus rows "
+                                 "(max_num_logprobs=-1), which the logprobs of the bonus tokens need")
+        raw = logits[metadata.target_logits_indices].float()  # indexing copies: the caller's logits stay as they are
+        keep_raw = num_logprobs is not None and not processed_mode
+        controlled = apply_generation_controls(raw.clone() if keep_raw else raw, metadata.draft_token_ids,
+                                               metadata.num_draft_tokens, metadata.cu_num_draft_tokens,
+                                               sampling_metadata)
+        processed = processed_target_logits(controlled, metadata.num_draft_tokens, sampling_metadata,
+                                            metadata.cu_num_draft_tokens)
         token_ids = rejection_sample(metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
-                                     metadata.cu_num_draft_tokens, draft_probs, target_probs, bonus,
-                                     sampling_metadata)
-        return _sampler_output(token_ids)
+                                     metadata.cu_num_draft_tokens, draft_probs, processed.softmax(-1),
+                                     bonus.sampled_token_ids, sampling_metadata)
+        scores = None
+        if num_logprobs is not None:
+            scores = logprobs_tensors(num_logprobs, metadata, logits.shape[0], processed if processed_mode else raw,
+                                      bonus.logprobs_tensors.logprobs, token_ids, mode.endswith("logits"),
+                                      dense_logprobs_layout())
+        return _sampler_output(token_ids, scores)
 
     @staticmethod
     def parse_output(output_token_ids: torch.Tensor, vocab_size: int, discard_req_indices: Sequence[int] = (),

@@ -7,7 +7,10 @@ differs only in taking the draft logits as a tensor, whose `RejectionSampler` (i
 as `(logits, input_batch, draft_logits=None) -> SamplerOutput`) processes the logits with vLLM's own sampler
 (penalties, bad words, logit bias, temperature, top-k / top-p: `Sampler.apply_sampling_params`) and then calls
 `rejection_sample`. This module replaces that call; vLLM's sampler still does everything around it (the processing,
-the logprobs of the sampled tokens, the counts of sampled and rejected tokens, chunking of large batches).
+the logprobs of the sampled tokens, the counts of sampled and rejected tokens, chunking of large batches). So the
+generation controls at the draft positions (penalties, bad words, allowed tokens, min_tokens and logit bias, each row
+with the drafts before it in its history) arrive applied in `target_logits`, masked tokens at -inf, and the logprobs
+stay vLLM's: unlike Model Runner V1's, nothing of them is left to this shim.
 
 `rejection_sample(target_logits, draft_logits_cache, draft_sampled, cu_num_logits, pos, idx_mapping,
 expanded_idx_mapping, expanded_local_pos, temperature, seed, num_speculative_steps, ...)`, shapes as vLLM's:

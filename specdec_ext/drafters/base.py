@@ -195,21 +195,19 @@ def draw_draft(logits: torch.Tensor, r: RoundInputs, offset: torch.Tensor) -> to
                                  top_k=r.top_k, top_p=r.top_p, min_p=r.min_p).long()
 
 
-def controlled_rows(logits: torch.Tensor, r: RoundInputs, block: torch.Tensor | None, draft_vocab=None,
-                    vocab_size: int = 0) -> torch.Tensor:
-    """A drafter's logits [batch, V] (or [batch, Vd] over draft_vocab, target ids) processed by the call's generation
-    controls for the draft after `block` [batch, 1 + i] int64 (the last emitted token, then the i drafts so far): the
-    row a draft is drawn from and reported as (the verifier processes the target's rows so; the sampling op reads the
-    draft's as given). The logits themselves when the call has no controls (block None)."""
+def controlled_rows(logits: torch.Tensor, r: RoundInputs, block: torch.Tensor | None, columns=None) -> torch.Tensor:
+    """A drafter's logits [batch, V] (or [batch, Vd] over a draft vocabulary: columns, a DraftColumns) processed by the
+    call's generation controls for the draft after `block` [batch, 1 + i] int64 (the last emitted token, then the i
+    drafts so far): the row a draft is drawn from and reported as (the verifier processes the target's rows so; the
+    sampling op reads the draft's as given). The logits themselves when the call has no controls (block None)."""
     if r.controls is None or block is None:
         return logits
     from ..logits_processing import process_block
 
-    if draft_vocab is None:
+    if columns is None:
         return process_block(logits.clone().unsqueeze(1), block, r.controls)[:, 0]
-    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-    full[:, draft_vocab] = logits
-    return process_block(full.unsqueeze(1), block, r.controls)[:, 0, draft_vocab]
+    padded = torch.cat([logits, logits.new_full((logits.shape[0], 1), float("-inf"))], 1)  # Vd: a trash column
+    return process_block(padded.unsqueeze(1), block, r.controls, columns=columns)[:, 0, :-1]
 
 
 def control_block(r: RoundInputs, device) -> torch.Tensor | None:

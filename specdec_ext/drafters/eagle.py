@@ -2,6 +2,7 @@
 import torch
 
 from ..host import upload
+from ..logits_processing import DraftColumns
 from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
 from .base import (
     DraftCache,
@@ -142,8 +143,9 @@ class EagleDrafter(Drafter):
         drawn = []  # the draft rows [B, Vd] drawn from, as controlled_rows left them (none under gumbel coupling)
         wants = upload(asked, torch.int32, device)
         block = control_block(r, device)
+        columns = DraftColumns.of(self.head.draft_vocab, vocab) if block is not None else None
         for i in range(kmax):
-            logits = controlled_rows(logits, r, block, self.head.draft_vocab, vocab)
+            logits = controlled_rows(logits, r, block, columns)
             token, row = draw_from_draft_vocab(logits, self.head.draft_vocab, vocab, r, r.steps + i)
             draft_ids[:, i] = token
             block = torch.cat([block, token.unsqueeze(1)], 1) if block is not None else None

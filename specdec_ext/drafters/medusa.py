@@ -2,6 +2,7 @@
 import torch
 
 from ..host import upload
+from ..logits_processing import DraftColumns
 from ..trees import Candidates, last_tokens
 from .base import (
     Drafter,
@@ -78,8 +79,9 @@ class MedusaDrafter(Drafter):
         draft_ids = torch.zeros(r.batch, kmax, dtype=torch.int64, device=device)
         drawn = []
         block = control_block(r, device)
+        columns = DraftColumns.of(self.heads.draft_vocab, vocab) if block is not None else None
         for i in range(kmax):
-            row = controlled_rows(logits[:, i], r, block, self.heads.draft_vocab, vocab)
+            row = controlled_rows(logits[:, i], r, block, columns)
             draft_ids[:, i], row = draw_from_draft_vocab(row, self.heads.draft_vocab, vocab, r, r.steps + i)
             drawn.append(row)
             block = torch.cat([block, draft_ids[:, i:i + 1]], 1) if block is not None else None

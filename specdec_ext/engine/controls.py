@@ -23,10 +23,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..host import upload
+from ..host import read, upload
 from ..logits_processing import BlockControls
 from .requests import as_float, as_int, per_request
-from .stops import StopChecker
 
 MAX_LOGPROBS = 20
 LOGPROBS_MODES = ("processed", "raw")  # of the target distribution the token was drawn from, or of its raw logits
@@ -196,6 +195,8 @@ def make_controls(n: int, vocab_size: int, eos: set, given: dict) -> tuple[list,
 def attach_controls(requests: list, vocab_size: int, eos: set, given: dict) -> CallControls:
     """Gives each of a call's requests its Controls (and a StopChecker with a tokenizer, a logprobs list with
     logprobs) from the call's keyword arguments; returns what the call turns on."""
+    from .stops import StopChecker  # here: the command line imports the engine, not the detokeniser
+
     controls, call, tokenizer = make_controls(len(requests), vocab_size, eos, given)
     include_stop = given.get("include_stop_str_in_output", False)
     for r, c in zip(requests, controls):
@@ -214,12 +215,12 @@ class SlotControls:
         self.call = CallControls()
         self.shape = None
 
-    def configure(self, call: CallControls, eos: set) -> bool:
-        """Allocates what `call` turns on; True when tensors were (re)allocated (CUDA graphs on old ones are
-        stale)."""
+    def configure(self, call: CallControls, eos: set, capacity: int) -> bool:
+        """Allocates what `call` turns on for requests of up to `capacity` tokens; True when tensors were
+        (re)allocated (CUDA graphs on old ones are stale)."""
         self.call = call
         stop_ids = tuple(sorted(eos)) if call.min_tokens else ()
-        shape = (call.penalties, call.logit_bias, call.bad_words, stop_ids)
+        shape = (call.penalties, call.logit_bias, call.bad_words, stop_ids, capacity if call.penalties else 0)
         if shape == self.shape:
             return False
         self.stop_ids = upload(list(stop_ids), torch.int64, self.device) if stop_ids else None
@@ -227,6 +228,7 @@ class SlotControls:
         # Counts and masks carry a trash column V: a padded upload of emitted tokens scatters its padding there.
         self.output_counts = torch.zeros(s, v + 1, dtype=torch.int32, device=dev) if call.penalties else None
         self.prompt_mask = torch.zeros(s, v + 1, dtype=torch.bool, device=dev) if call.penalties else None
+        self.history = torch.zeros(s, capacity, dtype=torch.int64, device=dev) if call.penalties else None
         self.repetition = torch.ones(s, dtype=torch.float32, device=dev)
         self.presence = torch.zeros(s, dtype=torch.float32, device=dev)
         self.frequency = torch.zeros(s, dtype=torch.float32, device=dev)
@@ -248,9 +250,12 @@ class SlotControls:
                               (self.min_p, c.min_p)):
             column[b].fill_(value)
         if call.penalties:
+            prompt = upload(r.prompt, torch.int64, self.device)
             self.output_counts[b].zero_()
             self.prompt_mask[b].zero_()
-            self.prompt_mask[b].index_fill_(0, upload(r.prompt, torch.int64, self.device), True)
+            self.prompt_mask[b].index_fill_(0, prompt, True)
+            self.history[b].zero_()  # token 0 pads: apply_penalties gives it its own value
+            self.history[b, :len(r.prompt)] = prompt
         if call.logit_bias:
             self.logit_bias[b].zero_()
             if c.logit_bias:
@@ -273,17 +278,17 @@ class SlotControls:
         self.tail[rows] = upload(tails, torch.int64, self.device)
 
     def advance(self, rows: list, new_tokens: list, histories: list) -> None:
-        """Slots `rows` emitted `new_tokens` (lists) this round; histories: their tokens now."""
+        """Slots `rows` emitted `new_tokens` (lists) this round; histories: their tokens now (ending with them)."""
         if not rows:
             return
-        if self.call.penalties:
-            width = max(len(t) for t in new_tokens)
-            ids = upload([list(t) + [self.vocab] * (width - len(t)) for t in new_tokens], torch.int64, self.device)
-            index = upload(rows, torch.int64, self.device)
-            counts = self.output_counts.index_select(0, index)
-            counts.scatter_add_(1, ids.view(len(rows), width), torch.ones_like(ids, dtype=torch.int32).view(
-                len(rows), width))
-            self.output_counts.index_copy_(0, index, counts)
+        if self.call.penalties:  # one upload: (slot, position, token) of every new token
+            entries = [(b, len(h) - len(new) + i, t) for b, new, h in zip(rows, new_tokens, histories)
+                       for i, t in enumerate(new)]
+            if entries:
+                slot, position, token = upload(entries, torch.int64, self.device).unbind(1)
+                self.output_counts.view(-1).index_add_(0, slot * (self.vocab + 1) + token,
+                                                       torch.ones_like(token, dtype=torch.int32))
+                self.history.index_put_((slot, position), token)
         if self.call.bad_words:
             self.set_tail(rows, histories)
 
@@ -294,6 +299,7 @@ class SlotControls:
         return BlockControls(
             output_counts=self.output_counts[rows, :v] if call.penalties else None,
             prompt_mask=self.prompt_mask[rows, :v] if call.penalties else None,
+            history=self.history[rows] if call.penalties else None,
             repetition=self.repetition[rows], presence=self.presence[rows], frequency=self.frequency[rows],
             logit_bias=self.logit_bias[rows] if call.logit_bias else None,
             tail=self.tail[rows] if call.bad_words else None,
@@ -304,60 +310,50 @@ class SlotControls:
             stop_ids=self.stop_ids if call.min_tokens else None)
 
 
-def emitted_logprobs(rows: torch.Tensor, tokens: torch.Tensor, n: int, *, temperature: torch.Tensor,
-                     top_k=None, top_p=None, min_p=None, processed: bool = True) -> torch.Tensor:
-    """The log-probabilities of the tokens a round emitted, packed as int32 for the round's one read.
+def emitted_logprobs(rows: torch.Tensor, tokens: torch.Tensor, n: int, *, temperature: torch.Tensor, top_k=None,
+                     top_p=None, min_p=None, processed: bool = True) -> list:
+    """The log-probabilities of emitted tokens, as TokenLogprobs (one host read).
 
-    rows [B, W, V] float32: the logits each emitted token was drawn from (processed by the controls; raw for
-    processed=False), tokens [B, W] int (negative: none); temperature [B] (greedy rows: 1), top_k / top_p / min_p
-    [B] or None. Returns [B, W * (2 + 2n)] int32: per position the logprob (float32 bits), the rank, then n token
-    ids and n logprobs (float32 bits). The processed distribution's normaliser is the sampling kernels' own
-    (ops.logits_normalizer); an alternative is marked filtered out (-inf) where top-k or min-p remove it, or where
-    the mass of the alternatives up to it exceeds the kept mass (top-p), beyond float32 rounding."""
+    rows [M, V] float32: the logits each token was drawn from (processed by the controls; raw for processed=False);
+    tokens [M] int; temperature [M] (0: greedy, reported at temperature 1, unfiltered), top_k / top_p / min_p [M] or
+    None. The processed distribution's normaliser is the sampling kernels' own (ops.logits_normalizer). An
+    alternative is marked filtered out (-inf) where top-k or min-p remove it, or where the mass of the alternatives up
+    to it exceeds the kept mass (top-p), beyond float32 rounding."""
     from ..ops import logits_normalizer
 
-    b, w, v = rows.shape
-    token = tokens.long().clamp(0, v - 1).unsqueeze(-1)                               # [B, W, 1]
-    chosen = rows.gather(2, token)                                                    # [B, W, 1]
-    rank = (rows > chosen).sum(-1, dtype=torch.int32) + 1                             # [B, W]
-    values, ids = rows.topk(max(n, 1), dim=-1)                                        # [B, W, n']
+    if rows.shape[0] == 0:
+        return []
+    chosen = rows.gather(1, tokens.long().unsqueeze(1))                               # [M, 1]
+    rank = (rows > chosen).sum(-1, dtype=torch.int32) + 1                             # [M]
+    values, ids = rows.topk(max(n, 1), dim=-1)                                        # [M, n']
     if not processed:
         lse = rows.logsumexp(-1, keepdim=True)
         logprob, top = chosen - lse, values - lse
     else:
         greedy = temperature <= 0
-        t = torch.where(greedy, 1.0, temperature).view(b, 1, 1)
-        filters = {}
-        for name, value, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0)):
-            if value is not None:
-                filters[name] = torch.where(greedy, off, value).unsqueeze(1).expand(b, w).contiguous()
-        lse = logits_normalizer(rows, temperature=t.view(b, 1).expand(b, w).contiguous(), **filters)
-        lse = lse.unsqueeze(-1)                                                       # [B, W, 1]
-        logprob = chosen / t - lse
-        top = values / t - lse
+        filters = {name: torch.where(greedy, off, value) for name, value, off in
+                   (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0)) if value is not None}
+        t = torch.where(greedy, 1.0, temperature)
+        lse = logits_normalizer(rows, temperature=t, **filters).unsqueeze(1)
+        t = t.unsqueeze(1)
+        logprob, top = chosen / t - lse, values / t - lse
         kept = torch.ones_like(top, dtype=torch.bool)
         if "top_k" in filters:
-            k = filters["top_k"].unsqueeze(-1)
-            kth = values.gather(2, (k.clamp(1, values.shape[-1]) - 1).long())
+            k = filters["top_k"].unsqueeze(1)
+            kth = values.gather(1, (k.clamp(1, values.shape[-1]) - 1).long())
             kept &= (k <= 0) | (k > values.shape[-1]) | (values >= kth)
         if "min_p" in filters:
-            kept &= (top - top[..., :1]).exp() >= filters["min_p"].unsqueeze(-1)
+            kept &= (top - top[:, :1]).exp() >= filters["min_p"].unsqueeze(1)
         if "top_p" in filters:
             # Ties are kept together: the mass through a value's last tie must fit in the kept mass (1 + rounding).
             mass = top.double().exp()
             through = (values.unsqueeze(-1) <= values.unsqueeze(-2)).double() @ mass.unsqueeze(-1)
             kept &= through.squeeze(-1) <= 1 + 1e-5
         top = torch.where(kept, top, float("-inf"))
-    top = top[..., :n]
-    ids = ids[..., :n].int()
-    columns = [logprob.view(torch.int32), rank.unsqueeze(-1), ids, top.contiguous().view(torch.int32)]
-    return torch.cat(columns, -1).reshape(b, w * (2 + 2 * n))
-
-
-def unpack_logprobs(row: list, count: int, n: int) -> list:
-    """One row of emitted_logprobs' packing -> the first `count` positions as TokenLogprobs."""
-    values = np.asarray(row, dtype=np.int32).reshape(-1, 2 + 2 * n)[:count]
+    packed = torch.cat([logprob.view(torch.int32), rank.unsqueeze(1), ids[:, :n].int(),
+                        top[:, :n].contiguous().view(torch.int32)], 1)
+    values = np.asarray(read(packed), dtype=np.int32).reshape(-1, 2 + 2 * n)
     floats = values.view(np.float32)
     return [TokenLogprobs(float(floats[i, 0]), int(values[i, 1]),
                           [(int(values[i, 2 + j]), float(floats[i, 2 + n + j])) for j in range(n)])
-            for i in range(count)]
+            for i in range(len(values))]

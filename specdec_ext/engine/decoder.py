@@ -345,7 +345,7 @@ class SpeculativeDecoder:
                                      self.target.config.vocab_size)
             self.verifier.bind(self.cache, self.params)
             self.graphs.clear()
-        if self.params.controls.configure(call, eos):
+        if self.params.controls.configure(call, eos, self.capacity):
             self.graphs.clear()  # graphs captured on the controls' old tensors
         rows = self.cache.batch_size
         if self.num_pages is not None:  # the largest request alone must fit, or it would wait for ever

@@ -24,7 +24,7 @@ from ..drafters.base import RoundFeedback, RoundInputs
 from ..host import read, upload
 from ..logits_processing import process_block
 from ..ops import chain_speculative_sampling_from_logits, sample_without_drafts, tree_speculative_sampling_from_logits
-from .controls import CallControls, SlotControls, emitted_logprobs, unpack_logprobs
+from .controls import CallControls, SlotControls, emitted_logprobs
 
 
 class Stopwatch:
@@ -65,17 +65,8 @@ class VerifyResult:
         return torch.cat(columns, 1)
 
     @classmethod
-    def unpack(cls, rows: list, tree_width: int | None = None, logprobs: int | None = None) -> "VerifyResult":
-        """pack's rows read back ([B] lists); tree_width: W of a tree round, None for a chain; logprobs: the
-        alternatives per position when the rows end with emitted_logprobs' columns (W * (2 + 2n) of them)."""
-        if logprobs is not None:
-            n = logprobs
-            width = tree_width if tree_width is not None else (len(rows[0]) - 1) // (1 + 2 + 2 * n)
-            columns = width * (2 + 2 * n)
-            result = cls.unpack([row[:-columns] for row in rows], tree_width)
-            result.logprobs = [unpack_logprobs(row[-columns:], len(tokens), n)
-                               for row, tokens in zip(rows, result.tokens)]
-            return result
+    def unpack(cls, rows: list, tree_width: int | None = None) -> "VerifyResult":
+        """pack's rows read back ([B] lists); tree_width: W of a tree round, None for a chain."""
         if tree_width is None:
             return cls([row[:row[-1] + 1] for row in rows], [row[-1] for row in rows])
         n = tree_width
@@ -158,7 +149,29 @@ class Verifier:
                                                          (tree.parents, tree.tree_mask, tree.num_nodes, tree.depths))
         self.forward_end = None
         step = functools.partial(self.step, shape, r, draft_to_target)
-        return self.graphs.run(shape, step, inputs, state=[self.cache.cache_seqlens])
+        packed, hidden, self.drawn_from = self.graphs.run(shape, step, inputs, state=[self.cache.cache_seqlens])
+        return packed, hidden
+
+    def emitted_logprobs(self, r: RoundInputs, verified: VerifyResult, live: list) -> list | None:
+        """After the round's read, with logprobs: each row's emitted tokens' TokenLogprobs, from the block rows they
+        were drawn from (a chain: row i drew token i; a tree: the path's node i), only those (the rows past a
+        rejection are never normalised)."""
+        controls = self.params.controls.call
+        if controls.logprobs is None:
+            return None
+        paths = verified.paths
+        where = [(b, i if paths is None else ([0] + paths[b])[i], t) for b, tokens in enumerate(verified.tokens)
+                 if live[b] for i, t in enumerate(tokens)]
+        b, i, tokens = upload(where, torch.int64, self.drawn_from.device).view(-1, 3).unbind(1)
+        rows = self.drawn_from[b, i]                                                  # [M, V]
+        flat = emitted_logprobs(rows, tokens, controls.logprobs, temperature=r.temperature[b],
+                                top_k=r.top_k[b], top_p=r.top_p[b], min_p=r.min_p[b] if r.min_p is not None else None,
+                                processed=controls.logprobs_mode == "processed")
+        out, start = [], 0
+        for tokens, alive in zip(verified.tokens, live):
+            out.append(flat[start:start + len(tokens)] if alive else None)
+            start += len(tokens) if alive else 0
+        return out
 
     def step(self, shape: StepShape, r: RoundInputs, draft_to_target, ids, live, draft_logits, num_draft, parents,
              tree_mask, num_nodes, depths):
@@ -173,6 +186,7 @@ class Verifier:
             process_block(logits, ids, r.controls, ancestors=tree_mask, parents=parents, depths=depths)
         sampling = dict(temperature=r.temperature, seed=r.seed, offset=r.steps, coupling=r.coupling, top_k=r.top_k,
                         top_p=r.top_p, min_p=r.min_p)
+        drawn_from = (raw if raw is not None else logits) if controls.logprobs is not None else None  # logprobs
         if not shape.tree:
             if shape.width == 1:  # no drafts: the next token drawn from the last token's logits
                 tokens = sample_without_drafts(logits[:, 0], **sampling).unsqueeze(1)
@@ -184,10 +198,7 @@ class Verifier:
                                                              verification=self.verification, **sampling)
                 tokens, num_accepted = out.output_token_ids, out.num_accepted
             cache.truncate((num_accepted + 1) * live, rows, free_pages=False)
-            packed = VerifyResult.pack(tokens, num_accepted)
-            if controls.logprobs is not None:  # row i drew output token i
-                packed = torch.cat([packed, self.logprobs(r, raw if raw is not None else logits, tokens)], 1)
-            return packed, hidden
+            return VerifyResult.pack(tokens, num_accepted), hidden, drawn_from
         out = tree_speculative_sampling_from_logits(parents, ids, logits, draft_logits, num_nodes=num_nodes,
                                                     **sampling)
         cache.truncate((out.num_accepted + 1) * live, rows, kept_indices=out.accepted_nodes, free_pages=False)
@@ -195,20 +206,8 @@ class Verifier:
             path = out.accepted_nodes.long().clamp_min(0)
             hidden = hidden.gather(1, path.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         argmax = logits.argmax(-1) if shape.block_argmax else None
-        packed = VerifyResult.pack(out.output_token_ids, out.num_accepted, out.accepted_nodes, num_nodes, depths,
-                                   argmax)
-        if controls.logprobs is not None:  # output token m was drawn from the row of the path's node m
-            path = out.accepted_nodes.long().clamp_min(0)
-            source = raw if raw is not None else logits
-            drawn_from = source.gather(1, path.unsqueeze(-1).expand(-1, -1, source.shape[-1]))
-            packed = torch.cat([packed, self.logprobs(r, drawn_from, out.output_token_ids)], 1)
-        return packed, hidden
-
-    def logprobs(self, r: RoundInputs, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """emitted_logprobs of the round's output tokens [batch, W] drawn from rows [batch, W, V]."""
-        controls = self.params.controls.call
-        return emitted_logprobs(rows, tokens, controls.logprobs, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p, min_p=r.min_p, processed=controls.logprobs_mode == "processed")
+        return VerifyResult.pack(out.output_token_ids, out.num_accepted, out.accepted_nodes, num_nodes, depths,
+                                 argmax), hidden, drawn_from
 
 
 @dataclass
@@ -243,8 +242,8 @@ class ChainRound:
                                        num_draft=upload(ks, torch.int32, device),
                                        hidden_states=drafter is not None and drafter.target_features,
                                        draft_to_target=proposal.draft_to_target if proposal is not None else None)
-        verified = VerifyResult.unpack(read(packed), logprobs=self.verifier.params.controls.call.logprobs)
-        return finish_round(clock, self.verifier, drafter, verified, live, hidden, ks)
+        verified = VerifyResult.unpack(read(packed))
+        return finish_round(clock, self.verifier, drafter, verified, live, hidden, ks, r)
 
 
 class TreeRound:
@@ -265,14 +264,15 @@ class TreeRound:
         packed, hidden = self.verifier(r, tree.token_ids, upload(live, torch.int32, self.verifier.target.device),
                                        tree.draft_logits, tree=tree, hidden_states=self.drafter.target_features,
                                        block_argmax=self.drafter.needs_block_argmax)
-        verified = VerifyResult.unpack(read(packed), tree_width=width,
-                                       logprobs=self.verifier.params.controls.call.logprobs)
-        return finish_round(clock, self.verifier, self.drafter, verified, live, hidden, verified.num_draft)
+        verified = VerifyResult.unpack(read(packed), tree_width=width)
+        return finish_round(clock, self.verifier, self.drafter, verified, live, hidden, verified.num_draft, r)
 
 
 def finish_round(clock: Stopwatch, verifier: Verifier, drafter, verified: VerifyResult, live: list, hidden,
-                 num_draft: list) -> RoundResult:
-    """After the round's one host read: the phases timed, the drafter rolled back to what was accepted."""
+                 num_draft: list, r: RoundInputs) -> RoundResult:
+    """After the round's one host read: the logprobs of the emitted tokens (a second read, with logprobs only), the
+    phases timed, the drafter rolled back to what was accepted."""
+    verified.logprobs = verifier.emitted_logprobs(r, verified, live)
     read_end = time.perf_counter()
     clock.lap("verify", verifier.forward_end or read_end)  # a graph replay: the whole step counts as verify
     clock.lap("sample", read_end)
