@@ -296,6 +296,59 @@ def reference_processing(row, prompt, output, r):
     return x
 
 
+def test_logprob_alternatives_are_filtered_as_the_kernels_filter():
+    """Each reported alternative is -inf exactly where reference.filter_logits (the kernels' rules, float64) removes
+    it: top-k, top-p (a confident nucleus of one token included) and min-p, mixed per row; a temperature below
+    MIN_TEMPERATURE is greedy (reported at T = 1, nothing filtered)."""
+    from specdec_ext.engine.controls import emitted_logprobs
+    from specdec_ext.reference import filter_logits
+
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(64, 300, generator=g) * 2.5
+    rows[0, 7] = 14.0  # one token of p > 0.99999: top-p keeps it alone
+    t = torch.rand(64, generator=g) + 0.3
+    t[1] = 1e-6
+    top_k = torch.randint(0, 12, (64,), generator=g).int()
+    top_p = torch.where(torch.rand(64, generator=g) < 0.7, torch.rand(64, generator=g) * 0.9 + 0.05, 1.0)
+    min_p = torch.where(torch.rand(64, generator=g) < 0.5, torch.rand(64, generator=g) * 0.2, 0.0)
+    t[0], top_k[0], top_p[0], min_p[0] = 1.0, 0, 0.9, 0.0
+    tokens = rows.argmax(-1)
+    out = emitted_logprobs(rows, tokens, 8, temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    expected = filter_logits(rows, t, top_k, top_p, min_p)
+    filtered = 0
+    for m, entry in enumerate(out):
+        assert math.isfinite(entry.logprob) and entry.rank == 1
+        t_m = 1.0 if m == 1 else float(t[m])
+        kept = expected[m].isfinite() if m != 1 else torch.ones(300, dtype=torch.bool)
+        lse = torch.logsumexp(rows[m].double()[kept] / t_m, 0)
+        for token, lp in entry.top:
+            assert (lp == float("-inf")) == (not bool(kept[token])), (m, token, lp)
+            filtered += lp == float("-inf")
+            if lp != float("-inf"):
+                assert math.isclose(lp, float(rows[m, token] / t_m - lse), abs_tol=1e-4)
+    assert filtered > 50 and out[0].top[1][1] == float("-inf")
+
+
+def test_each_request_gets_its_own_number_of_alternatives(target):
+    out = SpeculativeDecoder(target, drafter_of("ngram", target), 3, adaptive=False, max_batch_size=3).generate(
+        PROMPTS[:3], 8, logprobs=[0, 5, None])
+    assert [len(e.top) for e in out.logprobs[0]] == [0] * 8 and [len(e.top) for e in out.logprobs[1]] == [5] * 8
+    assert out.logprobs[2] is None
+
+
+def test_controls_tensors_move_only_with_a_new_epoch(target):
+    """Draft steps captured in CUDA graphs key on the controls' epoch; the per-slot scalars (min_p among them, read
+    by a drafter's captured step) never move."""
+    dec = SpeculativeDecoder(target, drafter_of("model", target), 3, adaptive=False, max_batch_size=2)
+    dec.generate(PROMPTS[:2], 4, min_p=0.05)
+    controls = dec.params.controls
+    epoch, min_p = controls.epoch, controls.min_p
+    dec.generate(PROMPTS[:2], 4, min_p=0.1)
+    assert controls.epoch == epoch and controls.min_p is min_p
+    dec.generate(PROMPTS[:2], 4, logit_bias={3: 1.0})
+    assert controls.epoch == epoch + 1 and controls.min_p is min_p
+
+
 def test_raw_logprobs_are_the_models_log_softmax(target):
     out = SpeculativeDecoder(target, drafter_of("ngram", target), 3, adaptive=False).generate(
         PROMPTS[:1], 12, repetition_penalty=1.5, logprobs=2, logprobs_mode="raw")
@@ -426,6 +479,10 @@ def test_stop_strings_end_requests_across_rounds(target):
     (dict(stop=["x"]), "pass tokenizer="),
     (dict(stop=[""], tokenizer=Letters()), "stop"),
     (dict(top_n=3), "unknown generation control 'top_n'"),
+    (dict(bad_words=[1, 2]), "bad_words[0] must be a string or a non-empty list of token ids"),
+    (dict(bad_words=[[1, 2], []]), "bad_words[1] must be a string or a non-empty list of token ids"),
+    (dict(bad_words={1: 2}), "bad_words must be a list"),
+    (dict(stop=["x"], tokenizer=Letters(), include_stop_str_in_output="yes"), "include_stop_str_in_output must be"),
 ])
 def test_bad_controls_are_refused_by_name(target, kwargs, message):
     dec = SpeculativeDecoder(target, None)

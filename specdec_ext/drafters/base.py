@@ -26,6 +26,8 @@ and asks:
   cache_margin(k_max, tree)      slots a round writes past a request's tokens in the drafter's own cache
   draft_work(k, tree)            (steps, rows per request of each step) of a round drafting k tokens (a tree of
                                  depth k): what the cost model multiplies the step's cost by
+  use_target_cache(cache)        with shares_target_cache: the decoder's KV cache of the target, before each run (a
+                                 drafter whose draft steps run the target's own layers over it: self-speculative)
   cost_probe()                   (key, prepare): what a draft step's cost depends on (the cost file's key) and
                                  prepare(rows) -> a function running one draft step over `rows` rows on scratch
                                  state, which the cost model times, so that no drafter counts as free
@@ -63,6 +65,7 @@ class RoundInputs:
     coupling: str = "rejection"  # the sampling ops' coupling: "gumbel" under sampling="invariant"
     min_p: torch.Tensor | None = None  # [batch] float32, or None when no request of the call sets min_p
     controls: object = None  # logits_processing.BlockControls of the call's generation controls, or None (off)
+    controls_epoch: int = 0  # changes when the controls' tensors are reallocated: a key of any captured draft step
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Drafter(ABC):
     needs_block_argmax = False
     supports_trees = False
     sizes_own_tree = False
+    shares_target_cache = False
 
     @property
     def target_features(self):
@@ -118,6 +122,9 @@ class Drafter(ABC):
         pass
 
     def release(self, slot: int) -> None:
+        pass
+
+    def use_target_cache(self, cache) -> None:
         pass
 
     def round_tree(self):

@@ -92,7 +92,8 @@ class ModelDrafter(Drafter):
         for i in range(kmax):
             feed = i + 1 < kmax
             grow = (wants > i + 1).int()  # rows that draft token i + 2 keep token i + 1
-            key = ("draft", r.batch, r.coupling, r.min_p is not None, feed) + ((i,) if block is not None else ())
+            key = ("draft", r.batch, r.coupling, r.min_p is not None, r.controls_epoch, feed) + \
+                ((i,) if block is not None else ())
             token, row, next_logits = self.state.graphs.run(key, lambda x, o, g, c: step(x, o, g, c, feed),
                                                             (logits, r.steps + i, grow, block),
                                                             state=[self.cache.cache_seqlens])

@@ -89,6 +89,8 @@ def bad_word_ids(words, vocab_size: int, tokenizer, name: str) -> list:
     out = []
     for i, word in enumerate(words):
         where = f"{name}[{i}]"
+        if not _is_word(word):
+            raise ValueError(f"{where} must be a string or a non-empty list of token ids, got {word!r}")
         if isinstance(word, str):
             if not word.strip():
                 raise ValueError(f"{where} is an empty string")
@@ -112,7 +114,9 @@ def _per_request_lists(value, name: str, n: int, is_entry) -> list:
     """A list of entries for every request, or a list with one such list per prompt -> [n] lists."""
     if value is None:
         return [[] for _ in range(n)]
-    if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+    if isinstance(value, dict):
+        raise ValueError(f"{name} must be a list (of entries, or one list per prompt), got a dict")
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
         value = [value]
     if value and all(isinstance(v, (list, tuple)) and not is_entry(v) for v in value):
         if len(value) != n:
@@ -199,6 +203,11 @@ def attach_controls(requests: list, vocab_size: int, eos: set, given: dict) -> C
 
     controls, call, tokenizer = make_controls(len(requests), vocab_size, eos, given)
     include_stop = given.get("include_stop_str_in_output", False)
+    if not isinstance(include_stop, bool):
+        raise ValueError(f"include_stop_str_in_output must be True or False, got {include_stop!r}")
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(f"tokenizer must have .decode(ids) (and .encode(text) for string bad words), got "
+                         f"{type(tokenizer).__name__}")
     for r, c in zip(requests, controls):
         r.controls = c
         r.stops = StopChecker(tokenizer, c.stop, include_stop) if tokenizer is not None else None
@@ -214,6 +223,13 @@ class SlotControls:
         self.slots, self.vocab, self.device = slots, vocab_size, device
         self.call = CallControls()
         self.shape = None
+        self.epoch = 0  # counts reallocations: a CUDA graph captured on the old tensors must not replay
+        # The per-slot scalars never move (a drafter's captured step reads min_p, for one).
+        self.repetition = torch.ones(slots, dtype=torch.float32, device=device)
+        self.presence = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.frequency = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.min_tokens = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.min_p = torch.zeros(slots, dtype=torch.float32, device=device)
 
     def configure(self, call: CallControls, eos: set, capacity: int) -> bool:
         """Allocates what `call` turns on for requests of up to `capacity` tokens; True when tensors were
@@ -229,17 +245,13 @@ class SlotControls:
         self.output_counts = torch.zeros(s, v + 1, dtype=torch.int32, device=dev) if call.penalties else None
         self.prompt_mask = torch.zeros(s, v + 1, dtype=torch.bool, device=dev) if call.penalties else None
         self.history = torch.zeros(s, capacity, dtype=torch.int64, device=dev) if call.penalties else None
-        self.repetition = torch.ones(s, dtype=torch.float32, device=dev)
-        self.presence = torch.zeros(s, dtype=torch.float32, device=dev)
-        self.frequency = torch.zeros(s, dtype=torch.float32, device=dev)
         self.logit_bias = torch.zeros(s, v, dtype=torch.float32, device=dev) if call.logit_bias else None
         entries, context = call.bad_words or (0, 0)
         self.tail = torch.full((s, context), -1, dtype=torch.int64, device=dev)
         self.bad_word_prefixes = torch.full((s, entries, context), -2, dtype=torch.int64, device=dev)
         self.bad_word_last = torch.full((s, entries), -1, dtype=torch.int64, device=dev)
-        self.min_tokens = torch.zeros(s, dtype=torch.int64, device=dev)
-        self.min_p = torch.zeros(s, dtype=torch.float32, device=dev)
         self.shape = shape
+        self.epoch += 1
         return True
 
     def admit(self, b: int, r) -> None:
@@ -315,11 +327,12 @@ def emitted_logprobs(rows: torch.Tensor, tokens: torch.Tensor, n: int, *, temper
     """The log-probabilities of emitted tokens, as TokenLogprobs (one host read).
 
     rows [M, V] float32: the logits each token was drawn from (processed by the controls; raw for processed=False);
-    tokens [M] int; temperature [M] (0: greedy, reported at temperature 1, unfiltered), top_k / top_p / min_p [M] or
-    None. The processed distribution's normaliser is the sampling kernels' own (ops.logits_normalizer). An
-    alternative is marked filtered out (-inf) where top-k or min-p remove it, or where the mass of the alternatives up
-    to it exceeds the kept mass (top-p), beyond float32 rounding."""
-    from ..ops import logits_normalizer
+    tokens [M] int; temperature [M] (below MIN_TEMPERATURE: greedy, reported at temperature 1, unfiltered), top_k /
+    top_p / min_p [M] or None. The processed distribution's normaliser is the sampling kernels' own
+    (ops.logits_normalizer). An alternative is marked filtered out (-inf) by the kernels' rules
+    (reference.filter_logits): top-k keeps the values >= the k-th largest; top-p, over those, a value whose tokens
+    strictly above it hold less than top_p of their mass; min-p the values with p >= min_p * max p."""
+    from ..ops import MIN_TEMPERATURE, logits_normalizer
 
     if rows.shape[0] == 0:
         return []
@@ -330,7 +343,7 @@ def emitted_logprobs(rows: torch.Tensor, tokens: torch.Tensor, n: int, *, temper
         lse = rows.logsumexp(-1, keepdim=True)
         logprob, top = chosen - lse, values - lse
     else:
-        greedy = temperature <= 0
+        greedy = temperature < MIN_TEMPERATURE
         filters = {name: torch.where(greedy, off, value) for name, value, off in
                    (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", min_p, 0.0)) if value is not None}
         t = torch.where(greedy, 1.0, temperature)
@@ -345,10 +358,13 @@ def emitted_logprobs(rows: torch.Tensor, tokens: torch.Tensor, n: int, *, temper
         if "min_p" in filters:
             kept &= (top - top[:, :1]).exp() >= filters["min_p"].unsqueeze(1)
         if "top_p" in filters:
-            # Ties are kept together: the mass through a value's last tie must fit in the kept mass (1 + rounding).
-            mass = top.double().exp()
-            through = (values.unsqueeze(-1) <= values.unsqueeze(-2)).double() @ mass.unsqueeze(-1)
-            kept &= through.squeeze(-1) <= 1 + 1e-5
+            # The mass above a value's tie group, over what top-k kept (its own normaliser), against top_p: every
+            # value above is among the top n'.
+            top_k_only = {"top_k": filters["top_k"]} if "top_k" in filters else {}
+            lse_k = logits_normalizer(rows, temperature=t.squeeze(1), **top_k_only).unsqueeze(1).double()
+            mass = (values.double() / t.double() - lse_k).exp()
+            above = (values.unsqueeze(-1) < values.unsqueeze(-2)).double() @ mass.unsqueeze(-1)
+            kept &= above.squeeze(-1) < filters["top_p"].unsqueeze(1).double()
         top = torch.where(kept, top, float("-inf"))
     packed = torch.cat([logprob.view(torch.int32), rank.unsqueeze(1), ids[:, :n].int(),
                         top[:, :n].contiguous().view(torch.int32)], 1)

@@ -288,8 +288,9 @@ class SpeculativeDecoder:
             kept = r.stops.push(new, max(0, r.controls.min_tokens - len(r.generated)))
             if r.stops.stopped is not None:
                 new, cut, stopped = new[:kept], None, True
-        if r.logprobs is not None:
-            r.logprobs += v.logprobs[b][:len(new)]
+        if r.logprobs is not None:  # the call computed its largest n of alternatives: this request's own n
+            n = r.controls.logprobs
+            r.logprobs += [entry._replace(top=entry.top[:n]) for entry in v.logprobs[b][:len(new)]]
         r.generated += new
         for s in (r.stats, stats):
             s.add_round(k, a, v.depths[b] if v.depths is not None else None)
@@ -362,6 +363,7 @@ class SpeculativeDecoder:
         draft_pages = None if self.num_pages is None else self.num_pages + rows * self._pages(2 * self._margin())
         drafter.bind(self.target, rows, self.capacity, paged=self.paged, num_pages=draft_pages,
                      cuda_graphs=self.graphs.enabled)
+        drafter.use_target_cache(self.cache)
         return self.policy.calibrate(self.target, slots)
 
     def _allocate(self, model, rows: int, capacity: int, num_pages):

@@ -106,7 +106,7 @@ class SlotParams:
         return RoundInputs(batch, ks, [r.tokens if r is not None else None for r in running],
                            self.temperature[:batch], self.top_k[:batch], self.top_p[:batch], self.seed[:batch],
                            self.steps[:batch], self.coupling, self.controls.min_p[:batch] if call.min_p else None,
-                           self.controls.block(batch, self.steps[:batch]) if call.on else None)
+                           self.controls.block(batch, self.steps[:batch]) if call.on else None, self.controls.epoch)
 
 
 @dataclass(frozen=True)
