@@ -4,7 +4,15 @@ Public ops (docs/design.md §3) are importable from here; `specdec_ext.reference
 references, `specdec_ext.sim` runs the CUDA kernels' source under the SIMT emulator.
 """
 from ._version import __version__
-from .drafters import Drafter, EagleDrafter, LookaheadDrafter, MedusaDrafter, ModelDrafter, NgramDrafter
+from .drafters import (
+    Drafter,
+    EagleDrafter,
+    LookaheadDrafter,
+    MedusaDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SelfSpeculativeDrafter,
+)
 from .engine import AcceptanceMonitor, GenerationOutput, GenerationStats, SpeculativeDecoder
 from .kv_cache import PagedKVCache, StaticKVCache
 from .ops import (
@@ -44,6 +52,7 @@ __all__ = [
     "GenerationStats",
     "ModelDrafter",
     "NgramDrafter",
+    "SelfSpeculativeDrafter",
     "SpeculativeDecoder",
     "build_info",
     "DraftTree",

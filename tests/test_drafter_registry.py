@@ -82,7 +82,7 @@ def test_factory_reads_the_registry(repeat_drafter):
         specdec_ext.factory.check_drafter("repeat:0")
 
 
-ALL_SPELLED = "eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH, ngram or repeat[:N]"
+ALL_SPELLED = "eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH, ngram, repeat[:N] or self[:LAYERS]"
 
 
 @pytest.fixture
@@ -101,7 +101,8 @@ def no_loading(monkeypatch):
     (["generate", "--prompt", "Hi", "--drafter", "repeat", "--draft-keep-quantized"],
      "--draft-keep-quantized: the drafter must be model:PATH (a draft model)"),
     (["demo", "--drafter", "bogus"],
-     "argument --drafter: invalid choice: 'bogus' (choose from 'eagle', 'lookahead', 'medusa', 'ngram', 'repeat')"),
+     "argument --drafter: invalid choice: 'bogus' (choose from 'eagle', 'lookahead', 'medusa', 'ngram', 'repeat', "
+     "'self')"),
     (["train-draft", "--kind", "repeat", "--data", __file__, "--out", "/tmp/unused"],
      "argument --kind: invalid choice: 'repeat' (choose from 'eagle', 'medusa')"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
@@ -121,18 +122,19 @@ def test_help_lists_every_registered_drafter(repeat_drafter, monkeypatch, capsys
     assert ("--drafter DRAFTER     eagle[:PATH] (a trained EAGLE head; without PATH, the one shipped for the default "
             "model), lookahead[:W/N/G] (Lookahead decoding: a Jacobi window and an n-gram pool; trees of its own), "
             "medusa[:PATH] (trained Medusa heads; without PATH, the ones shipped for the default model), model:PATH "
-            "(a draft model), ngram (n-gram prompt lookup) or repeat[:N] (the last token repeated; N: at most N a "
-            "round). Default: eagle for the default model, ngram otherwise") in out, out
+            "(a draft model), ngram (n-gram prompt lookup), repeat[:N] (the last token repeated; N: at most N a "
+            "round) or self[:LAYERS] (self-speculative drafting with the target's own layers; L: the first L; A,B,C: "
+            "those; without: searched on the model). Default: eagle for the default model, ngram otherwise") in out, out
     assert "--tree TREE           tree rounds (eagle, medusa, ngram; lookahead always runs its own): N" in out, out
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
     out = capsys.readouterr().out
-    assert ("run one task with this drafter: eagle, medusa or repeat on the chat question, lookahead or ngram on the "
-            "rewriting task") in out, out
+    assert ("run one task with this drafter: eagle, medusa, repeat or self on the chat question, lookahead or ngram on "
+            "the rewriting task") in out, out
 
 
 def test_the_shipped_drafters_are_registered():
-    assert [e.name for e in registry.drafters()] == ["eagle", "lookahead", "medusa", "model", "ngram"]
+    assert [e.name for e in registry.drafters()] == ["eagle", "lookahead", "medusa", "model", "ngram", "self"]
     assert [e.name for e in registry.drafters() if e.draws_trees] == ["eagle", "lookahead", "medusa", "ngram"]
     assert [e.name for e in registry.drafters() if e.needs_draft_model] == ["model"]
     assert [e.name for e in registry.drafters() if e.trained_heads] == ["eagle", "medusa"]

@@ -51,6 +51,8 @@ at::Tensor project(const at::Tensor& x, at::TensorList weights, at::IntArrayRef 
 // ([L, B, S, Hkv, D], requests row_start .. row_stop of it; or paged [L, pages, page, Hkv, D] with block_table),
 // cache_seqlens and block_table already those requests'. layer_outputs [B, Q, len(capture_layers) x H]: the
 // residual stream after each layer of capture_layers copied into its H columns (EAGLE-3's features).
+// cache_layers: the layers given are a subset of the model's (a self-speculative draft); the l-th of them reads and
+// writes layer cache_layers[l] of the cache (empty: layer l, the cache holding exactly these layers).
 at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList weights,
                             at::IntArrayRef formats, at::IntArrayRef parts,
                             const c10::List<std::optional<at::Tensor>>& qkv_biases, at::TensorList input_norms,
@@ -59,14 +61,21 @@ at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tens
                             const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
                             int64_t row_start, int64_t row_stop, const std::optional<at::Tensor>& tree_mask,
                             const std::optional<at::Tensor>& qo_indptr,
-                            const std::optional<at::Tensor>& layer_outputs, at::IntArrayRef capture_layers) {
+                            const std::optional<at::Tensor>& layer_outputs, at::IntArrayRef capture_layers,
+                            at::IntArrayRef cache_layers) {
   const int64_t layers = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK_VALUE(x.dim() == 3 && x.is_contiguous() && layers > 0 &&
                         static_cast<int64_t>(post_norms.size()) == layers &&
                         static_cast<int64_t>(parts.size()) == 4 * layers &&
                         static_cast<int64_t>(qkv_biases.size()) == layers && formats.size() == weights.size() &&
-                        k_cache.dim() == 5 && k_cache.size(0) == layers && v_cache.sizes() == k_cache.sizes(),
+                        k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() &&
+                        (cache_layers.empty() ? k_cache.size(0) == layers
+                                              : static_cast<int64_t>(cache_layers.size()) == layers),
                     "llama_layers: inconsistent arguments (", layers, " layers)");
+  for (const int64_t c : cache_layers) {  // a subset of the model's layers: each one's layer of the cache
+    TORCH_CHECK_VALUE(c >= 0 && c < k_cache.size(0), "llama_layers: cache layer ", c, " outside the cache's ",
+                      k_cache.size(0));
+  }
   const int64_t B = x.size(0), Q = x.size(1), H = x.size(2);
   TORCH_CHECK_VALUE(capture_layers.empty() ||
                         (layer_outputs.has_value() && layer_outputs->dim() == 3 && layer_outputs->size(0) == B &&
@@ -81,10 +90,11 @@ at::Tensor llama_layers_cpu(at::Tensor& x, const at::Tensor& cos, const at::Tens
     const at::Tensor qkv = project(h, weights, formats, w, p[0], qkv_biases.get(l), activations);
     w += p[0];
     auto [q, k, v] = rotary_split_cpu(qkv, cos, sin, hq, hkv);
-    const at::Tensor kc = block_table.has_value() ? k_cache.select(0, l)
-                                                  : k_cache.select(0, l).slice(0, row_start, row_stop);
-    const at::Tensor vc = block_table.has_value() ? v_cache.select(0, l)
-                                                  : v_cache.select(0, l).slice(0, row_start, row_stop);
+    const int64_t cl = cache_layers.empty() ? l : cache_layers[l];
+    const at::Tensor kc = block_table.has_value() ? k_cache.select(0, cl)
+                                                  : k_cache.select(0, cl).slice(0, row_start, row_stop);
+    const at::Tensor vc = block_table.has_value() ? v_cache.select(0, cl)
+                                                  : v_cache.select(0, cl).slice(0, row_start, row_stop);
     if (qo_indptr.has_value()) {  // flat rows of a ragged batch: q [T, Hq, D]
       q = q.select(0, 0);
       k = k.select(0, 0);
@@ -120,7 +130,7 @@ TORCH_LIBRARY(specdec_internal, m) {
       "Tensor?[] qkv_biases, Tensor[] input_norms, Tensor[] post_norms, float eps, int num_q_heads, int num_kv_heads, "
       "str activations, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor cache_seqlens, Tensor? block_table, "
       "int row_start, int row_stop, Tensor? tree_mask, Tensor? qo_indptr, Tensor(d!)? layer_outputs, "
-      "int[] capture_layers) -> Tensor(a!)");
+      "int[] capture_layers, int[] cache_layers) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(specdec_internal, CPU, m) { m.impl("llama_layers", &llama_layers_cpu); }

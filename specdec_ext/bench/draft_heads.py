@@ -23,7 +23,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=16, help="held-out chat prompts (default 16, the set has 60)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     parser.add_argument("--weights", default=",".join(WEIGHTS), help=f"comma-separated, of {', '.join(WEIGHTS)}")
-    parser.add_argument("--heads", default="eagle,medusa", help="comma-separated: eagle, medusa")
+    parser.add_argument("--heads", default="eagle,medusa",
+                        help="comma-separated drafter specs: eagle, medusa (the shipped heads), or any other --drafter "
+                             "spelling that needs no draft model (self: self-speculative, chains only)")
     parser.add_argument("--sampling", default="greedy,sampled", help="comma-separated: greedy, sampled")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     add_common_arguments(parser, repeats=3, cpu_only=True, plot=False)

@@ -6,6 +6,7 @@ from .medusa import MedusaDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 from .oracle import OracleDrafter
+from .self_speculative import SelfSpeculativeDrafter
 
 __all__ = ["Drafter", "EagleDrafter", "LookaheadDrafter", "LookaheadStats", "MedusaDrafter", "ModelDrafter",
-           "NgramDrafter", "OracleDrafter", "Proposal", "RoundFeedback", "RoundInputs"]
+           "NgramDrafter", "OracleDrafter", "Proposal", "RoundFeedback", "RoundInputs", "SelfSpeculativeDrafter"]

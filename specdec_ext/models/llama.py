@@ -325,7 +325,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"LlamaForCausalLM: input_ids holds token ids outside [0, {self.config.vocab_size})")
 
     def forward(self, input_ids, kv_cache, *, tree_mask=None, logits_indices=None, output_hidden_states=False,
-                cache_rows: slice = slice(None), inputs_embeds=None, qo_indptr=None):
+                cache_rows: slice = slice(None), inputs_embeds=None, qo_indptr=None, layers: tuple | None = None,
+                lm_head=None):
         """input_ids [B, Q]: the new tokens of each request, written into the cache at cache_seqlens[b] + i (at
         positions cache_seqlens[b] + i, or + depth with a tree_mask [Q, Q] / [B, Q, Q] bool). cache_seqlens is not
         advanced: the caller advances or truncates. cache_rows: which requests of the cache the B rows are.
@@ -340,9 +341,15 @@ class LlamaForCausalLM(nn.Module):
         (set_strict(True); the check is a host read).
         qo_indptr (a host list of B + 1 ints): the flat form of a ragged batch (prefill): input_ids [1, T] holds
         request b's new tokens at qo_indptr[b] .. qo_indptr[b + 1] (at most verify_attention's limit each, 0 for a
-        request of cache_rows that takes none); logits_indices then index the T rows."""
+        request of cache_rows that takes none); logits_indices then index the T rows.
+        layers: a tuple of increasing layer indices to run, the others skipped (the residual stream passes them
+        unchanged), each writing and reading its own layer of the cache; then the final norm and the LM head (a
+        self-speculative draft: drafters/self_speculative.py). None: every layer. lm_head: rows of the LM head to
+        score instead of the model's own (a draft vocabulary's [Vd, H], or those rows of kept blocks): logits
+        [B, Q or n, Vd]."""
         c = self.config
         self.check_input(input_ids, inputs_embeds, kv_cache, cache_rows, tree_mask, qo_indptr)
+        cache_layers = self.check_layers(layers, output_hidden_states)
         x = embed(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
         b, n = x.shape[:2]
         seqlens = kv_cache.attention_args(0, cache_rows)[2] if kv_cache is not None else \
@@ -362,23 +369,23 @@ class LlamaForCausalLM(nn.Module):
         if fused:
             x = x.clone(memory_format=torch.contiguous_format)  # the residual stream, added into in place
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps, layers = c.rms_norm_eps, self.layers
+        eps, layers = c.rms_norm_eps, [self.layers[i] for i in cache_layers]
         capture = self.check_capture(output_hidden_states)
         captured = x.new_empty(b, n, len(capture) * c.hidden_size) if capture else None  # [B, Q, len x H]
-        step = self.cpu_step_args(x, kv_cache, cache_rows, n, qo_indptr) if fused else None
+        step = self.cpu_step_args(x, kv_cache, cache_rows, n, qo_indptr, layers) if fused else None
         if step is not None:  # the same ops in one C++ call (cpu/llama_layers.cpp)
             weights, formats, parts, biases, activations, k, v, table, start, stop = step
             x = torch.ops.specdec_internal.llama_layers(
                 x, cos, sin, weights, formats, parts, biases, [layer.input_layernorm for layer in layers],
                 [layer.post_attention_layernorm for layer in layers], eps, hq, hkv, activations, k, v, seqlens, table,
                 start, stop, tree_mask if tree_mask is None else tree_mask.contiguous(), qo_indptr, captured,
-                list(capture))
+                list(capture), list(cache_layers) if layers is not None and len(layers) < len(self.layers) else [])
             layers = []
         else:
             h = rms_norm(x, layers[0].input_layernorm, eps)
         for i, layer in enumerate(layers):
             q, k, v = rotary_split(linear(h, layer.qkv_proj, layer.qkv_bias), cos, sin, hq, hkv, fused)
-            attn = self.attention(q, k, v, kv_cache, i, cache_rows, tree_mask, qo_indptr)
+            attn = self.attention(q, k, v, kv_cache, cache_layers[i], cache_rows, tree_mask, qo_indptr)
             x, h = add_rms_norm(x, linear(attn.reshape(b, n, hq * d), layer.o_proj), layer.post_attention_layernorm,
                                 eps, fused)
             mlp = linear(silu_mul(linear(h, layer.gate_up_proj), fused), layer.down_proj)
@@ -397,8 +404,22 @@ class LlamaForCausalLM(nn.Module):
             idx = logits_indices.to(device=x.device, dtype=torch.long)
             idx = idx.expand(b, -1) if idx.dim() == 1 else idx
             x = x.gather(1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head).float()
+        logits = linear(rms_norm(x, self.norm, c.rms_norm_eps), self.lm_head if lm_head is None else lm_head).float()
         return (logits, hidden) if output_hidden_states is not False else logits
+
+    def check_layers(self, layers, output_hidden_states) -> tuple:
+        """forward's `layers` checked -> the layer indices the forward runs (all of them for None)."""
+        count = self.config.num_hidden_layers
+        if layers is None:
+            return tuple(range(count))
+        if not isinstance(layers, tuple) or not layers or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count for i in layers) or \
+                any(a >= b for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"LlamaForCausalLM: layers must be a non-empty tuple of increasing layer indices in "
+                             f"[0, {count}), got {layers!r}")
+        if not isinstance(output_hidden_states, bool):
+            raise ValueError("LlamaForCausalLM: layers and output_hidden_states=(layers) do not combine")
+        return layers
 
     def check_capture(self, output_hidden_states) -> tuple:
         """The layers whose outputs the forward returns side by side: () for a bool output_hidden_states."""
@@ -412,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
                              f"indices in [0, {layers}), got {output_hidden_states!r}")
         return output_hidden_states
 
-    def cpu_step_args(self, x, kv_cache, rows: slice, n: int, qo_indptr):
+    def cpu_step_args(self, x, kv_cache, rows: slice, n: int, qo_indptr, layers: list | None = None):
         """The arguments of the C++ layer loop (torch.ops.specdec_internal.llama_layers) for this forward, or None
         where the Python loop runs: no KV cache of ours (training, an engine's), attention through another backend
         (sim, reference), a block longer than verify_attention takes (chunked), norms of another dtype, weights kept
@@ -423,7 +444,7 @@ class LlamaForCausalLM(nn.Module):
                 (qo_indptr is None and n > MAX_ATTENTION_QUERIES) or self.layers[0].input_layernorm.dtype != x.dtype:
             return None
         weights, formats, parts, biases, modes = [], [], [], [], set()
-        for layer in self.layers:
+        for layer in self.layers if layers is None else layers:  # the layers the forward runs
             biases.append(layer.qkv_bias)
             for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 if isinstance(w, torch.Tensor):
