@@ -125,4 +125,20 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="llama_layers: inconsistent arguments"):
         torch.ops.specdec_internal.llama_layers(x, x, x, [], [], [0, 0, 0], [None], [x[0, 0]], [], 1e-5, 1, 1,
                                                 "float", torch.zeros(1, 1, 1, 1, 1), torch.zeros(1, 1, 1, 1, 1),
-                                                torch.zeros(1, dtype=torch.int32), None, 0, 1, None, None, None, [])
+                                                torch.zeros(1, dtype=torch.int32), None, 0, 1, None, None, None, [],
+                                                [])
+
+
+def test_a_cache_layer_outside_the_cache_is_refused(gen):
+    """cache_layers (a subset of the layers, each on its own layer of the cache) names layers of the cache only."""
+    model = tiny_model(vocab=16, seed=1234, logit_scale=0.3, layers=4)
+    x = torch.zeros(1, 1, model.config.hidden_size)
+    cache = model.new_kv_cache(1, 4)
+    args = model.cpu_step_args(x, cache, slice(None), 1, None, [model.layers[0]])
+    weights, formats, parts, biases, activations, k, v, table, start, stop = args
+    cos = sin = torch.ones(1, 1, 1, model.config.head_dim)
+    layer = model.layers[0]
+    with pytest.raises(ValueError, match="llama_layers: cache layer 4 outside the cache's 4"):
+        torch.ops.specdec_internal.llama_layers(x, cos, sin, weights, formats, parts, biases, [layer.input_layernorm],
+                                                [layer.post_attention_layernorm], 1e-5, 4, 2, activations, k, v,
+                                                cache.cache_seqlens, table, start, stop, None, None, None, [], [4])

@@ -136,7 +136,7 @@ def test_forward_refuses_bad_layers_and_another_target(target):
 
 
 @pytest.mark.parametrize("spec,layers", [("self:2", 2), ("self:0,2", (0, 2)), ("self:3,", None), ("self:x", None),
-                                         ("self", None)])
+                                         ("self", "auto")])
 def test_the_command_line_spelling(spec, layers):
     if layers is None:
         with pytest.raises(ValueError, match="--drafter must be"):
