@@ -84,8 +84,13 @@ def search_layers(target, k: int = 4, draft_vocab: torch.Tensor | None = None, p
             return layers, cached["rows"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    import sys
+
+    from tqdm import tqdm
+
     rows = []
-    for name, layers in candidates.items():
+    for name, layers in tqdm(candidates.items(), desc="searching the draft layers", unit="subset", file=sys.stderr,
+                             leave=False):
         dec = SpeculativeDecoder(target, SelfSpeculativeDrafter(target, layers, draft_vocab), k, adaptive=False,
                                  max_batch_size=len(prompts))
         stats = dec.generate(prompts, new_tokens).stats
