@@ -22,6 +22,7 @@ BENCHMARKS = {
     "draft_heads": (),
     "e2e": (),
     "generation_controls": (),
+    "online_training": (),
     "philox_uniform": ("philox",),
     "quantized_linear": (),
     "tree_sampling": (),

@@ -35,6 +35,7 @@ class EagleDrafter(Drafter):
 
         check_target(head.target_config, target, "EagleDrafter")
         self.target, self.head = target, head
+        self.observer = None  # an OnlineDraftTraining fed the pairs the head is fed
         self.hidden_state_layers = head.feature_layers  # EAGLE-3: the target's low, middle and high layers
         self.draft_to_target = head.draft_vocab.int()  # the verify step's column map of the draft rows
         self.state = DraftCache()
@@ -45,6 +46,9 @@ class EagleDrafter(Drafter):
             raise ValueError("EagleDrafter: made for another target model than the decoder's")
         self.cache = self.state.bind(self.head.decoder, slots, capacity, paged, num_pages, cuda_graphs=False)
         self.pending = [[] for _ in range(slots)]  # target features not yet fed: [n, feature_width] tensors
+        if self.observer is not None:  # a new run: the slots' requests are new
+            for b in list(self.observer.streams):
+                self.observer.release(b)
 
     def check_tree(self, tree) -> None:
         if (tree.depth - 1) * tree.branching > MAX_TREE_NODES:  # the draft block holds every expanded node
@@ -84,8 +88,10 @@ class EagleDrafter(Drafter):
         whose prefixes have one length, as the target's prefill: admitting a batch costs a forward per distinct
         length, not one per request."""
         device = self.target.device
-        for b, h in zip(slots, hidden_states):
+        for b, h, p in zip(slots, hidden_states, prefixes):
             self.state.lengths[b], self.pending[b] = 0, [h[-1:]] if len(h) else []
+            if self.observer is not None:
+                self.observer.pairs(b, h[:-1], list(p[1:]))
         i = 0
         while i < len(slots):
             j, n = i, len(hidden_states[i]) - 1  # the pairs of slot i's prefix
@@ -104,6 +110,8 @@ class EagleDrafter(Drafter):
     def release(self, slot: int) -> None:
         self.state.release(slot)
         self.pending[slot] = []
+        if self.observer is not None:
+            self.observer.release(slot)
 
     def feed_pending(self, r: RoundInputs, block: int):
         """Feeds every row's pending pairs in one ragged forward, with room for a draft block of `block` slots per
@@ -131,6 +139,8 @@ class EagleDrafter(Drafter):
         feature = hidden.gather(1, last.unsqueeze(-1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
         self.state.advance(counts, rows)
         for b in range(r.batch):
+            if self.observer is not None and counts[b]:  # the pairs just fed: what online training learns from
+                self.observer.pairs(b, torch.cat(self.pending[b]), segments[b])
             self.pending[b] = []
         return asked, logits[:, 0], feature
 

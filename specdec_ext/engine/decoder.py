@@ -76,6 +76,9 @@ class SpeculativeDecoder:
         included) and depth, verified in one forward; num_speculative_tokens is then unused. With adaptive=True the
         round's node budget is the n <= num_nodes that maximises the expected tokens over the round's measured cost
         (Policy.tree_size). LookaheadDrafter's rounds are always trees: tree=None takes its own settings.
+    online_draft_training : OnlineDraftTraining or None
+        With an EagleDrafter: the head keeps training on the pairs it is fed as the decoder serves
+        (specdec_ext/online_training.py); the output is unchanged, the acceptance follows the served text.
     sampling : "rejection", "block" or "invariant"
         How sampled requests are verified. "rejection": min(1, p/q) acceptance with residual resampling, draft by
         draft (the law is the target's, but the tokens depend on k and the drafter). "block": block verification
@@ -111,7 +114,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int = 4, *, adaptive=True, max_batch_size: int = 8,
                  cuda_graphs="auto", max_seq_len: int | None = None, paged: bool = False, num_pages: int | None = None,
-                 monitor=None, costs: CostModel | None = None, tree=None, sampling: str = DEFAULT_SAMPLING):
+                 monitor=None, costs: CostModel | None = None, tree=None, sampling: str = DEFAULT_SAMPLING,
+                 online_draft_training=None):
         from ..models.llama import LlamaForCausalLM  # the decoder needs the models; `import specdec_ext` does not
 
         if not isinstance(target, LlamaForCausalLM):
@@ -176,6 +180,12 @@ class SpeculativeDecoder:
         self.speculative = None if drafter is None else ChainRound(drafter, self.verifier) if self.tree is None \
             else TreeRound(drafter, self.verifier, self.tree.branching)
         self.cache = None
+        self.online_training = online_draft_training
+        if online_draft_training is not None:
+            if not callable(getattr(online_draft_training, "after_round", None)):
+                raise ValueError(f"SpeculativeDecoder: online_draft_training must be an OnlineDraftTraining or None, "
+                                 f"got {online_draft_training!r}")
+            online_draft_training.bind(drafter)
         # One generate at a time: the caches, the drafter's state and the per-slot buffers belong to the run.
         self._running = threading.Lock()
 
@@ -265,6 +275,8 @@ class SpeculativeDecoder:
                 self.policy.observe_round(max(result.num_draft, default=0) > 0,
                                           sum(len(r.generated) for r in running) - before,
                                           time.perf_counter() - round_start)
+                if self.online_training is not None:  # its updates are timed apart from the round's
+                    self.online_training.after_round(time.perf_counter() - round_start)
         stats.generated_tokens = sum(len(r.generated) for r in requests)
         stats.elapsed_s = time.perf_counter() - start
         texts = [r.stops.text for r in requests] if requests[0].stops is not None else None
