@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from helpers.chi_square import assert_law
-from helpers.laws import LAW_PROMPT, LAW_TOKENS, LAW_VOCAB, exact_distribution, law_draft, law_target
+from helpers.laws import LAW_PROMPT, LAW_TOKENS, LAW_VOCAB, exact_distribution, exact_law_of, law_draft, law_target
 from helpers.models import make_drafter, random_prompts, random_vocab, tiny_model
 from specdec_ext import LookaheadDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from specdec_ext.logits_processing import BlockControls, process_block
@@ -373,30 +373,22 @@ LAW_SAMPLES = 60_000  # power against the hardest 1% bias checked by assert_law 
 
 def controlled_law(model):
     """P(first LAW_TOKENS tokens) under LAW_CONTROLS, from our model's float64 rows processed by readable rules."""
-    law = {(): 1.0}
-    for _ in range(LAW_TOKENS):
-        prefixes = list(law)
-        ids = torch.tensor([LAW_PROMPT + list(p) for p in prefixes])
-        with torch.no_grad():
-            logits = model(ids, model.new_kv_cache(len(prefixes), ids.shape[1]))[:, -1]
-        nxt = {}
-        for p, row in zip(prefixes, logits):
-            x = row.double().clone()
-            history = LAW_PROMPT + list(p)
-            if history[-1] == 4:
-                x[0] = float("-inf")
-            x[1] += 0.8
-            for v in range(LAW_VOCAB):
-                count = list(p).count(v)
-                if count or v in LAW_PROMPT:
-                    x[v] = x[v] / 1.6 if x[v] > 0 else x[v] * 1.6
-                x[v] -= 0.3 * count + 0.2 * (count > 0)
-            q = exact_distribution(x, *LAW_SAMPLING)
-            q = torch.where(q >= 0.02 * q.max(), q, 0.0)
-            q = q / q.sum()
-            nxt.update({p + (t,): law[p] * float(q[t]) for t in range(LAW_VOCAB)})
-        law = nxt
-    return law
+
+    def distribution(prefix, row):
+        x = row.double().clone()
+        if (LAW_PROMPT + list(prefix))[-1] == 4:
+            x[0] = float("-inf")
+        x[1] += 0.8
+        for v in range(LAW_VOCAB):
+            count = list(prefix).count(v)
+            if count or v in LAW_PROMPT:
+                x[v] = x[v] / 1.6 if x[v] > 0 else x[v] * 1.6
+            x[v] -= 0.3 * count + 0.2 * (count > 0)
+        q = exact_distribution(x, *LAW_SAMPLING)
+        q = torch.where(q >= 0.02 * q.max(), q, 0.0)
+        return q / q.sum()
+
+    return exact_law_of(model, distribution=distribution)
 
 
 def sample_law(model, drafter, tree=None):

@@ -62,9 +62,13 @@ def law_target_int8(directory) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_pretrained(path, keep_quantized=True, activations="int8")
 
 
-def exact_law_of(model: LlamaForCausalLM, temperature, top_k, top_p) -> Mapping:
+def exact_law_of(model: LlamaForCausalLM, temperature=1.0, top_k=0, top_p=1.0, distribution=None) -> Mapping:
     """exact_law from our model's own logits (float64 after them): each prefix's last row of a cached forward, the
-    bits a decode step of that prefix computes."""
+    bits a decode step of that prefix computes. distribution(prefix, row) -> the next token's probabilities [V]
+    (default: exact_distribution under temperature, top_k and top_p)."""
+    if distribution is None:
+        def distribution(prefix, row):
+            return exact_distribution(row, temperature, top_k, top_p)
     law = {(): 1.0}
     for _ in range(LAW_TOKENS):
         prefixes = list(law)
@@ -72,7 +76,7 @@ def exact_law_of(model: LlamaForCausalLM, temperature, top_k, top_p) -> Mapping:
         with torch.no_grad():
             logits = model(ids, model.new_kv_cache(len(prefixes), ids.shape[1]))[:, -1]
         law = {p + (t,): law[p] * float(q[t]) for p, row in zip(prefixes, logits)
-               for q in [exact_distribution(row, temperature, top_k, top_p)] for t in range(LAW_VOCAB)}
+               for q in [distribution(p, row)] for t in range(LAW_VOCAB)}
     return types.MappingProxyType(law)
 
 
