@@ -165,6 +165,49 @@ class Candidates:
                          root_tokens, budget)
 
 
+def grow_dynamic_tree(logits: torch.Tensor, vocab: torch.Tensor, asked: list, branching: int, budget: int,
+                      roots: torch.Tensor, expand) -> DraftTree:
+    """EAGLE-2's dynamic tree (Li et al. 2024), for any drafter that scores a block of tree nodes in one forward.
+
+    The top-`branching` tokens after the root (logits [B, Vd] over vocab [Vd], the target ids of the columns) are
+    the first layer; then, for each further depth, the `branching` best nodes of the last layer (by cumulative
+    draft log-probability) are expanded in one forward and their top-`branching` tokens become the next layer.
+    Finally the best budget - 1 nodes of all layers make the tree (a node's ancestors score higher, so they are in
+    it). Row b's tree goes no deeper than asked[b] (0: the root alone). roots [B]: the root tokens.
+
+    expand(tokens [B, n], parents [B, n], chosen [B, k] or None) -> logits [B, k, Vd]: the draft's next-token
+    logits at the last k nodes of the block `tokens`: every node expanded so far, in the order expanded, each
+    depth's k after the last (parents: slot of each node's parent in the block, -1: the root; a node sees the
+    drafter's cache, then its ancestors in the block, at the cache length + its depth). chosen: which of the
+    previous expand's last k nodes each of the new k is a child of (None on the first call: the root's children),
+    for a drafter whose input carries state of the parent (EAGLE's predicted feature)."""
+    device, k = logits.device, min(branching, len(vocab))
+    batch, depth = len(asked), max(asked, default=0)
+    deepest = upload(asked, torch.int64, device).unsqueeze(-1)  # [B, 1]: a row's tree goes this deep (0: none)
+    nodes = Candidates(batch, device)
+    top = logits.log_softmax(-1).topk(k)
+    layer_scores = torch.where(deepest >= 1, top.values, float("-inf"))  # [B, k]: the layer's candidates
+    layer_tokens = vocab[top.indices]
+    layer = nodes.add(torch.zeros_like(top.indices), layer_tokens, layer_scores)
+    frontier = torch.arange(k, device=device).expand(batch, k)  # the layer's nodes to expand (all of the first)
+    chosen = None
+    parent_slot = torch.full((batch, k), -1, device=device)  # the parent's slot in the block (-1: the root)
+    block_tokens, block_parents = [], []
+    for d in range(1, depth):
+        block_tokens.append(layer_tokens.gather(1, frontier))
+        block_parents.append(parent_slot)
+        logits = expand(torch.cat(block_tokens, 1), torch.cat(block_parents, 1), chosen)
+        top = logits.log_softmax(-1).topk(k)  # [B, k expanded, k children]
+        scores = (layer_scores.gather(1, frontier).unsqueeze(-1) + top.values).flatten(1)
+        layer_scores = torch.where(deepest > d, scores, float("-inf"))
+        layer_tokens = vocab[top.indices].flatten(1)
+        layer = nodes.add(layer.gather(1, frontier).repeat_interleave(k, 1), layer_tokens, layer_scores)
+        frontier = layer_scores.topk(k).indices
+        chosen = frontier // k  # which node this depth expanded each new frontier node is a child of
+        parent_slot = (d - 1) * k + chosen
+    return nodes.best_tree(roots, budget)
+
+
 def trie(continuations: list) -> tuple[list, list, list]:
     """Token sequences -> their prefix trie as candidates for best_tree: (parents, tokens, counts), one entry per
     distinct prefix in the order first met, parents as candidate indices (0: the root, candidates from 1);

@@ -1,13 +1,16 @@
 """Self-speculative drafting (SelfSpeculativeDrafter): the target's forward over a subset of its layers against
 transformers' model with only those layers; greedy speculative output equal to plain decoding's with drafts accepted
-(chains, static and paged caches, ragged batches, a draft vocabulary or the full one); the target's cache a fresh
-prefill after every round (the draft steps write the verify block's slots, which the verify rewrites); the law of the
-first tokens (chi-square) and invariant sampling; bad settings refused. Fixed seeds throughout."""
+(chains and trees, static and paged caches, ragged batches, a draft vocabulary or the full one); the target's cache a
+fresh prefill after every round (the draft steps write the verify block's slots, which the verify rewrites); trees
+the subset's best paths; the law of the first tokens (chi-square, chains and trees) and invariant sampling; bad
+settings refused. Fixed seeds throughout."""
+import re
+
 import pytest
 import torch
 
 from helpers.chi_square import assert_law
-from helpers.decoder_probes import CacheCheck
+from helpers.decoder_probes import CacheCheck, record_paths
 from helpers.laws import LAW_CASES, law_target, sample_first_tokens
 from helpers.models import random_prompts, shared_hf, tiny_model
 from specdec_ext import SelfSpeculativeDrafter, SpeculativeDecoder
@@ -21,6 +24,7 @@ VOCAB = 16
 MODEL = dict(vocab=VOCAB, seed=1234, logit_scale=0.3, layers=4)
 PROMPTS = random_prompts(3, [6, 1, 14, 3, 9], vocab=VOCAB)
 MAX_NEW = [20, 14, 9, 24, 17]
+TREE = dict(num_nodes=12, depth=4, branching=3)
 
 
 @pytest.fixture(scope="module")
@@ -70,27 +74,76 @@ def test_the_c_plus_plus_loop_runs_a_subset_as_the_python_loop(target, monkeypat
     assert not out[0][1][1].any() and out[0][1][3].any()  # layer 1 untouched, layer 3 written
 
 
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-@pytest.mark.parametrize("layers,vocab", [(2, None), ((0, 2), None), ((0, 3), torch.arange(0, VOCAB, 2))],
-                         ids=["first2", "skip", "skip-draft-vocab"])
-def test_greedy_equals_plain_with_drafts_accepted(target, layers, vocab, paged):
+@pytest.mark.parametrize("layers,vocab", [(2, None), ((0, 2), None), ((0, 3), torch.arange(0, VOCAB, 2)), (2, 12)],
+                         ids=["first2", "skip", "skip-draft-vocab", "first2-first-ids"])
+def test_greedy_equals_plain_with_drafts_accepted(target, layers, vocab, paged, tree, monkeypatch):
+    """5 ragged prompts (one of a single token) through 3 slots; tree rounds accept paths deeper than one node and
+    off the first branch."""
+    paths = record_paths(monkeypatch)
     dec = SpeculativeDecoder(target, SelfSpeculativeDrafter(target, layers, vocab), 3, adaptive=False,
-                             max_batch_size=3, paged=paged)
+                             max_batch_size=3, paged=paged, tree=tree)
     out = dec.generate(PROMPTS, MAX_NEW)
     assert out.sequences == generate_autoregressive(target, PROMPTS, MAX_NEW, paged=paged).sequences
     assert out.stats.num_accepted_tokens > 10 and out.stats.mean_acceptance_length > 1.2, out.stats
+    if tree is not None:
+        assert max(len(p) for p in paths) >= 3 and any(p != list(range(len(p))) for p in paths)
+    if paged:  # every page back in the pool once the requests finished
+        assert dec.cache.free_pages == dec.cache.k.shape[1]
 
 
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
 @pytest.mark.parametrize("paged", [False, True], ids=["static", "paged"])
-def test_the_cache_is_a_fresh_prefill_after_every_round(target, paged):
-    """Sampled, so that drafts are rejected at every position: the draft steps' writes never outlive a round."""
+def test_the_cache_is_a_fresh_prefill_after_every_round(target, paged, tree):
+    """Sampled, so that drafts are rejected at every position: the draft steps' writes never outlive a round (a
+    tree's draft block runs past the verify block's slots: past the request's length after the round)."""
     prompts = random_prompts(31, [7, 15, 1], vocab=VOCAB)
     dec = SpeculativeDecoder(target, SelfSpeculativeDrafter(target, (0, 2)), 3, adaptive=False, max_batch_size=3,
-                             paged=paged)
+                             paged=paged, tree=tree)
     check = CacheCheck(target, dec, prompts)
     out = dec.generate(prompts, 16, temperature=1.0, seed=[4, 5, 6], stream=check)
     assert check.generated() == out.sequences and len(check.rounds) >= 3 * 4
     assert 0 < out.stats.num_accepted_tokens < out.stats.num_draft_tokens
+
+
+def test_trees_are_the_subsets_best_paths(target):
+    """Each node of a drafted tree scored again as a chain: a fresh cache prefilled by the whole model with the
+    request's tokens but the last (what the drafter reads), then the subset over the last token and the node's path,
+    causally: the nodes come in decreasing cumulative log-probability and a node's children are among the subset's
+    top-`branching` tokens after its path (a wrong tree mask, position or parent slot in the draft block changes
+    those distributions)."""
+    layers, k = (0, 2), TREE["branching"]
+    drafter = SelfSpeculativeDrafter(target, layers)
+    trees = []
+    propose_tree = drafter.propose_tree
+
+    def check(r, budget, branching):
+        tree = propose_tree(r, budget, branching)
+        for b in range(r.batch):
+            n, history = int(tree.num_nodes[b]), r.histories[b]
+            parents, tokens = tree.parents[b].tolist(), tree.token_ids[b].tolist()
+            paths = {0: []}
+            for c in range(1, n):  # parents come first
+                paths[c] = paths[parents[c]] + [tokens[c]]
+            score = {0: 0.0}
+            for c in range(1, n):
+                cache = target.new_kv_cache(1, len(history) + TREE["depth"])
+                with torch.no_grad():
+                    target.prefill(cache, [0], [history[:-1]])
+                    logp = target(torch.tensor([history[-1:] + paths[parents[c]]]), cache, layers=layers)[0, -1]
+                logp = logp.double().log_softmax(-1)
+                score[c] = score[parents[c]] + float(logp[tokens[c]])
+                assert float(logp[tokens[c]]) >= float(logp.topk(k).values[-1]) - 1e-5, "a child outside the top-k"
+            ordered = [score[c] for c in range(1, n)]
+            assert all(a >= b - 1e-4 for a, b in zip(ordered, ordered[1:])), ordered
+        trees.append(tree)
+        return tree
+
+    drafter.propose_tree = check
+    SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=2, tree=TREE).generate(
+        random_prompts(9, [6, 11], vocab=VOCAB), 6)
+    assert trees and max(int(t.num_nodes.max()) for t in trees) == TREE["num_nodes"]
 
 
 def test_invariant_sampling_equals_plain(target):
@@ -103,11 +156,14 @@ def test_invariant_sampling_equals_plain(target):
     assert out.sequences == plain.sequences and out.stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("tree", [None, dict(num_nodes=8, depth=2, branching=3)], ids=["chain", "tree"])
 @pytest.mark.parametrize("case", list(LAW_CASES))
-def test_law_of_the_first_tokens_is_the_targets(case):
-    """Rejection sampling with drafts drawn from the first layer of the two-layer law target."""
+def test_law_of_the_first_tokens_is_the_targets(case, tree):
+    """Rejection sampling with drafts drawn from the first layer of the two-layer law target; tree rounds test its
+    top-3 point proposals at each node in turn (70,000 or 50,000 seeds by case, power >= 0.9 against a 1% bias,
+    checked by assert_law)."""
     target = law_target(2)
-    counts, law, acceptance = sample_first_tokens(target, SelfSpeculativeDrafter(target, 1), case)
+    counts, law, acceptance = sample_first_tokens(target, SelfSpeculativeDrafter(target, 1), case, tree=tree)
     assert 0.02 < acceptance < 0.95, acceptance
     assert_law(counts, law)
 
@@ -126,6 +182,19 @@ def test_bad_layers_are_refused(target, layers, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("vocab,message", [(0, "draft_vocab=0: the first N token ids, N in [1, 16]"),
+                                           (17, "draft_vocab=17: the first N"),
+                                           (torch.tensor([3, 1]), "sorted, distinct token ids in [0, 16)")])
+def test_bad_draft_vocabularies_are_refused(target, vocab, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SelfSpeculativeDrafter(target, 2, vocab)
+
+
+def test_the_first_n_ids_are_a_draft_vocabulary(target):
+    assert SelfSpeculativeDrafter(target, 2, 5).draft_vocab.tolist() == [0, 1, 2, 3, 4]
+    assert SelfSpeculativeDrafter(target, 2, VOCAB).lm_head is None  # all of them: the model's own head
+
+
 def test_forward_refuses_bad_layers_and_another_target(target):
     with pytest.raises(ValueError, match="layers must be a non-empty tuple of increasing layer indices"):
         target(torch.zeros(1, 1, dtype=torch.long), target.new_kv_cache(1, 2), layers=(1, 1))
@@ -135,15 +204,16 @@ def test_forward_refuses_bad_layers_and_another_target(target):
         dec.generate(PROMPTS[:1], 4)
 
 
-@pytest.mark.parametrize("spec,layers", [("self:2", 2), ("self:0,2", (0, 2)), ("self:3,", None), ("self:x", None),
-                                         ("self", "auto")])
-def test_the_command_line_spelling(spec, layers):
-    if layers is None:
+@pytest.mark.parametrize("spec,arguments", [
+    ("self:2", {"layers": 2}), ("self:0,2", {"layers": (0, 2)}), ("self", {"layers": "auto"}),
+    ("self:/8", {"layers": "auto", "draft_vocab": 8}), ("self:0,2/8", {"layers": (0, 2), "draft_vocab": 8}),
+    ("self:3,", None), ("self:x", None), ("self:2/", None), ("self:2/x", None), ("self:2/8/8", None)])
+def test_the_command_line_spelling(spec, arguments):
+    if arguments is None:
         with pytest.raises(ValueError, match="--drafter must be"):
             parse_drafter(spec, lambda: True)
         return
-    _, arguments = parse_drafter(spec, lambda: True)
-    assert arguments == {"layers": layers}
+    assert parse_drafter(spec, lambda: True)[1] == arguments
 
 
 # ------------------------------------------------------------------------------------------------ the search

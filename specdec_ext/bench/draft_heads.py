@@ -25,7 +25,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weights", default=",".join(WEIGHTS), help=f"comma-separated, of {', '.join(WEIGHTS)}")
     parser.add_argument("--heads", default="eagle,medusa",
                         help="comma-separated drafter specs: eagle, medusa (the shipped heads), or any other --drafter "
-                             "spelling that needs no draft model (self: self-speculative, chains only)")
+                             "spelling that needs no draft model (self: self-speculative)")
     parser.add_argument("--sampling", default="greedy,sampled", help="comma-separated: greedy, sampled")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     add_common_arguments(parser, repeats=3, cpu_only=True, plot=False)

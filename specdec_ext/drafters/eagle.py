@@ -3,7 +3,7 @@ import torch
 
 from ..host import upload
 from ..logits_processing import DraftColumns
-from ..trees import MAX_TREE_NODES, Candidates, ancestor_mask, last_tokens
+from ..trees import MAX_TREE_NODES, ancestor_mask, grow_dynamic_tree, last_tokens
 from .base import (
     DraftCache,
     Drafter,
@@ -168,50 +168,31 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def propose_tree(self, r: RoundInputs, budget: int, branching: int):
-        """EAGLE-2's dynamic tree (Li et al. 2024): the top-`branching` tokens of the head after the last emitted
-        token are the first layer; then, for each further depth, the `branching` best nodes of the last layer (by
-        cumulative draft log-probability) are fed to the head in one forward and their top-`branching` tokens
-        become the next layer. Finally the best budget - 1 nodes of all layers make the tree (a node's ancestors
-        score higher, so they are in it). Point proposals: the children are deterministic, so the tree sampling
-        op tests each against the target in turn.
+        """EAGLE-2's dynamic tree (trees.grow_dynamic_tree) from the head after the last emitted token. Point
+        proposals: the children are deterministic, so the tree sampling op tests each against the target in turn.
 
-        Each forward feeds every node expanded so far as one draft block after the head's cache, under a tree
-        mask (a node sees the cache and its ancestors; its position is the cache length + its depth), and never
-        advances the cache: the block is dropped at rollback, which queues the target's features of the
-        accepted path instead, as after a chain round."""
-        device, vocab = self.target.device, self.head.draft_vocab
-        k = min(branching, len(vocab))
+        Each expansion feeds every node expanded so far as one draft block after the head's cache, under a tree
+        mask, a node's pair joining its parent's predicted feature with its own token; it never advances the
+        cache: the block is dropped at rollback, which queues the target's features of the accepted path instead,
+        as after a chain round."""
+        k = min(branching, len(self.head.draft_vocab))
         asked, logits, feature = self.feed_pending(r, (max(r.num_tokens) - 1) * k)
-        depth = max(asked)
-        deepest = upload(asked, torch.int64, device).unsqueeze(-1)  # [B, 1]: a row's tree goes this deep (0: none)
-        nodes = Candidates(r.batch, device)
-        top = logits.log_softmax(-1).topk(k)
-        layer_scores = torch.where(deepest >= 1, top.values, float("-inf"))  # [B, m]: the layer's candidates
-        layer_tokens = vocab[top.indices]
-        layer = nodes.add(torch.zeros_like(top.indices), layer_tokens, layer_scores)
-        frontier = torch.arange(k, device=device).expand(r.batch, k)  # the layer's nodes to expand (all of the first)
-        inputs_feature = feature.expand(-1, k, -1)  # a pair joins the parent's predicted feature with the node's token
-        parent_slot = torch.full((r.batch, k), -1, device=device)  # the parent's slot in the draft block (-1: root)
-        block_tokens, block_features, block_parents = [], [], []
-        for d in range(1, depth):
-            block_tokens.append(layer_tokens.gather(1, frontier))
-            block_features.append(inputs_feature)
-            block_parents.append(parent_slot)
-            parents = torch.cat(block_parents, 1)
-            fed = (d - 1) * k  # the block's slots before this depth's
-            logits, hidden = self.head(torch.cat(block_tokens, 1), torch.cat(block_features, 1), self.cache,
-                                       cache_rows=slice(0, r.batch), tree_mask=ancestor_mask(parents),
-                                       logits_indices=torch.arange(fed, fed + k, device=device))
-            top = logits.log_softmax(-1).topk(k)  # [B, k expanded, k children]
-            scores = (layer_scores.gather(1, frontier).unsqueeze(-1) + top.values).flatten(1)
-            layer_scores = torch.where(deepest > d, scores, float("-inf"))
-            layer_tokens = vocab[top.indices].flatten(1)
-            layer = nodes.add(layer.gather(1, frontier).repeat_interleave(k, 1), layer_tokens, layer_scores)
-            frontier = layer_scores.topk(k).indices
-            expanded = frontier // k  # which fed node of this depth each new frontier node is a child of
-            inputs_feature = hidden[:, fed:fed + k].gather(1, expanded.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            parent_slot = fed + expanded
-        return nodes.best_tree(last_tokens(r.histories, device), budget)
+        features, fed = [], None  # the block's input features; the head's output features of the last k fed
+
+        def expand(tokens, parents, chosen):
+            nonlocal fed
+            width = feature.shape[-1]
+            features.append(feature.expand(-1, k, -1) if chosen is None else
+                            fed.gather(1, chosen.unsqueeze(-1).expand(-1, -1, width)))
+            first = tokens.shape[1] - k
+            logits, hidden = self.head(tokens, torch.cat(features, 1), self.cache, cache_rows=slice(0, r.batch),
+                                       tree_mask=ancestor_mask(parents),
+                                       logits_indices=torch.arange(first, first + k, device=tokens.device))
+            fed = hidden[:, first:]
+            return logits
+
+        return grow_dynamic_tree(logits, self.head.draft_vocab, asked, branching, budget,
+                                 last_tokens(r.histories, self.target.device), expand)
 
     def rollback(self, feedback: RoundFeedback) -> None:
         """Drops the draft-step pairs (back to the host's lengths: the pairs fed from the target's features);

@@ -6,7 +6,10 @@ one (the decoder's invariant); draft step i feeds one token at position len + i 
 that slot, reading the full model's entries for the prefix. Those slots lie inside the round's verify block
 [len, len + k], which the verify forward then writes for every layer: nothing a draft step wrote survives the round,
 and the cache after each round is the one a fresh prefill of the kept tokens gives (tests/test_self_speculative.py).
-The cache lengths are advanced on the device during the draft and set back to the host's values after it.
+A tree round feeds the last emitted token at slot len, then its expanded nodes as one block after it: slots [len,
+len + 1 + (depth - 1) x branching), the verify block's and past it (past the request's length after the round, so
+never read before they are written again). The cache lengths are advanced on the device during the draft and set
+back to the host's values after it.
 """
 import hashlib
 import json
@@ -16,6 +19,7 @@ import torch
 from ..graphs import StepGraphs
 from ..host import upload
 from ..logits_processing import DraftColumns
+from ..trees import MAX_TREE_NODES, ancestor_mask, grow_dynamic_tree, last_tokens
 from .base import Drafter, Proposal, RoundInputs, control_block, controlled_rows, draft_proposal, draw_from_draft_vocab
 from .registry import DrafterEntry, bad_spec, register_drafter
 
@@ -127,7 +131,11 @@ class SelfSpeculativeDrafter(Drafter):
     subset per token, over the target's own KV cache (module docstring).
     draft_vocab [Vd] (sorted target ids, optional): score only those rows of the target's LM head, whose full
     product dominates a small model's step (SmolLM2-135M: the head is a fifth of the weights); the sampling op
-    reads the rows over those columns. Each draft is drawn from the processed distribution it reports.
+    reads the rows over those columns. Each draft is drawn from the processed distribution it reports. An int N: the
+    first N token ids, a vocabulary that needs no data: BPE tokenizers number tokens in merge order, and the
+    earlier a merge, the more frequent its pair was in the tokenizer's corpus (SmolLM2's first 8,192 ids hold 90% of
+    its held-out chat answers' tokens; bench/RESULTS.md).
+    Tree rounds (tree=...) grow EAGLE-2's dynamic tree with the subset (propose_tree).
 
     Example
     -------
@@ -136,17 +144,23 @@ class SelfSpeculativeDrafter(Drafter):
     """
 
     shares_target_cache = True
+    supports_trees = True
 
-    def __init__(self, target, layers="auto", draft_vocab: torch.Tensor | None = None, k: int = 4):
+    def __init__(self, target, layers="auto", draft_vocab: torch.Tensor | int | None = None, k: int = 4):
         from ..models.draft_heads import check_draft_vocab
         from ..models.quantized import QuantizedWeight
 
         self.target = target
+        vocab = target.config.vocab_size
+        if isinstance(draft_vocab, int) and not isinstance(draft_vocab, bool):
+            if not 1 <= draft_vocab <= vocab:
+                raise ValueError(f"SelfSpeculativeDrafter: draft_vocab={draft_vocab}: the first N token ids, N in "
+                                 f"[1, {vocab}]")
+            draft_vocab = torch.arange(draft_vocab) if draft_vocab < vocab else None
         if isinstance(layers, str) and layers == "auto":  # the skip pattern that pays best on this model
             layers, self.search = search_layers(target, k, draft_vocab)
         self.layers = check_layer_subset(layers, target.config.num_hidden_layers)
         self.cache, self.graphs = None, StepGraphs(enabled=False)
-        vocab = target.config.vocab_size
         if draft_vocab is None:
             draft_vocab = torch.arange(vocab, device=target.device)
             self.lm_head = None
@@ -170,8 +184,18 @@ class SelfSpeculativeDrafter(Drafter):
         if cache is not self.cache:
             self.cache, self.graphs = cache, StepGraphs(enabled=self.cuda_graphs)  # graphs of the old cache: stale
 
+    def check_tree(self, tree) -> None:
+        if (tree.depth - 1) * tree.branching > MAX_TREE_NODES:  # the draft block holds every expanded node
+            raise ValueError(f"tree: (depth - 1) x branching must be at most {MAX_TREE_NODES} for self-speculative "
+                             f"drafting, got ({tree.depth} - 1) x {tree.branching}")
+
+    def cache_margin(self, k_max: int, tree=None) -> int:
+        """The slots the draft steps write in the target's cache: the root, then the expanded nodes of a tree (a
+        chain's k drafts stay inside its verify block)."""
+        return k_max + 1 if tree is None else 1 + (tree.depth - 1) * tree.branching
+
     def draft_work(self, k: int, tree=None) -> tuple[int, int]:
-        return k, 1  # one forward of the subset per drafted token
+        return k, (1 if tree is None else tree.branching)  # a forward of the subset per draft depth
 
     def cost_probe(self):
         from ..cost_tables import table_key
@@ -219,22 +243,56 @@ class SelfSpeculativeDrafter(Drafter):
         self.cache.restore_lengths(lengths + [0] * (self.cache.batch_size - r.batch))  # slots past the batch: empty
         return draft_proposal(draft_ids, list(r.num_tokens), drawn, self.draft_to_target)
 
+    @torch.no_grad()
+    def propose_tree(self, r: RoundInputs, budget: int, branching: int):
+        """EAGLE-2's dynamic tree (trees.grow_dynamic_tree) grown by the subset: the last emitted token is fed at the
+        cache length, then each expansion feeds every node expanded so far as one block after it under a tree mask.
+        All of it is written at [len, len + 1 + (depth - 1) x branching): the verify block's slots, which the verify
+        rewrites, and slots past the request's length after the round. Point proposals (deterministic top-k), as
+        EAGLE's."""
+        device, rows = self.device, slice(0, r.batch)
+        k = min(branching, len(self.draft_vocab))
+        asked = [n if h is not None else 0 for n, h in zip(r.num_tokens, r.histories)]
+        lengths = [len(h) - 1 if h is not None else 0 for h in r.histories]
+        self.cache.reserve([1 + max(max(asked) - 1, 0) * k] * r.batch, requests=list(range(r.batch)))
+        roots = last_tokens(r.histories, device)
+        logits = self.target(roots.unsqueeze(1), self.cache, cache_rows=rows, layers=self.layers,
+                             lm_head=self.lm_head)[:, 0]
+        self.cache.advance(torch.ones(r.batch, dtype=torch.int32, device=device), rows)
+
+        def expand(tokens, parents, chosen):
+            first = tokens.shape[1] - k
+            return self.target(tokens, self.cache, cache_rows=rows, layers=self.layers, lm_head=self.lm_head,
+                               tree_mask=ancestor_mask(parents),
+                               logits_indices=torch.arange(first, first + k, device=device))
+
+        tree = grow_dynamic_tree(logits, self.draft_vocab, asked, branching, budget, roots, expand)
+        self.cache.restore_lengths(lengths + [0] * (self.cache.batch_size - r.batch))
+        return tree
+
 
 # --------------------------------------------------------------------------------- its command-line spelling
 
 def parse_layers(spec: str, value: str | None) -> dict:
-    """self (the searched subset), self:L (the first L layers) or self:A,B,C (those layers)."""
+    """self (the searched subset), self:L (the first L layers) or self:A,B,C (those layers), each optionally with
+    /N after the layers (self:/N for the searched ones): a draft vocabulary of the first N token ids."""
     if value is None:
         return {"layers": "auto"}
+    layers, _, vocab = value.partition("/")
+    out = {}
     try:
-        numbers = [int(v) for v in value.split(",")]
+        if vocab or "/" in value:
+            out["draft_vocab"] = int(vocab)
+        numbers = [int(v) for v in layers.split(",")] if layers else None
     except ValueError:
         raise bad_spec(spec) from None
-    return {"layers": numbers[0] if len(numbers) == 1 and "," not in value else tuple(numbers)}
+    out["layers"] = "auto" if numbers is None else numbers[0] if len(numbers) == 1 and "," not in layers else \
+        tuple(numbers)
+    return out
 
 
 register_drafter(DrafterEntry(
-    name="self", drafter_class=SelfSpeculativeDrafter, syntax="self[:LAYERS]",
+    name="self", drafter_class=SelfSpeculativeDrafter, syntax="self[:LAYERS][/N]",
     help="self-speculative drafting with the target's own layers",
-    value_help="L: the first L; A,B,C: those; without: searched on the model",
-    parse=parse_layers, build=lambda target, layers: SelfSpeculativeDrafter(target, layers)))
+    value_help="L: the first L; A,B,C: those; without: searched on the model; /N: drafts over the first N token ids",
+    parse=parse_layers, build=SelfSpeculativeDrafter))
