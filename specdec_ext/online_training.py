@@ -1,23 +1,25 @@
-"""Continual draft training: an EAGLE head keeps learning from what the decoder serves.
+"""Continual draft training: an EAGLE head or Medusa heads keep learning from what the decoder serves.
 
-The head is fed, every round, pairs (the target's feature of token j, token j + 1) of every request
-(EagleDrafter.feed_pending): exactly its training pairs. OnlineDraftTraining keeps the recent ones in a bounded
-replay buffer (whole requests' streams, the oldest dropped first) and, every `every` rounds, takes `steps` AdamW steps
-on windows drawn from it: the training-time test of offline training (training.ttt_forward, training.eagle3_loss),
-labelled by the tokens the target emitted after each pair (its greedy or sampled choice). The target's output does
-not change: only what the head drafts, and so the acceptance, does. The time it takes is capped at a share of the
-run's wall time.
+The drafter hands over, every round, pairs (the target's feature of token j, token j + 1) of every request: an EAGLE
+head is fed exactly those (EagleDrafter.feed_pending), Medusa heads read the features the target's verify returned
+and pair them with the tokens emitted after them (MedusaDrafter.pair). OnlineDraftTraining keeps the recent pairs in
+a bounded replay buffer (whole requests' streams, the oldest dropped first) and, every `every` rounds, takes `steps`
+AdamW steps on windows drawn from it, with offline training's loss: EAGLE's training-time test (training.ttt_forward,
+training.eagle3_loss), Medusa's cross-entropy of head i against token j + 2 + i (training.medusa_loss), labelled by
+the tokens the target emitted (its greedy or sampled choice). The target's output does not change: only what the
+heads draft, and so the acceptance, does. The time it takes is capped at a share of the run's wall time.
 """
 import time
 
 import torch
 
-from .training import eagle3_loss, eagle_parameters
+from .training import eagle3_loss, eagle_parameters, medusa_loss
 
 
 class OnlineDraftTraining:
     """Give it to SpeculativeDecoder(..., online_draft_training=OnlineDraftTraining()) with an EagleDrafter whose
-    head runs in floating point (not on a kept target's integer kernels: their weights are a quantised copy).
+    head runs in floating point (not on a kept target's integer kernels: their weights are a quantised copy), or a
+    MedusaDrafter (whose trained weights are float on any target: only the LM head's rows it shares are kept blocks).
 
     Parameters
     ----------
@@ -32,7 +34,7 @@ class OnlineDraftTraining:
     buffer_tokens : int
         The most pairs kept (memory: buffer_tokens x the feature width x the target's dtype).
     unroll : int
-        Steps of the training-time test (offline training's default: 3).
+        Steps of EAGLE's training-time test (offline training's default: 3).
     max_time_share : float
         Updates are skipped while their seconds exceed this share of the run's.
     seed : int
@@ -59,19 +61,20 @@ class OnlineDraftTraining:
         self.losses = []
 
     def bind(self, drafter) -> None:
-        """Attaches to an EagleDrafter: its pairs come here, its head is trained."""
+        """Attaches to an EagleDrafter or a MedusaDrafter: its pairs come here, its head(s) are trained."""
         from .drafters.eagle import EagleDrafter
+        from .drafters.medusa import MedusaDrafter
 
-        if not isinstance(drafter, EagleDrafter):
-            raise ValueError(f"online_draft_training trains an EAGLE head: the drafter must be an EagleDrafter, got "
-                             f"{type(drafter).__name__}")
-        head = drafter.head
-        if head.on_integer_kernels:
+        if not isinstance(drafter, (EagleDrafter, MedusaDrafter)):
+            raise ValueError(f"online_draft_training trains an EAGLE head or Medusa heads: the drafter must be an "
+                             f"EagleDrafter or a MedusaDrafter, got {type(drafter).__name__}")
+        head = drafter.head if isinstance(drafter, EagleDrafter) else drafter.heads
+        if isinstance(drafter, EagleDrafter) and head.on_integer_kernels:
             raise ValueError("online_draft_training: the head runs on the integer kernels (a kept int8 target); "
                              "train it on a floating-point target")
         if self.head is not head:
-            self.head = head
-            self.params = eagle_parameters(head)
+            self.head, self.eagle = head, isinstance(drafter, EagleDrafter)
+            self.params = eagle_parameters(head) if self.eagle else list(head.trained_state().values())
             self.optimiser = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=0.0)
             vocab = head.target_config.vocab_size
             self.remap = torch.full((vocab,), -1, dtype=torch.int64, device=head.draft_vocab.device)
@@ -127,7 +130,9 @@ class OnlineDraftTraining:
 
     def sample(self):
         """`windows` windows of window + 1 consecutive pairs (the last one's token labels the window's last row),
-        as ttt_forward's (tokens [B, W + 1], features [B, W + 1, F]) and eagle3_loss's hard labels."""
+        as ttt_forward's (tokens [B, W + 1], features [B, W + 1, F]) and eagle3_loss's hard labels. medusa_loss
+        reads the same tensors: token column c >= 1 is feature row c's own token, so row j's label for head i,
+        column j + 2 + i, is the token two or more after it (column 0 and the zero feature row are never read)."""
         streams = [s for s in list(self.streams.values()) + self.finished if len(s[1]) > self.window]
         if not streams:
             return None
@@ -147,12 +152,16 @@ class OnlineDraftTraining:
         return tokens, features, valid, top_ids, torch.ones_like(top_ids, dtype=torch.float32)
 
     def step(self, tokens, features, valid, top_ids, top_probs) -> float:
-        """One AdamW step of the training-time-test loss; returns the loss."""
+        """One AdamW step of the head's loss (EAGLE: the training-time test's; Medusa: medusa_loss, whose labels are
+        the tokens themselves); returns the loss."""
         with torch.enable_grad():
             for p in self.params:
                 p.requires_grad_(True)
-            loss, _ = eagle3_loss(self.head, tokens, features.to(self.head.fc.weight.dtype), valid, top_ids,
-                                  top_probs, self.remap, self.unroll)
+            features = features.to(self.params[0].dtype)
+            if self.eagle:
+                loss, _ = eagle3_loss(self.head, tokens, features, valid, top_ids, top_probs, self.remap, self.unroll)
+            else:
+                loss = medusa_loss(self.head, tokens, features, valid, self.remap)
             self.optimiser.zero_grad(set_to_none=True)
             loss.backward()
             self.optimiser.step()

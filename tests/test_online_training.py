@@ -1,20 +1,27 @@
-"""Continual draft training (OnlineDraftTraining): the decoder's output is unchanged while the head learns from the
-pairs it is fed; the update step is the training-time-test loss's AdamW step, against float64; the replay buffer stays
-within its budget over a long run; bad settings and drafters refused. Fixed seeds throughout."""
+"""Continual draft training (OnlineDraftTraining) of EAGLE heads and Medusa heads: the decoder's output is unchanged
+while the heads learn from the pairs of what is served (chains and trees); the pairs are each request's own; the
+update step is the training loss's AdamW step (EAGLE's training-time test, Medusa's shifted cross-entropy), against
+float64; the replay buffer stays within its budget over a long run; bad settings and drafters refused. Fixed seeds
+throughout."""
 import pytest
 import torch
 
 from helpers.models import make_drafter, random_prompts, random_vocab, tiny_model
 from specdec_ext import NgramDrafter, SpeculativeDecoder
 from specdec_ext.engine import generate_autoregressive
-from specdec_ext.models.draft_heads import EagleHead
 from specdec_ext.online_training import OnlineDraftTraining
-from specdec_ext.training import eagle3_loss
+from specdec_ext.training import eagle3_loss, medusa_loss
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 VOCAB = 16
 PROMPTS = random_prompts(3, [6, 1, 14, 3, 9] * 4, vocab=VOCAB)
+TREE = dict(num_nodes=8, depth=3, branching=2)
+
+
+def trained(drafter):
+    """What online training changes: an EAGLE drafter's head or a Medusa drafter's heads."""
+    return drafter.head if hasattr(drafter, "head") else drafter.heads
 
 
 @pytest.fixture(scope="module")
@@ -22,37 +29,47 @@ def target():
     return tiny_model(vocab=VOCAB, seed=1234, logit_scale=0.3)
 
 
-def test_output_is_unchanged_while_the_head_learns(target, tmp_path):
-    """Greedy: the tokens are plain decoding's; the head's weights moved and its loss fell; the pairs it learns from
-    are the request's own (token j + 1 after feature j) and the buffer holds at most its budget."""
-    drafter = make_drafter("eagle3", target, random_vocab(VOCAB, 12, 1), seed=1)
-    before = [p.detach().clone() for p in drafter.head.fc.parameters()]
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("name", ["eagle3", "medusa"])
+def test_output_is_unchanged_while_the_head_learns(target, tmp_path, name, tree):
+    """Greedy: the tokens are plain decoding's; the head's weights moved and its loss fell; the buffer holds at most
+    its budget; the trained head saves and loads as any head file."""
+    drafter = make_drafter(name, target, random_vocab(VOCAB, 12, 1), seed=1)
+    head = trained(drafter)
+    before = [p.detach().clone() for p in head.trained_state().values()]
     training = OnlineDraftTraining(every=2, lr=1e-3, window=8, windows=4, buffer_tokens=200, max_time_share=1.0)
-    dec = SpeculativeDecoder(target, drafter, 3, adaptive=False, max_batch_size=3, online_draft_training=training)
+    dec = SpeculativeDecoder(target, drafter, 3, adaptive=False, max_batch_size=3, online_draft_training=training,
+                             tree=tree)
     out = dec.generate(PROMPTS, 24)
     assert out.sequences == generate_autoregressive(target, PROMPTS, 24).sequences
     assert out.stats.num_accepted_tokens > 0 and training.updates >= 10
-    assert any(not torch.equal(a, b) for a, b in zip(before, drafter.head.fc.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, head.trained_state().values()))
     assert sum(training.losses[-5:]) < sum(training.losses[:5])
     assert training.held() <= 200
-    drafter.head.save(tmp_path / "online.safetensors")  # what it learnt is a head file like any other
-    loaded = EagleHead.load(tmp_path / "online.safetensors", target)
-    assert all(torch.equal(a, b) for a, b in zip(loaded.fc.parameters(), drafter.head.fc.parameters()))
+    head.save(tmp_path / "online.safetensors")  # what it learnt is a head file like any other
+    loaded = type(head).load(tmp_path / "online.safetensors", target)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.trained_state().values(), head.trained_state().values()))
 
 
-def test_the_pairs_are_the_requests_tokens(target):
-    drafter = make_drafter("eagle", target, random_vocab(VOCAB, 12, 1), seed=1)
-    training = OnlineDraftTraining(every=10**6)  # never updates: the stream is all that is checked
-    dec = SpeculativeDecoder(target, drafter, 3, adaptive=False, max_batch_size=1, online_draft_training=training)
-    out = dec.generate(PROMPTS[:1], 12)
-    features, tokens = training.finished[-1]
-    history = PROMPTS[0] + out.sequences[0]
-    # Pairs j = (feature of token j, token j + 1), in order, up to the last round's (whose features wait for a next
-    # round that a finished request does not have: at most k + 1 = 4 tokens, and the last emitted one's).
-    assert tokens.tolist() == history[1:1 + len(tokens)] and len(tokens) >= len(history) - 1 - 4
-    with torch.no_grad():
-        _, hidden = target(torch.tensor([history]), target.new_kv_cache(1, len(history)), output_hidden_states=True)
-    torch.testing.assert_close(features, hidden[0, :len(tokens)], rtol=1e-4, atol=1e-4)
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_the_pairs_are_the_requests_tokens(target, name, tree):
+    """Two requests through one slot, so that the second reuses it: each stream is its own request's pairs."""
+    drafter = make_drafter(name, target, random_vocab(VOCAB, 12, 1), seed=1)
+    training = OnlineDraftTraining(every=10**6)  # never updates: the streams are all that is checked
+    dec = SpeculativeDecoder(target, drafter, 3, adaptive=False, max_batch_size=1, online_draft_training=training,
+                             tree=tree)
+    out = dec.generate(PROMPTS[:2], 12)
+    assert len(training.finished) == 2
+    for (features, tokens), prompt, generated in zip(training.finished, PROMPTS, out.sequences):
+        history = prompt + generated
+        # Pairs j = (feature of token j, token j + 1), in order, up to the last round's (whose features wait for a
+        # next round that a finished request does not have: at most k + 1 = 4 tokens, and the last emitted one's).
+        assert tokens.tolist() == history[1:1 + len(tokens)] and len(tokens) >= len(history) - 1 - 4
+        with torch.no_grad():
+            _, hidden = target(torch.tensor([history]), target.new_kv_cache(1, len(history)),
+                               output_hidden_states=True)
+        torch.testing.assert_close(features, hidden[0, :len(tokens)], rtol=1e-4, atol=1e-4)
 
 
 def test_an_update_is_the_float64_step(target):
@@ -100,6 +117,40 @@ def test_bad_settings_are_refused(kwargs, message):
     assert message in str(e.value)
 
 
-def test_only_an_eagle_drafter_trains(target):
-    with pytest.raises(ValueError, match="the drafter must be an EagleDrafter"):
+def test_only_an_eagle_or_medusa_drafter_trains(target):
+    with pytest.raises(ValueError, match="the drafter must be an EagleDrafter or a MedusaDrafter, got NgramDrafter"):
         SpeculativeDecoder(target, NgramDrafter(), 3, online_draft_training=OnlineDraftTraining())
+
+
+def test_the_medusa_loss_is_medusa_loss_of_the_windows(target):
+    """A window's feature row j is labelled, for head i, by the token 2 + i after its own (the stream's tokens are
+    consecutive), and a step's loss is medusa_loss of those tensors."""
+    drafter = make_drafter("medusa", target, random_vocab(VOCAB, 12, 1), seed=1)
+    training = OnlineDraftTraining(window=6, windows=2, seed=1)
+    training.bind(drafter)
+    features = torch.randn(14, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    training.pairs(0, features, list(range(1, 15)))  # pair j: feature j, token j + 1
+    ids, batch_features, valid, top_ids, top_probs = training.sample()
+    rows = [int((features == row).all(-1).nonzero()) for row in batch_features[:, 0]]  # each window's first feature
+    assert torch.equal(ids[:, 1:], torch.tensor(rows).unsqueeze(1) + torch.arange(1, 7))  # column c: row c's token
+    with torch.no_grad():
+        loss = medusa_loss(drafter.heads, ids, batch_features, valid, training.remap)
+    assert training.step(ids, batch_features, valid, top_ids, top_probs) == pytest.approx(float(loss), rel=1e-6)
+
+
+def test_a_medusa_update_is_the_float64_step(target):
+    heads = []
+    for dtype in (torch.float32, torch.float64):
+        drafter = make_drafter("medusa", target, random_vocab(VOCAB, 12, 1), seed=1)
+        if dtype == torch.float64:
+            drafter.heads.double()
+            drafter.heads.lm_head, drafter.heads.norm = drafter.heads.lm_head.double(), drafter.heads.norm.double()
+        training = OnlineDraftTraining(window=6, windows=3, seed=5, lr=1e-4)
+        training.bind(drafter)
+        g = torch.Generator().manual_seed(2)
+        features = torch.randn(40, target.config.hidden_size, generator=g, dtype=torch.float64)
+        training.pairs(0, features.to(dtype), torch.randint(0, VOCAB, (40,), generator=g).tolist())
+        training.step(*training.sample())
+        heads.append([p.detach().double() for p in training.params])
+    for a, b in zip(*heads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-6)

@@ -250,3 +250,26 @@ def test_draft_cost_counts_the_weights_read(target):
     c = target.config
     assert draft_cost(target, tuple(range(c.num_hidden_layers)), c.vocab_size) == 1.0
     assert draft_cost(target, (0,), 4) < draft_cost(target, (0, 1), 4) < draft_cost(target, (0, 1), 8) < 1.0
+
+
+def test_draft_work_counts_the_rows_a_round_feeds(target, monkeypatch):
+    """The cost model's (steps, rows per step) of a round against the forwards propose and propose_tree run: a
+    chain's k forwards of one row; a tree's root, then expansions re-feeding every node expanded so far."""
+    fed = []
+    forward = LlamaForCausalLM.forward
+
+    def counting(self, input_ids, *args, **kwargs):
+        if kwargs.get("layers") is not None:
+            fed.append(input_ids.shape[1])
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", counting)
+    for tree in (None, dict(num_nodes=14, depth=4, branching=3)):
+        fed.clear()
+        drafter = SelfSpeculativeDrafter(target, 2)
+        dec = SpeculativeDecoder(target, drafter, 4, adaptive=False, max_batch_size=1, tree=tree)
+        dec.generate(random_prompts(4, [9], vocab=VOCAB), 8)
+        steps, rows = drafter.draft_work(4, dec.tree)
+        first_round = fed[:steps]  # the first round drafts 4 deep (8 tokens to go)
+        assert steps == 4 and first_round == ([1] * 4 if tree is None else [1, 3, 6, 9])
+        assert rows == -(-sum(first_round) // steps)

@@ -1,8 +1,9 @@
-"""Continual draft training on one domain the shipped EAGLE head never saw: a long run of code-review prompts, the head
-frozen against the same head training online (OnlineDraftTraining), on the float32 shipped model.
+"""Continual draft training on one domain the shipped heads never saw: a long run of code-review prompts, each head
+(--heads: the shipped EAGLE head, the shipped Medusa heads) frozen against the same head training online
+(OnlineDraftTraining), on the float32 shipped model.
 
 --prompts code-review prompts (short Python functions, generated from templates with a fixed seed), decoded one after
-another (B = 1, greedy, EAGLE chains of k = 4, --new-tokens each): the mean acceptance length of the last 20 prompts,
+another (B = 1, greedy, chains of k = 4, --new-tokens each): the mean acceptance length of the last 20 prompts,
 frozen and online, their ratio, and the share of the online run's time its updates took. Greedy output is the
 target's either way (checked).
 """
@@ -41,6 +42,7 @@ def code_review_prompts(n: int, seed: int = 0) -> list[str]:
 def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=100, help="code-review prompts (default 100)")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
+    parser.add_argument("--heads", default="eagle", help="comma-separated: eagle, medusa (default eagle)")
     add_common_arguments(parser, repeats=1, cpu_only=True, plot=False)
 
 
@@ -54,30 +56,38 @@ def main(args) -> int:
     target, tokenizer = load(path, torch.device("cpu"))
     prompts = [prompt_ids(tokenizer, p) for p in code_review_prompts(args.prompts)]
     plain = SpeculativeDecoder(target, None, max_batch_size=1).generate_autoregressive(prompts, args.new_tokens)
+    heads = args.heads.split(",")
+    wrong = [h for h in heads if h not in ("eagle", "medusa")]
+    if wrong:
+        raise ValueError(f"--heads: {', '.join(map(repr, wrong))} not among eagle, medusa")
     rows = []
-    for mode in ("frozen", "online"):
-        training = OnlineDraftTraining() if mode == "online" else None
-        dec = SpeculativeDecoder(target, make_drafter("eagle", target, path), 4, adaptive=False, max_batch_size=1,
-                                 online_draft_training=training)
-        lengths, sequences = [], []
-        t0 = time.perf_counter()
-        for prompt in prompts:  # one after another: the head learns from the earlier ones
-            out = dec.generate([prompt], args.new_tokens)
-            lengths.append(out.stats.mean_acceptance_length)
-            sequences += out.sequences
-        seconds = time.perf_counter() - t0
-        last = lengths[-20:]
-        row = {"mode": mode, "prompts": len(prompts), "mean_acceptance_length_all": sum(lengths) / len(lengths),
-               "mean_acceptance_length_last20": sum(last) / len(last), "seconds": seconds,
-               "updates": training.updates if training else 0,
-               "train_share": training.train_s / seconds if training else 0.0,
-               "same_as_plain": sequences == plain.sequences}
-        rows.append(row)
-        print_row(row)
-    rows[1]["vs_frozen_last20"] = rows[1]["mean_acceptance_length_last20"] / rows[0]["mean_acceptance_length_last20"]
-    report(f"online draft training on {len(prompts)} code-review prompts (B = 1, greedy, EAGLE k = 4, float32)", rows,
-           ["mode", "mean_acceptance_length_all", "mean_acceptance_length_last20", "seconds", "updates",
-            "train_share", "same_as_plain"])
+    for head in heads:
+        for mode in ("frozen", "online"):
+            training = OnlineDraftTraining() if mode == "online" else None
+            dec = SpeculativeDecoder(target, make_drafter(head, target, path), 4, adaptive=False, max_batch_size=1,
+                                     online_draft_training=training)
+            lengths, sequences = [], []
+            t0 = time.perf_counter()
+            for prompt in prompts:  # one after another: the head learns from the earlier ones
+                out = dec.generate([prompt], args.new_tokens)
+                lengths.append(out.stats.mean_acceptance_length)
+                sequences += out.sequences
+            seconds = time.perf_counter() - t0
+            last = lengths[-20:]
+            row = {"head": head, "mode": mode, "prompts": len(prompts),
+                   "mean_acceptance_length_all": sum(lengths) / len(lengths),
+                   "mean_acceptance_length_last20": sum(last) / len(last), "seconds": seconds,
+                   "updates": training.updates if training else 0,
+                   "train_share": training.train_s / seconds if training else 0.0,
+                   "same_as_plain": sequences == plain.sequences}
+            rows.append(row)
+            print_row(row)
+        frozen, online = rows[-2:]
+        for row in (frozen, online):
+            row["vs_frozen_last20"] = row["mean_acceptance_length_last20"] / frozen["mean_acceptance_length_last20"]
+    report(f"online draft training on {len(prompts)} code-review prompts (B = 1, greedy, k = 4, float32)", rows,
+           ["head", "mode", "mean_acceptance_length_all", "mean_acceptance_length_last20", "seconds", "updates",
+            "train_share", "vs_frozen_last20", "same_as_plain"])
     save(args, {"title": "online draft training", "prompts": len(prompts), "new_tokens": args.new_tokens,
-                "threads": torch.get_num_threads()}, rows, ["mode"])
+                "threads": torch.get_num_threads()}, rows, ["head", "mode"])
     return 0

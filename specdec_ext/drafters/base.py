@@ -23,7 +23,8 @@ and asks:
   round_tree()                   the TreeSettings of this drafter's rounds when the decoder is given none (None:
                                  chain rounds)
   check_tree(tree)               ValueError when a TreeSettings is not one this drafter can propose
-  cache_margin(k_max, tree)      slots a round writes past a request's tokens in the drafter's own cache
+  cache_margin(k_max, tree)      slots a round writes past a request's tokens in the drafter's own cache (the
+                                 target's, with shares_target_cache)
   draft_work(k, tree)            (steps, rows per request of each step) of a round drafting k tokens (a tree of
                                  depth k): what the cost model multiplies the step's cost by
   use_target_cache(cache)        with shares_target_cache: the decoder's KV cache of the target, before each run (a

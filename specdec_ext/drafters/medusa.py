@@ -30,6 +30,7 @@ class MedusaDrafter(Drafter):
 
         check_target(heads.target_config, target, "MedusaDrafter")
         self.target, self.heads = target, heads
+        self.observer = None  # an OnlineDraftTraining fed the (feature, next token) pairs of what is served
         self.draft_to_target = heads.draft_vocab.int()  # the verify step's column map of the draft rows
 
     def bind(self, target, slots: int, capacity: int, *, paged: bool = False, num_pages=None,
@@ -37,6 +38,10 @@ class MedusaDrafter(Drafter):
         if target is not self.target:
             raise ValueError("MedusaDrafter: made for another target model than the decoder's")
         self.features = [None] * slots  # [H]: the target's feature of the last scored token
+        self.unpaired = [[] for _ in range(slots)]  # with an observer: features whose next token is not yet known
+        if self.observer is not None:  # a new run: the slots' requests are new
+            for b in list(self.observer.streams):
+                self.observer.release(b)
 
     def draft_work(self, k: int, tree=None) -> tuple[int, int]:
         return (1 if k else 0), 1  # every head in one step
@@ -54,16 +59,34 @@ class MedusaDrafter(Drafter):
                 "draft_vocab": len(self.heads.draft_vocab)}, prepare
 
     def admit(self, slots: list, prefixes: list, hidden_states=None) -> None:
-        for b, h in zip(slots, hidden_states):
+        for b, h, p in zip(slots, hidden_states, prefixes):
             self.features[b] = h[-1] if len(h) else None
+            if self.observer is not None:  # the last feature's next token is the prompt's last
+                self.observer.pairs(b, h[:-1], list(p[1:]))
+                self.unpaired[b] = [h[-1:]] if len(h) else []
 
     def release(self, slot: int) -> None:
         self.features[slot] = None
+        if self.observer is not None:
+            self.unpaired[slot] = []
+            self.observer.release(slot)
+
+    def pair(self, r: RoundInputs) -> None:
+        """Hands the observer each row's features queued since its last round, with their next tokens: the last
+        tokens of the history (a round queues the features of the last emitted token and the accepted drafts, and
+        emits the accepted drafts and one more)."""
+        for b in range(r.batch):
+            if self.unpaired[b] and r.histories[b] is not None:
+                features = torch.cat(self.unpaired[b])
+                self.observer.pairs(b, features, r.histories[b][len(r.histories[b]) - len(features):])
+                self.unpaired[b] = []
 
     def head_logits(self, r: RoundInputs):
         """(tokens asked per row, at most the number of heads and 0 for a row without a feature; the heads'
         logits [B, heads, Vd])."""
         device = self.target.device
+        if self.observer is not None:
+            self.pair(r)
         asked = [min(k, self.heads.num_heads) if r.histories[b] is not None and self.features[b] is not None else 0
                  for b, k in enumerate(r.num_tokens)]
         features = torch.stack([self.features[b] if self.features[b] is not None else
@@ -114,6 +137,8 @@ class MedusaDrafter(Drafter):
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
                 self.features[b] = feedback.hidden_states[b, a]
+                if self.observer is not None:
+                    self.unpaired[b].append(feedback.hidden_states[b, :a + 1])
 
 
 # --------------------------------------------------------------------------------- its command-line spelling

@@ -195,7 +195,11 @@ class SelfSpeculativeDrafter(Drafter):
         return k_max + 1 if tree is None else 1 + (tree.depth - 1) * tree.branching
 
     def draft_work(self, k: int, tree=None) -> tuple[int, int]:
-        return k, (1 if tree is None else tree.branching)  # a forward of the subset per draft depth
+        """A forward of the subset per draft depth: a chain's of one row; a tree's root of one row, then expansion d
+        (1 <= d < k) of the d x branching nodes expanded so far (propose_tree): their mean, rounded up."""
+        if tree is None or k <= 1:
+            return k, 1
+        return k, -(-(1 + tree.branching * k * (k - 1) // 2) // k)
 
     def cost_probe(self):
         from ..cost_tables import table_key

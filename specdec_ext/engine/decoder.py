@@ -77,7 +77,7 @@ class SpeculativeDecoder:
         round's node budget is the n <= num_nodes that maximises the expected tokens over the round's measured cost
         (Policy.tree_size). LookaheadDrafter's rounds are always trees: tree=None takes its own settings.
     online_draft_training : OnlineDraftTraining or None
-        With an EagleDrafter: the head keeps training on the pairs it is fed as the decoder serves
+        With an EagleDrafter or a MedusaDrafter: the head(s) keep training on the pairs of what the decoder serves
         (specdec_ext/online_training.py); the output is unchanged, the acceptance follows the served text.
     sampling : "rejection", "block" or "invariant"
         How sampled requests are verified. "rejection": min(1, p/q) acceptance with residual resampling, draft by
