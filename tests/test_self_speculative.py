@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers.chi_square import assert_law
-from helpers.decoder_probes import CacheCheck, record_paths
+from helpers.decoder_probes import CacheCheck, check_best_paths, record_paths
 from helpers.laws import LAW_CASES, law_target, sample_first_tokens
 from helpers.models import random_prompts, shared_hf, tiny_model
 from specdec_ext import SelfSpeculativeDrafter, SpeculativeDecoder
@@ -108,42 +108,22 @@ def test_the_cache_is_a_fresh_prefill_after_every_round(target, paged, tree):
 
 
 def test_trees_are_the_subsets_best_paths(target):
-    """Each node of a drafted tree scored again as a chain: a fresh cache prefilled by the whole model with the
-    request's tokens but the last (what the drafter reads), then the subset over the last token and the node's path,
-    causally: the nodes come in decreasing cumulative log-probability and a node's children are among the subset's
-    top-`branching` tokens after its path (a wrong tree mask, position or parent slot in the draft block changes
-    those distributions)."""
-    layers, k = (0, 2), TREE["branching"]
-    drafter = SelfSpeculativeDrafter(target, layers)
-    trees = []
-    propose_tree = drafter.propose_tree
+    """Each node of a drafted tree scored again as a chain (check_best_paths): a fresh cache prefilled by the whole
+    model with the request's tokens but the last (what the drafter reads), then the subset over the last token and
+    the parent's path, causally. A wrong tree mask, position or parent slot in the draft block changes those
+    distributions."""
+    layers = (0, 2)
 
-    def check(r, budget, branching):
-        tree = propose_tree(r, budget, branching)
-        for b in range(r.batch):
-            n, history = int(tree.num_nodes[b]), r.histories[b]
-            parents, tokens = tree.parents[b].tolist(), tree.token_ids[b].tolist()
-            paths = {0: []}
-            for c in range(1, n):  # parents come first
-                paths[c] = paths[parents[c]] + [tokens[c]]
-            score = {0: 0.0}
-            for c in range(1, n):
-                cache = target.new_kv_cache(1, len(history) + TREE["depth"])
-                with torch.no_grad():
-                    target.prefill(cache, [0], [history[:-1]])
-                    logp = target(torch.tensor([history[-1:] + paths[parents[c]]]), cache, layers=layers)[0, -1]
-                logp = logp.double().log_softmax(-1)
-                score[c] = score[parents[c]] + float(logp[tokens[c]])
-                assert float(logp[tokens[c]]) >= float(logp.topk(k).values[-1]) - 1e-5, "a child outside the top-k"
-            ordered = [score[c] for c in range(1, n)]
-            assert all(a >= b - 1e-4 for a, b in zip(ordered, ordered[1:])), ordered
-        trees.append(tree)
-        return tree
+    def log_probs(r, b, path):
+        history = r.histories[b]
+        cache = target.new_kv_cache(1, len(history) + TREE["depth"])
+        with torch.no_grad():
+            target.prefill(cache, [0], [history[:-1]])
+            logits = target(torch.tensor([history[-1:] + path]), cache, layers=layers)[0, -1]
+        return logits.double().log_softmax(-1)
 
-    drafter.propose_tree = check
-    SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=2, tree=TREE).generate(
-        random_prompts(9, [6, 11], vocab=VOCAB), 6)
-    assert trees and max(int(t.num_nodes.max()) for t in trees) == TREE["num_nodes"]
+    check_best_paths(target, SelfSpeculativeDrafter(target, layers), TREE, random_prompts(9, [6, 11], vocab=VOCAB), 6,
+                     log_probs)
 
 
 def test_invariant_sampling_equals_plain(target):

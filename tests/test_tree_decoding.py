@@ -9,7 +9,7 @@ import torch
 
 import specdec_ext
 from helpers.chi_square import assert_law
-from helpers.decoder_probes import CacheCheck, cache_rows, record_paths
+from helpers.decoder_probes import CacheCheck, cache_rows, check_best_paths, record_paths
 from helpers.laws import LAW_CASES, law_target, sample_first_tokens
 from helpers.models import make_drafter, random_prompts, random_vocab, tiny_model
 from specdec_ext import ModelDrafter, NgramDrafter, SpeculativeDecoder
@@ -182,14 +182,12 @@ def test_drafted_trees_are_well_formed(target, name):
                 assert n == 1
 
 
-def test_eagle_trees_are_the_heads_best_paths(target, monkeypatch):
-    """Each node of an EAGLE tree scored again by feeding its path to the head as a chain, one token at a time, on a
-    copy of the head's cache: the tree's nodes come in decreasing cumulative log-probability, and a node's
-    children are among the head's top-`branching` tokens there. (A wrong tree mask, position or parent feature
-    in the tree's draft block changes these distributions.)"""
+def test_eagle_trees_are_the_heads_best_paths(target):
+    """Each node of an EAGLE tree scored again by feeding its parent's path to the head as a chain, one token at a
+    time, on a copy of the head's cache (check_best_paths). A wrong tree mask, position or parent feature in the
+    tree's draft block changes these distributions."""
     drafter = tree_drafter("eagle", target, seed=3)
     head, vocab = drafter.head, drafter.head.draft_vocab
-    k = TREE["branching"]
     start = {}
     feed_pending = drafter.feed_pending
 
@@ -199,42 +197,25 @@ def test_eagle_trees_are_the_heads_best_paths(target, monkeypatch):
                      lengths=drafter.cache.cache_seqlens.clone())
         return asked, logits, feature
 
-    monkeypatch.setattr(drafter, "feed_pending", capture)
-    trees = []
-    propose_tree = drafter.propose_tree
+    drafter.feed_pending = capture
 
-    def check(r, budget, branching):
-        tree = propose_tree(r, budget, branching)
-        for b in range(r.batch):
-            n = int(tree.num_nodes[b])
-            parents, tokens = tree.parents[b].tolist(), tree.token_ids[b].tolist()
-            logp, score = {0: start["logits"][b].log_softmax(-1)}, {0: 0.0}
-            for c in range(1, n):  # parents come first, so each node's chain extends its parent's
-                path = [c]
-                while parents[path[-1]] > 0:
-                    path.append(parents[path[-1]])
-                cache = head.decoder.new_kv_cache(1, drafter.cache.max_seq_len)
-                cache.k.copy_(start["k"][:, b:b + 1])
-                cache.v.copy_(start["v"][:, b:b + 1])
-                cache.cache_seqlens.copy_(start["lengths"][b:b + 1])
-                feature = start["feature"][b:b + 1]
-                for node in reversed(path):
-                    logits, feature = head(torch.tensor([[tokens[node]]]), feature, cache)
-                    cache.advance(1)
-                logp[c] = logits[0, 0].log_softmax(-1)
-                index = int((vocab == tokens[c]).nonzero())
-                score[c] = score[parents[c]] + float(logp[parents[c]][index])
-                best = logp[parents[c]].topk(k).values[-1]
-                assert float(logp[parents[c]][index]) >= float(best) - 1e-5, "a child outside its parent's top-k"
-            ordered = [score[c] for c in range(1, n)]
-            assert all(a >= b - 1e-4 for a, b in zip(ordered, ordered[1:])), ordered
-        trees.append(tree)
-        return tree
+    def log_probs(r, b, path):
+        logits = start["logits"][b]
+        if path:
+            cache = head.decoder.new_kv_cache(1, drafter.cache.max_seq_len)
+            cache.k.copy_(start["k"][:, b:b + 1])
+            cache.v.copy_(start["v"][:, b:b + 1])
+            cache.cache_seqlens.copy_(start["lengths"][b:b + 1])
+            feature = start["feature"][b:b + 1]
+            for token in path:
+                logits, feature = head(torch.tensor([[token]]), feature, cache)
+                cache.advance(1)
+            logits = logits[0, 0]
+        full = torch.full((VOCAB,), float("-inf"), dtype=torch.float64)
+        full[vocab] = logits.double().log_softmax(-1)
+        return full
 
-    drafter.propose_tree = check
-    SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=2, tree=TREE).generate(
-        random_prompts(9, [6, 11], vocab=VOCAB), 6)
-    assert trees and max(int(t.num_nodes.max()) for t in trees) == TREE["num_nodes"]
+    check_best_paths(target, drafter, TREE, random_prompts(9, [6, 11], vocab=VOCAB), 6, log_probs)
 
 
 # ------------------------------------------------------------------------------------------ adaptive tree size

@@ -1,5 +1,6 @@
 """Probes of a decoder under test: what a KV cache holds against a fresh prefill (after every round: CacheCheck),
-and the tree paths each round accepted (record_paths)."""
+the tree paths each round accepted (record_paths), and whether a drafter's trees are its best paths
+(check_best_paths)."""
 import torch
 
 
@@ -64,3 +65,37 @@ def record_paths(monkeypatch) -> list:
 
     monkeypatch.setattr(rounds, "tree_speculative_sampling_from_logits", recording)
     return paths
+
+
+def check_best_paths(target, drafter, tree: dict, prompts: list, max_new: int, log_probs) -> list:
+    """Greedy tree rounds of `drafter` (a dynamic-tree drafter: EAGLE's, the self drafter's), every tree it proposes
+    checked against log_probs(r, b, path): the draft's log-probabilities [V] (over target ids, -inf off its draft
+    vocabulary) after request b's last token and the tokens `path` below the root, computed as a chain. A node's
+    children are among the top-`branching` tokens after its path, and the nodes come in decreasing cumulative
+    log-probability. Returns the trees."""
+    from specdec_ext import SpeculativeDecoder
+
+    trees = []
+    propose_tree = drafter.propose_tree
+
+    def check(r, budget, branching):
+        drafted = propose_tree(r, budget, branching)
+        for b in range(r.batch):
+            n = int(drafted.num_nodes[b])
+            parents, tokens = drafted.parents[b].tolist(), drafted.token_ids[b].tolist()
+            paths, score = {0: []}, {0: 0.0}
+            for c in range(1, n):  # parents come first, so each node's path extends its parent's
+                paths[c] = paths[parents[c]] + [tokens[c]]
+                logp = log_probs(r, b, paths[parents[c]])
+                score[c] = score[parents[c]] + float(logp[tokens[c]])
+                assert float(logp[tokens[c]]) >= float(logp.topk(branching).values[-1]) - 1e-5, \
+                    "a child outside its parent's top-k"
+            ordered = [score[c] for c in range(1, n)]
+            assert all(a >= b - 1e-4 for a, b in zip(ordered, ordered[1:])), ordered
+        trees.append(drafted)
+        return drafted
+
+    drafter.propose_tree = check
+    SpeculativeDecoder(target, drafter, adaptive=False, max_batch_size=2, tree=tree).generate(prompts, max_new)
+    assert trees and max(int(t.num_nodes.max()) for t in trees) == tree["num_nodes"]
+    return trees
