@@ -168,7 +168,7 @@ BAD_ARGUMENTS = [
     (["generate", "--prompt", "Hi", "--max-batch-size", "0"], "--max-batch-size must be >= 1"),
     (["generate", "--prompt", "Hi", "--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
     (["generate", "--prompt", "Hi", "--drafter", "eagel"],
-     "--drafter must be eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH, ngram or self[:LAYERS], got "
+     "--drafter must be eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH, ngram or self[:LAYERS][/N], got "
      "'eagel'"),
     (["generate", "--prompt", "Hi", "--drafter", "model:/no/such/dir"], "--drafter model:/no/such/dir: no such file"),
     (["generate", "--prompt", "Hi", "--device", "tpu"], "--device 'tpu' is not a device"),

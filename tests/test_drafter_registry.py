@@ -82,7 +82,7 @@ def test_factory_reads_the_registry(repeat_drafter):
         specdec_ext.factory.check_drafter("repeat:0")
 
 
-ALL_SPELLED = "eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH, ngram, repeat[:N] or self[:LAYERS]"
+ALL_SPELLED = "eagle[:PATH], lookahead[:W/N/G], medusa[:PATH], model:PATH, ngram, repeat[:N] or self[:LAYERS][/N]"
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def no_loading(monkeypatch):
     (["generate", "--prompt", "Hi", "--drafter", "eagel"], f"--drafter must be {ALL_SPELLED}, got 'eagel'"),
     (["generate", "--prompt", "Hi", "--drafter", "repeat:x"], "--drafter repeat:N takes an int >= 1, got 'repeat:x'"),
     (["generate", "--prompt", "Hi", "--drafter", "repeat", "--tree", "8"],
-     "--tree: tree rounds need eagle, lookahead, medusa or ngram drafting, not the last token repeated"),
+     "--tree: tree rounds need eagle, lookahead, medusa, ngram or self drafting, not the last token repeated"),
     (["generate", "--prompt", "Hi", "--drafter", "repeat", "--draft-keep-quantized"],
      "--draft-keep-quantized: the drafter must be model:PATH (a draft model)"),
     (["demo", "--drafter", "bogus"],
@@ -123,9 +123,11 @@ def test_help_lists_every_registered_drafter(repeat_drafter, monkeypatch, capsys
             "model), lookahead[:W/N/G] (Lookahead decoding: a Jacobi window and an n-gram pool; trees of its own), "
             "medusa[:PATH] (trained Medusa heads; without PATH, the ones shipped for the default model), model:PATH "
             "(a draft model), ngram (n-gram prompt lookup), repeat[:N] (the last token repeated; N: at most N a "
-            "round) or self[:LAYERS] (self-speculative drafting with the target's own layers; L: the first L; A,B,C: "
-            "those; without: searched on the model). Default: eagle for the default model, ngram otherwise") in out, out
-    assert "--tree TREE           tree rounds (eagle, medusa, ngram; lookahead always runs its own): N" in out, out
+            "round) or self[:LAYERS][/N] (self-speculative drafting with the target's own layers; L: the first L; "
+            "A,B,C: those; without: searched on the model; /N: drafts over the first N token ids). Default: eagle for "
+            "the default model, ngram otherwise") in out, out
+    assert "--tree TREE           tree rounds (eagle, medusa, ngram, self; lookahead always runs its own): N" \
+        in out, out
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])
     out = capsys.readouterr().out
@@ -135,7 +137,7 @@ def test_help_lists_every_registered_drafter(repeat_drafter, monkeypatch, capsys
 
 def test_the_shipped_drafters_are_registered():
     assert [e.name for e in registry.drafters()] == ["eagle", "lookahead", "medusa", "model", "ngram", "self"]
-    assert [e.name for e in registry.drafters() if e.draws_trees] == ["eagle", "lookahead", "medusa", "ngram"]
+    assert [e.name for e in registry.drafters() if e.draws_trees] == ["eagle", "lookahead", "medusa", "ngram", "self"]
     assert [e.name for e in registry.drafters() if e.needs_draft_model] == ["model"]
     assert [e.name for e in registry.drafters() if e.trained_heads] == ["eagle", "medusa"]
 
