@@ -187,7 +187,7 @@ def test_forward_refuses_bad_layers_and_another_target(target):
 @pytest.mark.parametrize("spec,arguments", [
     ("self:2", {"layers": 2}), ("self:0,2", {"layers": (0, 2)}), ("self", {"layers": "auto"}),
     ("self:/8", {"layers": "auto", "draft_vocab": 8}), ("self:0,2/8", {"layers": (0, 2), "draft_vocab": 8}),
-    ("self:3,", None), ("self:x", None), ("self:2/", None), ("self:2/x", None), ("self:2/8/8", None)])
+    ("self:", None), ("self:3,", None), ("self:x", None), ("self:2/", None), ("self:2/x", None), ("self:2/8/8", None)])
 def test_the_command_line_spelling(spec, arguments):
     if arguments is None:
         with pytest.raises(ValueError, match="--drafter must be"):
@@ -244,12 +244,14 @@ def test_draft_work_counts_the_rows_a_round_feeds(target, monkeypatch):
         return forward(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(LlamaForCausalLM, "forward", counting)
-    for tree in (None, dict(num_nodes=14, depth=4, branching=3)):
+    # A draft vocabulary of 2 ids expands 2 children per node, whatever the tree's branching.
+    for tree, vocab, want in ((None, None, [1] * 4), (dict(num_nodes=14, depth=4, branching=3), None, [1, 3, 6, 9]),
+                              (dict(num_nodes=14, depth=4, branching=3), 2, [1, 2, 4, 6])):
         fed.clear()
-        drafter = SelfSpeculativeDrafter(target, 2)
+        drafter = SelfSpeculativeDrafter(target, 2, vocab)
         dec = SpeculativeDecoder(target, drafter, 4, adaptive=False, max_batch_size=1, tree=tree)
         dec.generate(random_prompts(4, [9], vocab=VOCAB), 8)
         steps, rows = drafter.draft_work(4, dec.tree)
         first_round = fed[:steps]  # the first round drafts 4 deep (8 tokens to go)
-        assert steps == 4 and first_round == ([1] * 4 if tree is None else [1, 3, 6, 9])
+        assert steps == 4 and first_round == want
         assert rows == -(-sum(first_round) // steps)

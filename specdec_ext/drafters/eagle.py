@@ -201,7 +201,9 @@ class EagleDrafter(Drafter):
         self.state.restore()
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
-                self.pending[b].append(feedback.hidden_states[b, :a + 1])
+                # A copy: the feedback's tensor can be a captured verify step's output, which a later replay
+                # rewrites while these wait for the next propose (rounds in which no row drafts skip it).
+                self.pending[b].append(feedback.hidden_states[b, :a + 1].clone())
 
 
 # --------------------------------------------------------------------------------- its command-line spelling

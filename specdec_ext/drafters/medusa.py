@@ -136,9 +136,11 @@ class MedusaDrafter(Drafter):
     def rollback(self, feedback: RoundFeedback) -> None:
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
-                self.features[b] = feedback.hidden_states[b, a]
+                # Copies: the feedback's tensor can be a captured verify step's output, which a later replay
+                # rewrites (rounds in which no row drafts do not call propose).
+                self.features[b] = feedback.hidden_states[b, a].clone()
                 if self.observer is not None:
-                    self.unpaired[b].append(feedback.hidden_states[b, :a + 1])
+                    self.unpaired[b].append(feedback.hidden_states[b, :a + 1].clone())
 
 
 # --------------------------------------------------------------------------------- its command-line spelling

@@ -192,14 +192,18 @@ class SelfSpeculativeDrafter(Drafter):
     def cache_margin(self, k_max: int, tree=None) -> int:
         """The slots the draft steps write in the target's cache: the root, then the expanded nodes of a tree (a
         chain's k drafts stay inside its verify block)."""
-        return k_max + 1 if tree is None else 1 + (tree.depth - 1) * tree.branching
+        return k_max + 1 if tree is None else 1 + (tree.depth - 1) * self.branching(tree)
 
     def draft_work(self, k: int, tree=None) -> tuple[int, int]:
         """A forward of the subset per draft depth: a chain's of one row; a tree's root of one row, then expansion d
         (1 <= d < k) of the d x branching nodes expanded so far (propose_tree): their mean, rounded up."""
         if tree is None or k <= 1:
             return k, 1
-        return k, -(-(1 + tree.branching * k * (k - 1) // 2) // k)
+        return k, -(-(1 + self.branching(tree) * k * (k - 1) // 2) // k)
+
+    def branching(self, tree) -> int:
+        """The children a tree round expands per node: the tree's branching, at most the draft vocabulary."""
+        return min(tree.branching, len(self.draft_vocab))
 
     def cost_probe(self):
         from ..cost_tables import table_key
@@ -282,6 +286,8 @@ def parse_layers(spec: str, value: str | None) -> dict:
     /N after the layers (self:/N for the searched ones): a draft vocabulary of the first N token ids."""
     if value is None:
         return {"layers": "auto"}
+    if not value:
+        raise bad_spec(spec)
     layers, _, vocab = value.partition("/")
     out = {}
     try:

@@ -72,7 +72,8 @@ def check_best_paths(target, drafter, tree: dict, prompts: list, max_new: int, l
     checked against log_probs(r, b, path): the draft's log-probabilities [V] (over target ids, -inf off its draft
     vocabulary) after request b's last token and the tokens `path` below the root, computed as a chain. A node's
     children are among the top-`branching` tokens after its path, and the nodes come in decreasing cumulative
-    log-probability. Returns the trees."""
+    log-probability under those distributions (what a wrong mask, position or parent in the draft block breaks).
+    Which grown candidates the tree keeps is best_tree's, tested on its own. Returns the trees."""
     from specdec_ext import SpeculativeDecoder
 
     trees = []
