@@ -199,11 +199,12 @@ class EagleDrafter(Drafter):
         queues the target's features of the round's accepted tokens (the last emitted token's and the accepted
         drafts')."""
         self.state.restore()
+        # One copy for all rows: the feedback's tensor can be a captured verify step's output, which a later replay
+        # rewrites while these wait for the next propose (rounds in which no row drafts skip it).
+        hidden = feedback.hidden_states.clone()
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
-                # A copy: the feedback's tensor can be a captured verify step's output, which a later replay
-                # rewrites while these wait for the next propose (rounds in which no row drafts skip it).
-                self.pending[b].append(feedback.hidden_states[b, :a + 1].clone())
+                self.pending[b].append(hidden[b, :a + 1])
 
 
 # --------------------------------------------------------------------------------- its command-line spelling

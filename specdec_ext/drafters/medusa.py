@@ -134,13 +134,14 @@ class MedusaDrafter(Drafter):
         return nodes.best_tree(last_tokens(r.histories, device), budget)
 
     def rollback(self, feedback: RoundFeedback) -> None:
+        # One copy for all rows: the feedback's tensor can be a captured verify step's output, which a later replay
+        # rewrites (rounds in which no row drafts do not call propose).
+        hidden = feedback.hidden_states.clone()
         for b, a in enumerate(feedback.num_accepted):
             if a >= 0:
-                # Copies: the feedback's tensor can be a captured verify step's output, which a later replay
-                # rewrites (rounds in which no row drafts do not call propose).
-                self.features[b] = feedback.hidden_states[b, a].clone()
+                self.features[b] = hidden[b, a]
                 if self.observer is not None:
-                    self.unpaired[b].append(feedback.hidden_states[b, :a + 1].clone())
+                    self.unpaired[b].append(hidden[b, :a + 1])
 
 
 # --------------------------------------------------------------------------------- its command-line spelling

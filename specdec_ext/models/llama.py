@@ -379,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
                 x, cos, sin, weights, formats, parts, biases, [layer.input_layernorm for layer in layers],
                 [layer.post_attention_layernorm for layer in layers], eps, hq, hkv, activations, k, v, seqlens, table,
                 start, stop, tree_mask if tree_mask is None else tree_mask.contiguous(), qo_indptr, captured,
-                list(capture), list(cache_layers) if layers is not None and len(layers) < len(self.layers) else [])
+                list(capture), list(cache_layers) if len(cache_layers) < c.num_hidden_layers else [])
             layers = []
         else:
             h = rms_norm(x, layers[0].input_layernorm, eps)
